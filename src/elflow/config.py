@@ -1,0 +1,254 @@
+"""Typed configuration for the network, the training objective and the sampler.
+
+One frozen dataclass per concern, validated in ``__post_init__``; defaults are the paper's released
+values (ELF_SPEC §2, §3, §5), not the reference code's class defaults. Presets are plain functions in
+:data:`MODEL_PRESETS`. :func:`from_dict` rejects unknown keys instead of dropping them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from elflow.errors import ELFError
+
+T = TypeVar("T")
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ELFError(msg)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The ELF network's shape (ELF_SPEC §2)."""
+
+    encoder_dim: int = 512
+    """E: width of the frozen encoder's latents (512 for T5-small)."""
+    vocab_size: int = 32100
+    """V: size of the decoder head, ``len(tokenizer)``."""
+    max_length: int = 1024
+    """Longest sequence the network accepts (RoPE table size)."""
+    hidden_size: int = 768
+    """D: transformer width."""
+    depth: int = 12
+    """Number of transformer blocks."""
+    num_heads: int = 12
+    """Attention heads; D must be divisible by it."""
+    mlp_ratio: float = 4.0
+    """SwiGLU hidden size is int(int(mlp_ratio * D) * 2 / 3)."""
+    bottleneck_dim: int = 128
+    """Width of the input bottleneck E -> bottleneck -> D."""
+    num_time_tokens: int = 4
+    """Prefix tokens carrying the time embedding."""
+    num_scale_tokens: int = 4
+    """Prefix tokens carrying the SC-CFG scale w (0: the model has no scale tokens)."""
+    num_mode_tokens: int = 4
+    """Prefix tokens switching between denoise (gate 0) and decode (gate 1) mode."""
+    self_condition: bool = True
+    """Input is [z_t, x_selfcond] (2E wide) and goes through ``self_cond_proj``."""
+    dropout: float = 0.0
+    """Dropout in the middle half of the blocks (0 in every released config)."""
+    rope_theta: float = 10000.0
+    """RoPE base."""
+
+    def __post_init__(self) -> None:
+        for name in ("encoder_dim", "vocab_size", "max_length", "hidden_size", "depth"):
+            _check(getattr(self, name) > 0, f"model.{name} must be positive, got {getattr(self, name)}")
+        _check(self.num_heads > 0, f"model.num_heads must be positive, got {self.num_heads}")
+        _check(
+            self.hidden_size % self.num_heads == 0,
+            f"model.hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}",
+        )
+        _check(self.head_dim % 2 == 0, f"model head_dim {self.head_dim} must be even for RoPE")
+        _check(self.bottleneck_dim > 0, f"model.bottleneck_dim must be positive, got {self.bottleneck_dim}")
+        _check(self.mlp_ratio > 0, f"model.mlp_ratio must be positive, got {self.mlp_ratio}")
+        for name in ("num_time_tokens", "num_scale_tokens", "num_mode_tokens"):
+            _check(getattr(self, name) >= 0, f"model.{name} must be >= 0, got {getattr(self, name)}")
+        _check(self.num_time_tokens > 0, "model.num_time_tokens must be >= 1 (time must reach the net)")
+        _check(self.num_mode_tokens > 0, "model.num_mode_tokens must be >= 1 (decode mode needs them)")
+        _check(0.0 <= self.dropout < 1.0, f"model.dropout must be in [0, 1), got {self.dropout}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def mlp_hidden(self) -> int:
+        return int(int(self.mlp_ratio * self.hidden_size) * 2 / 3)
+
+    @property
+    def num_prefix_tokens(self) -> int:
+        return self.num_time_tokens + self.num_scale_tokens + self.num_mode_tokens
+
+
+@dataclass(frozen=True)
+class ObjectiveConfig:
+    """The training objective's settings (ELF_SPEC §3); defaults are the released OWT values."""
+
+    t_eps: float = 0.05
+    """Velocity denominators are max(1 - t, t_eps)."""
+    noise_scale: float = 2.0
+    """s: the path's noise scale, z_t = t x + (1 - t) s eps."""
+    time_mean: float = -1.5
+    """t = sigmoid(N(time_mean, time_std))."""
+    time_std: float = 0.8
+    """See ``time_mean``."""
+    decoder_prob: float = 0.2
+    """p: probability that an example takes the decoder (cross-entropy) branch."""
+    decoder_noise_scale: float = 5.0
+    """sigma_d of the decoder branch's corrupted input (5 for OWT, 1 for seq2seq)."""
+    decoder_mean: float = 0.8
+    """Decoder branch mixing weight lambda = sigmoid(N(decoder_mean, decoder_std)) per token."""
+    decoder_std: float = 0.8
+    """See ``decoder_mean``."""
+    self_cond_prob: float = 0.5
+    """Probability that the trained pass receives the self-conditioning prediction."""
+    w_min: float = 0.5
+    """Smallest SC-CFG scale w (1 + w is log-uniform on [1 + w_min, 1 + w_max])."""
+    w_max: float = 5.0
+    """Largest SC-CFG scale w."""
+    label_drop_prob: float = 0.0
+    """Conditional tasks: probability that an example's condition is dropped (0.1 in the paper)."""
+    pad_with_eos: bool = False
+    """True when the task pads with EOS (seq2seq): padding positions are then trained on."""
+
+    def __post_init__(self) -> None:
+        for name in ("decoder_prob", "self_cond_prob", "label_drop_prob"):
+            v = getattr(self, name)
+            _check(0.0 <= v <= 1.0, f"objective.{name} must be in [0, 1], got {v}")
+        _check(0.0 < self.t_eps <= 1.0, f"objective.t_eps must be in (0, 1], got {self.t_eps}")
+        for name in ("noise_scale", "decoder_noise_scale", "time_std", "decoder_std"):
+            _check(getattr(self, name) > 0, f"objective.{name} must be positive")
+        _check(
+            -1.0 < self.w_min <= self.w_max,
+            f"objective.w_min/w_max must satisfy -1 < w_min <= w_max, got {self.w_min}, {self.w_max}",
+        )
+
+
+@dataclass(frozen=True)
+class SamplerConfig:
+    """Sampling defaults (ELF_SPEC §5): ELF-B's 32-step SDE, gamma 1.5, w 3."""
+
+    steps: int = 32
+    """Number of integration steps N (the time grid has N + 1 points)."""
+    sampler: str = "sde"
+    """One of 'ode' (Euler), 'sde' (gamma-SDE) or 'heun' (second-order ODE)."""
+    gamma: float = 1.5
+    """SDE noise re-injection rate (0 gives the ODE)."""
+    w: float = 3.0
+    """Self-conditioning CFG scale fed to the scale tokens."""
+    cfg: float = 1.0
+    """Classifier-free guidance for conditional tasks (1 = off)."""
+    time_grid: str = "logit_normal"
+    """'logit_normal' (released configs) or 'uniform'."""
+    time_mean: float = -1.5
+    """Logit-normal time grid location."""
+    time_std: float = 0.8
+    """Logit-normal time grid scale."""
+
+    def __post_init__(self) -> None:
+        _check(self.steps >= 1, f"sampler.steps must be >= 1, got {self.steps}")
+        _check(
+            self.sampler in SAMPLERS, f"sampler.sampler must be one of {SAMPLERS}, got {self.sampler!r}"
+        )
+        _check(
+            self.time_grid in TIME_GRIDS,
+            f"sampler.time_grid must be one of {TIME_GRIDS}, got {self.time_grid!r}",
+        )
+        _check(self.gamma >= 0, f"sampler.gamma must be >= 0, got {self.gamma}")
+        _check(self.time_std > 0, f"sampler.time_std must be positive, got {self.time_std}")
+
+
+SAMPLERS = ("ode", "sde", "heun")
+TIME_GRIDS = ("logit_normal", "uniform")
+
+
+def elf_b(**overrides: Any) -> ModelConfig:
+    """ELF-B: depth 12, D 768, 12 heads (ELF_SPEC §2)."""
+    return ModelConfig(**{"depth": 12, "hidden_size": 768, "num_heads": 12, **overrides})
+
+
+def elf_m(**overrides: Any) -> ModelConfig:
+    """ELF-M: depth 24, D 1056, 16 heads."""
+    return ModelConfig(**{"depth": 24, "hidden_size": 1056, "num_heads": 16, **overrides})
+
+
+def elf_l(**overrides: Any) -> ModelConfig:
+    """ELF-L: depth 32, D 1280, 16 heads."""
+    return ModelConfig(**{"depth": 32, "hidden_size": 1280, "num_heads": 16, **overrides})
+
+
+def elf_small(**overrides: Any) -> ModelConfig:
+    """A CPU-sized network: depth 6, D 256, 4 heads (the CPU pilot's size)."""
+    return ModelConfig(**{"depth": 6, "hidden_size": 256, "num_heads": 4, **overrides})
+
+
+def elf_tiny(**overrides: Any) -> ModelConfig:
+    """A test-sized network: depth 2, D 64, 4 heads, bottleneck 16."""
+    base = {"depth": 2, "hidden_size": 64, "num_heads": 4, "bottleneck_dim": 16}
+    return ModelConfig(**{**base, **overrides})
+
+
+MODEL_PRESETS: dict[str, Callable[..., ModelConfig]] = {
+    "elf-b": elf_b,
+    "elf-m": elf_m,
+    "elf-l": elf_l,
+    "elf-small": elf_small,
+    "elf-tiny": elf_tiny,
+}
+
+
+def model_preset(name: str, **overrides: Any) -> ModelConfig:
+    """Build a registered model preset, e.g. ``model_preset("elf-b", encoder_dim=384)``."""
+    if name not in MODEL_PRESETS:
+        raise ELFError(f"unknown model preset {name!r}; choose one of {sorted(MODEL_PRESETS)}")
+    return MODEL_PRESETS[name](**overrides)
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """A JSON-ready dict of a config dataclass (nested dataclasses included)."""
+    return dataclasses.asdict(cfg)
+
+
+def from_dict(cls: type[T], data: dict[str, Any], where: str = "") -> T:
+    """Build ``cls`` from ``data``; unknown keys and wrong types are one-line errors."""
+    if not isinstance(data, dict):
+        raise ELFError(f"config section {where or cls.__name__} must be a mapping, got {data!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        prefix = f"{where}." if where else ""
+        raise ELFError(
+            f"unknown config key(s) {', '.join(prefix + k for k in unknown)}; "
+            f"valid keys: {', '.join(sorted(fields))}"
+        )
+    kwargs = {}
+    for name, value in data.items():
+        kwargs[name] = _coerce(value, fields[name], f"{where}.{name}" if where else name)
+    return cls(**kwargs)
+
+
+def _coerce(value: Any, f: dataclasses.Field, where: str) -> Any:
+    typ = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    if typ == "bool":
+        if isinstance(value, bool):
+            return value
+        raise ELFError(f"{where} must be true or false, got {value!r}")
+    if typ == "int":
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ELFError(f"{where} must be an integer, got {value!r}")
+    if typ == "float":
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ELFError(f"{where} must be a number, got {value!r}")
+    if typ == "str":
+        if isinstance(value, str):
+            return value
+        raise ELFError(f"{where} must be a string, got {value!r}")
+    return value
+

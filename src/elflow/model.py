@@ -1,0 +1,304 @@
+"""The ELF network (paper §3; ELF_SPEC §2).
+
+A pre-norm transformer over [time tokens | SC-CFG scale tokens | mode tokens | L sequence tokens].
+All conditioning is in-context (no adaLN). The flow head predicts clean latents (x-prediction); the
+decoder head turns the final hidden states into token logits and is only evaluated when asked for
+(:meth:`ELF.decode_logits`), so denoising never pays for the V-way projection.
+
+The network knows nothing about noise, time grids or guidance: see ``flow.py`` and ``sampling.py``.
+Parameter names follow the authors' released state dicts so the import key map stays small.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from elflow.config import ModelConfig
+from elflow.errors import ELFError
+
+
+class RMSNorm(nn.Module):
+    """weight * x * rsqrt(mean(x^2) + eps), the mean taken in fp32."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.type_as(x)
+
+
+class TimestepEmbedder(nn.Module):
+    """Scalar -> sinusoidal features (cos first, raw scalar, no x1000) -> MLP."""
+
+    def __init__(self, dim: int, freq_dim: int = 256) -> None:
+        super().__init__()
+        self.freq_dim = freq_dim
+        self.mlp = nn.Sequential(nn.Linear(freq_dim, dim), nn.SiLU(), nn.Linear(dim, dim))
+
+    def forward(self, s: Tensor) -> Tensor:
+        half = self.freq_dim // 2
+        freqs = torch.exp(
+            -math.log(10000.0) * torch.arange(half, device=s.device, dtype=torch.float32) / half
+        )
+        args = s.float()[:, None] * freqs[None]  # (B, half)
+        feats = torch.cat([torch.cos(args), torch.sin(args)], dim=-1)  # (B, freq_dim)
+        return self.mlp(feats.to(self.mlp[0].weight.dtype))  # (B, D)
+
+
+class TextProjection(nn.Module):
+    """E -> bottleneck (no bias) -> D, no activation in between."""
+
+    def __init__(self, in_dim: int, bottleneck: int, dim: int) -> None:
+        super().__init__()
+        self.proj1 = nn.Linear(in_dim, bottleneck, bias=False)
+        self.proj2 = nn.Linear(bottleneck, dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.proj2(self.proj1(x))
+
+
+def rope_tables(
+    num_prefix: int, length: int, head_dim: int, theta: float, device: torch.device
+) -> tuple[Tensor, Tensor]:
+    """cos/sin tables (P + L, head_dim); prefix rows get the identity rotation.
+
+    Frequencies f_i = theta^(-2i/head_dim), each repeated for the adjacent pair (2i, 2i+1).
+    """
+    freqs = theta ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    freqs = freqs.repeat_interleave(2)  # (head_dim,)
+    pos = torch.arange(length, device=device, dtype=torch.float32)
+    angles = pos[:, None] * freqs[None]  # (L, head_dim)
+    cos = torch.cat([torch.ones(num_prefix, head_dim, device=device), torch.cos(angles)])
+    sin = torch.cat([torch.zeros(num_prefix, head_dim, device=device), torch.sin(angles)])
+    return cos, sin
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate adjacent pairs: (a, b) -> (a cos - b sin, b cos + a sin). x: (B, H, N, hd)."""
+    a, b = x[..., 0::2], x[..., 1::2]
+    rotated = torch.stack([-b, a], dim=-1).flatten(-2)
+    return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Fused-qkv attention with QK-RMSNorm (shared across heads) applied before RoPE."""
+
+    def __init__(self, dim: int, num_heads: int, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.q_norm = RMSNorm(self.head_dim)
+        self.k_norm = RMSNorm(self.head_dim)
+        self.proj = nn.Linear(dim, dim)
+        self.proj_drop = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None) -> Tensor:
+        B, N, D = x.shape
+        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)  # each (B, H, N, hd)
+        q = apply_rope(self.q_norm(q), cos, sin)
+        k = apply_rope(self.k_norm(k), cos, sin)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, H, N, hd)
+        return self.proj_drop(self.proj(out.transpose(1, 2).reshape(B, N, D)))
+
+
+class SwiGLU(nn.Module):
+    """w3(silu(a) * b) with (a, b) = split(w12(x)); the first half is gated."""
+
+    def __init__(self, dim: int, hidden: int, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.w12 = nn.Linear(dim, 2 * hidden)
+        self.w3 = nn.Linear(hidden, dim)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        a, b = self.w12(x).chunk(2, dim=-1)
+        return self.drop(self.w3(self.drop(F.silu(a) * b)))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, dropout: float) -> None:
+        super().__init__()
+        self.norm1 = RMSNorm(cfg.hidden_size)
+        self.attn = Attention(cfg.hidden_size, cfg.num_heads, dropout)
+        self.norm2 = RMSNorm(cfg.hidden_size)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.mlp_hidden, dropout)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None) -> Tensor:
+        x = x + self.attn(self.norm1(x), cos, sin, mask)
+        return x + self.mlp(self.norm2(x))
+
+
+class FinalLayer(nn.Module):
+    """Flow head: RMSNorm then Linear(D -> E), zero-initialised."""
+
+    def __init__(self, dim: int, out_dim: int) -> None:
+        super().__init__()
+        self.norm_final = RMSNorm(dim)
+        self.linear = nn.Linear(dim, out_dim)
+
+    def forward(self, h: Tensor) -> Tensor:
+        return self.linear(self.norm_final(h))
+
+
+class DecoderHead(nn.Module):
+    """Decode-mode head: GELU_tanh(h W_p + b_p) W_u + b_u, on the un-normalised hidden states.
+
+    NOTE: kept as nn.Linear layers (the reference stores bare (in, out) kernels) so that Muon's
+    per-matrix lr scaling treats ``unembed`` as an (E -> V) matrix, as the reference does.
+    """
+
+    def __init__(self, dim: int, encoder_dim: int, vocab_size: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(dim, encoder_dim)
+        self.unembed = nn.Linear(encoder_dim, vocab_size)
+
+    def forward(self, h: Tensor) -> Tensor:
+        return self.unembed(F.gelu(self.proj(h), approximate="tanh"))
+
+
+class ELF(nn.Module):
+    """The ELF network. Build on any device (``meta`` included), then call :meth:`init_weights`."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        D, E = cfg.hidden_size, cfg.encoder_dim
+        if cfg.self_condition:
+            self.self_cond_proj = nn.Linear(2 * E, E)
+        self.text_proj = TextProjection(E, cfg.bottleneck_dim, D)
+        self.t_embedder = TimestepEmbedder(D)
+        self.t_emb_tokens = nn.Parameter(torch.empty(1, cfg.num_time_tokens, D))
+        if cfg.num_scale_tokens > 0:
+            self.self_cond_cfg_embedder = TimestepEmbedder(D)
+            self.self_cond_cfg_tokens = nn.Parameter(torch.empty(1, cfg.num_scale_tokens, D))
+        self.mode_tokens = nn.Parameter(torch.empty(1, cfg.num_mode_tokens, D))
+        lo, hi = cfg.depth // 4, 3 * cfg.depth // 4
+        self.blocks = nn.ModuleList(
+            Block(cfg, cfg.dropout if lo <= i < hi else 0.0) for i in range(cfg.depth)
+        )
+        self.final_layer = FinalLayer(D, E)
+        self.decoder = DecoderHead(D, E, cfg.vocab_size)
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """The paper's initialisation (ELF_SPEC §2); the flow head is zero-initialised."""
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.xavier_uniform_(module.weight)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
+        embedders = [self.t_embedder]
+        if self.cfg.num_scale_tokens > 0:
+            embedders.append(self.self_cond_cfg_embedder)
+            nn.init.normal_(self.self_cond_cfg_tokens, std=0.02)
+        for emb in embedders:
+            nn.init.normal_(emb.mlp[0].weight, std=0.02)
+            nn.init.normal_(emb.mlp[2].weight, std=0.02)
+        nn.init.normal_(self.t_emb_tokens, std=0.02)
+        nn.init.normal_(self.mode_tokens, std=0.02)
+        nn.init.zeros_(self.final_layer.linear.weight)  # zero-init flow head
+        nn.init.zeros_(self.final_layer.linear.bias)
+
+    def forward(
+        self,
+        x_in: Tensor,
+        t: Tensor | float,
+        w: Tensor | float | None = None,
+        gate: Tensor | float = 0.0,
+        key_mask: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """One network evaluation.
+
+        Args:
+            x_in: (B, L, 2E) = [z, x_selfcond], or (B, L, E) without self-conditioning.
+            t: time per row (B,) or a scalar; t = 1 is data.
+            w: SC-CFG scale per row (B,) or a scalar; required iff the model has scale tokens.
+            gate: mode gate per row (B,) or a scalar: 0 denoise, 1 decode.
+            key_mask: optional (B, L) attention key mask, 1 = valid (prefix keys always valid).
+
+        Returns:
+            (x_pred (B, L, E), hidden (B, L, D)); feed ``hidden`` to :meth:`decode_logits`.
+        """
+        cfg = self.cfg
+        E = cfg.encoder_dim
+        widths = (E, 2 * E) if cfg.self_condition else (E,)
+        if x_in.dim() != 3 or x_in.shape[-1] not in widths:
+            raise ELFError(
+                f"network input must be (B, L, E) or (B, L, 2E) with E={E}"
+                f" (2E needs self_condition), got {tuple(x_in.shape)}"
+            )
+        B, L, _ = x_in.shape
+        if L > cfg.max_length:
+            raise ELFError(
+                f"sequence length {L} exceeds the model's max_length {cfg.max_length}; "
+                "truncate the input or use a model built with a larger max_length"
+            )
+        dev = x_in.device
+        t = _per_row(t, B, dev)
+        gate = _per_row(gate, B, dev)
+        # The reference projects only 2E-wide inputs: an E-wide input skips self_cond_proj.
+        x = self.self_cond_proj(x_in) if x_in.shape[-1] == 2 * E else x_in  # (B, L, E)
+        x = self.text_proj(x)  # (B, L, D)
+
+        prefix = [self.t_emb_tokens + self.t_embedder(t)[:, None, :]]  # (B, n_t, D)
+        if cfg.num_scale_tokens > 0:
+            if w is None:
+                raise ELFError("this model has SC-CFG scale tokens: pass a guidance scale w")
+            w = _per_row(w, B, dev)
+            prefix.append(self.self_cond_cfg_tokens + self.self_cond_cfg_embedder(w)[:, None, :])
+        # NOTE: in denoise mode the mode tokens are zero vectors that still occupy positions.
+        prefix.append(self.mode_tokens * gate.to(self.mode_tokens.dtype)[:, None, None])
+        P = cfg.num_prefix_tokens
+        tokens = torch.cat([p.expand(B, -1, -1) for p in prefix] + [x], dim=1)  # (B, P+L, D)
+
+        cos, sin = rope_tables(P, L, cfg.head_dim, cfg.rope_theta, dev)
+        mask = None
+        if key_mask is not None:
+            if key_mask.shape != (B, L):
+                raise ELFError(f"key_mask must be (B, L) = {(B, L)}, got {tuple(key_mask.shape)}")
+            full = torch.cat([key_mask.new_ones(B, P), key_mask], dim=1).bool()  # (B, P+L)
+            mask = full[:, None, None, :]  # (B, 1, 1, P+L)
+        for block in self.blocks:
+            tokens = block(tokens, cos, sin, mask)
+        hidden = tokens[:, P:]  # (B, L, D)
+        return self.final_layer(hidden), hidden
+
+    def decode_logits(self, hidden: Tensor) -> Tensor:
+        """Decoder head on hidden states (..., D) -> logits (..., V)."""
+        return self.decoder(hidden)
+
+
+def _per_row(value: Tensor | float, batch: int, device: torch.device) -> Tensor:
+    if isinstance(value, Tensor):
+        value = value.to(device=device, dtype=torch.float32)
+        if value.dim() == 0:
+            return value.expand(batch)
+        if value.shape != (batch,):
+            raise ELFError(f"per-row scalars must have shape ({batch},), got {tuple(value.shape)}")
+        return value
+    return torch.full((batch,), float(value), device=device)
+
+
+def build_model(cfg: ModelConfig, device: torch.device | str | None = None) -> ELF:
+    """Construct and initialise a model (three steps: shapes, placement, init)."""
+    with torch.device("meta"):
+        model = ELF(cfg)
+    model.to_empty(device=device or "cpu")
+    model.init_weights()
+    return model
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

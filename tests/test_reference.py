@@ -1,0 +1,42 @@
+"""Number-for-number parity with the authors' code through the shared fixtures."""
+
+import pytest
+
+from elflow.testing.reference import check_fixture
+
+from .conftest import REFERENCE_FIXTURE
+
+pytestmark = pytest.mark.skipif(
+    not REFERENCE_FIXTURE.is_file(),
+    reason=f"reference fixture {REFERENCE_FIXTURE} is absent (it ships in ../shared/fixtures)",
+)
+
+
+@pytest.fixture(scope="module")
+def report():
+    return check_fixture(REFERENCE_FIXTURE)
+
+
+def test_every_entry_within_tolerance(report):
+    bad = {k: v for k, v in report.items() if v > 1e-4}
+    assert not bad
+
+
+def test_report_covers_every_case(report):
+    import json
+
+    meta = json.loads(REFERENCE_FIXTURE.with_suffix(".json").read_text())
+    for case in meta["steps"]:
+        assert f"step/{case}/z_next" in report and f"step/{case}/x_pred" in report
+    for key in ("fwd/case1_out", "fwd/case2_logits", "fwd/case3_logits", "fwd/case4_out"):
+        assert key in report
+    for case in ("train_uncond", "train_cond"):
+        for name in ("loss", "l2_loss", "ce_loss"):
+            assert f"{case}/{name}" in report
+        grads = [k for k in report if k.startswith(f"{case}/grad/")]
+        assert len(grads) == 71  # every official parameter
+    assert report["decode/tokens"] == 0
+
+
+def test_tokens_exact(report):
+    assert report["decode/tokens"] == 0.0
