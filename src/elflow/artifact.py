@@ -1,0 +1,315 @@
+"""elflow's model artifact and model-source resolution (ELF_SPEC §10).
+
+A model is a folder with ``model.safetensors`` (the weights to sample with) and ``config.json``
+(:class:`ArtifactConfig`: network dims, encoder and tokenizer, latent normalisation, lengths, task,
+padding policy, noise scale, t_eps, sampler defaults). A training checkpoint folder adds
+``ema.safetensors`` (preferred for sampling). :func:`load_model` accepts any model source: such a
+folder, a run folder (its latest ``checkpoint-<step>``), an elflow model on the Hub, or an authors'
+checkpoint (pickle file, folder of ``checkpoint_<step>`` files, or a Hub id).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from elflow.config import ModelConfig, SamplerConfig, from_dict, to_dict
+from elflow.errors import ELFError
+from elflow.model import ELF
+from elflow.official import (
+    infer_model_config,
+    latest_official_checkpoint,
+    load_state_dict_strict,
+    official_to_elflow,
+    read_official_checkpoint,
+)
+
+FORMAT = "elflow-model"
+FORMAT_VERSION = 1
+WEIGHTS, EMA_WEIGHTS, CONFIG = "model.safetensors", "ema.safetensors", "config.json"
+T5_SMALL = "google-t5/t5-small"
+_RUN_CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
+_HUB_ID_RE = re.compile(r"^[\w.-]+/[\w.-]+(/[\w./-]+)?$")
+
+
+@dataclass(frozen=True)
+class ArtifactConfig:
+    """Everything needed to sample from a model without guessing (ELF_SPEC §10)."""
+
+    model: ModelConfig
+    """Network dims and token counts."""
+    sampler: SamplerConfig = SamplerConfig()
+    """Sampler defaults for this model."""
+    encoder: str = T5_SMALL
+    """Hub id or local folder of the frozen encoder."""
+    tokenizer: str = T5_SMALL
+    """Hub id or local folder of the tokenizer (a ``tokenizer/`` subfolder of the model wins)."""
+    tokenizer_hash: str | None = None
+    """sha256 of the tokenizer vocabulary (checked when the tokenizer is loaded)."""
+    latent_mean: float = 0.0
+    """Latents are (encoder output - latent_mean) / latent_std."""
+    latent_std: float = 0.2
+    """See ``latent_mean``; 0.2 for T5-small (the paper's)."""
+    task: str = "unconditional"
+    """'unconditional' or 'conditional' (source -> target)."""
+    max_input_length: int = 0
+    """Conditional tasks: source tokens kept (the target gets max_length - max_input_length)."""
+    pad_with_eos: bool = False
+    """True when the task pads with EOS (seq2seq)."""
+    noise_scale: float = 2.0
+    """s: the path's noise scale."""
+    t_eps: float = 0.05
+    """Velocity denominators are max(1 - t, t_eps)."""
+    origin: str = ""
+    """Free-text provenance (e.g. the imported checkpoint)."""
+
+    def __post_init__(self) -> None:
+        if self.task not in ("unconditional", "conditional"):
+            raise ELFError(f"task must be 'unconditional' or 'conditional', got {self.task!r}")
+        if self.task == "conditional" and not 0 < self.max_input_length < self.model.max_length:
+            raise ELFError(
+                f"a conditional model needs 0 < max_input_length ({self.max_input_length}) "
+                f"< max_length ({self.model.max_length})"
+            )
+        if self.latent_std <= 0:
+            raise ELFError(f"latent_std must be positive, got {self.latent_std}")
+
+    @property
+    def conditional(self) -> bool:
+        return self.task == "conditional"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": FORMAT, "format_version": FORMAT_VERSION, **to_dict(self)}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ArtifactConfig:
+        data = dict(data)
+        if data.pop("format", None) != FORMAT:
+            raise ELFError("config.json is not an elflow model config (no 'format': 'elflow-model')")
+        version = data.pop("format_version", None)
+        if version != FORMAT_VERSION:
+            raise ELFError(f"unsupported elflow model format_version {version}; upgrade elflow")
+        model = from_dict(ModelConfig, data.pop("model", {}), "model")
+        sampler = from_dict(SamplerConfig, data.pop("sampler", {}), "sampler")
+        rest = from_dict(_ArtifactFields, data)
+        return cls(model=model, sampler=sampler, **to_dict(rest))
+
+
+@dataclass(frozen=True)
+class _ArtifactFields:
+    """The scalar fields of ArtifactConfig, for typed parsing."""
+
+    encoder: str = T5_SMALL
+    tokenizer: str = T5_SMALL
+    tokenizer_hash: str | None = None
+    latent_mean: float = 0.0
+    latent_std: float = 0.2
+    task: str = "unconditional"
+    max_input_length: int = 0
+    pad_with_eos: bool = False
+    noise_scale: float = 2.0
+    t_eps: float = 0.05
+    origin: str = ""
+
+
+# Paper presets for the authors' checkpoints, which carry no config (ELF_SPEC §4, §5).
+OFFICIAL_TASKS: dict[str, dict[str, Any]] = {
+    "owt": dict(max_length=1024, task="unconditional", max_input_length=0, pad_with_eos=False),
+    "de-en": dict(max_length=128, task="conditional", max_input_length=64, pad_with_eos=True),
+    "xsum": dict(max_length=1088, task="conditional", max_input_length=1024, pad_with_eos=True),
+}
+
+
+def official_task_from_name(name: str) -> str:
+    """Guess the paper task of an authors' checkpoint from its id or path (owt by default)."""
+    low = name.lower()
+    if "xsum" in low:
+        return "xsum"
+    if "de-en" in low or "de_en" in low or "wmt" in low:
+        return "de-en"
+    return "owt"
+
+
+def official_artifact_config(state: dict, task: str, origin: str = "") -> ArtifactConfig:
+    """Config for an authors' checkpoint: dims from shapes, the rest from the paper preset."""
+    if task not in OFFICIAL_TASKS:
+        raise ELFError(f"unknown paper task {task!r}; choose one of {sorted(OFFICIAL_TASKS)}")
+    preset = OFFICIAL_TASKS[task]
+    model = infer_model_config(state, max_length=preset["max_length"])
+    if preset["task"] == "conditional":
+        sampler = SamplerConfig(steps=64, sampler="ode", gamma=0.0, w=1.0, cfg=2.0)
+    elif model.depth > 12:  # ELF-M / ELF-L
+        sampler = SamplerConfig(steps=64, sampler="sde", gamma=1.0, w=3.0)
+    else:
+        sampler = SamplerConfig(steps=32, sampler="sde", gamma=1.5, w=3.0)
+    return ArtifactConfig(
+        model=model,
+        sampler=sampler,
+        task=preset["task"],
+        max_input_length=preset["max_input_length"],
+        pad_with_eos=preset["pad_with_eos"],
+        origin=origin,
+    )
+
+
+def _atomic_write(path: Path, write) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def save_model(
+    folder: str | Path,
+    model: ELF,
+    config: ArtifactConfig,
+    ema_state: dict[str, torch.Tensor] | None = None,
+) -> Path:
+    """Write ``model.safetensors`` (+ ``ema.safetensors``) and ``config.json``, each atomically."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    if config.model != model.cfg:
+        raise ELFError("artifact config's model section does not match the network's config")
+
+    def weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
+
+    meta = {"format": FORMAT}
+    _atomic_write(folder / WEIGHTS, lambda p: save_file(weights(model.state_dict()), p, meta))
+    if ema_state is not None:
+        _atomic_write(folder / EMA_WEIGHTS, lambda p: save_file(weights(ema_state), p, meta))
+    text = json.dumps(config.to_json(), indent=2) + "\n"
+    _atomic_write(folder / CONFIG, lambda p: Path(p).write_text(text))
+    return folder
+
+
+def latest_run_checkpoint(folder: Path) -> Path | None:
+    """The ``checkpoint-<step>`` subfolder with the largest step (numeric order)."""
+    found = [
+        (int(m.group(1)), p)
+        for p in folder.iterdir()
+        if p.is_dir() and (m := _RUN_CKPT_RE.match(p.name)) and (p / CONFIG).is_file()
+    ]
+    return max(found)[1] if found else None
+
+
+@dataclass(frozen=True)
+class ResolvedSource:
+    kind: str
+    """'elflow' (a model/checkpoint folder) or 'official' (an authors' checkpoint file)."""
+    path: Path
+    name: str
+    """What the user passed (for error messages and task inference)."""
+
+
+def resolve_source(source: str | Path) -> ResolvedSource:
+    """Find the weights behind any model source (local folder/file or Hub id)."""
+    name = str(source)
+    path = Path(source).expanduser()
+    if not path.exists():
+        if isinstance(source, str) and _HUB_ID_RE.match(source) and not source.startswith("."):
+            path = _download(source)
+        else:
+            raise ELFError(f"model source {name!r} does not exist (not a file, folder or Hub id)")
+    if path.is_file():
+        return ResolvedSource("official", path, name)
+    if (path / CONFIG).is_file() and (path / WEIGHTS).is_file():
+        return ResolvedSource("elflow", path, name)
+    run_ckpt = latest_run_checkpoint(path)
+    if run_ckpt is not None:
+        return ResolvedSource("elflow", run_ckpt, name)
+    official = latest_official_checkpoint(path)
+    if official is not None:
+        return ResolvedSource("official", official, name)
+    raise ELFError(
+        f"{name!r} holds no elflow model (config.json + model.safetensors), no checkpoint-<step> "
+        "folder and no authors' checkpoint_<step> file"
+    )
+
+
+def _download(hub_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+
+    parts = hub_id.split("/")
+    repo_id, sub = "/".join(parts[:2]), "/".join(parts[2:])
+    try:
+        root = snapshot_download(repo_id, allow_patterns=[f"{sub}/*"] if sub else None)
+    except Exception as e:
+        raise ELFError(
+            f"cannot get {hub_id!r} from the Hugging Face Hub ({type(e).__name__}); check the id, "
+            "your network and HF_HUB_OFFLINE, or pass a local folder"
+        ) from None
+    path = Path(root) / sub if sub else Path(root)
+    if not path.exists():
+        raise ELFError(f"Hub repo {repo_id!r} has no folder {sub!r}")
+    return path
+
+
+def load_model(
+    source: str | Path,
+    *,
+    use_ema: bool = True,
+    device: torch.device | str = "cpu",
+    task: str | None = None,
+) -> tuple[ELF, ArtifactConfig]:
+    """Load any model source into an :class:`ELF` in eval mode, with its config.
+
+    Args:
+        source: an elflow model/checkpoint/run folder, an authors' checkpoint file or folder, or a
+            Hub id of either.
+        use_ema: sample with the EMA weights when the source has them (the default everywhere).
+        task: for authors' checkpoints only: the paper task ('owt', 'de-en', 'xsum'); guessed from
+            the name when None.
+    """
+    return _load_resolved(resolve_source(source), use_ema, device, task)
+
+
+def _load_resolved(
+    resolved: ResolvedSource, use_ema: bool, device: torch.device | str, task: str | None
+) -> tuple[ELF, ArtifactConfig]:
+    if resolved.kind == "official":
+        state = read_official_checkpoint(resolved.path, use_ema=use_ema)
+        config = official_artifact_config(
+            state, task or official_task_from_name(resolved.name), origin=resolved.name
+        )
+        state = official_to_elflow(state)
+    else:
+        config = read_config(resolved.path)
+        ema = resolved.path / EMA_WEIGHTS
+        weights = ema if use_ema and ema.is_file() else resolved.path / WEIGHTS
+        state = load_file(str(weights))
+    with torch.device("meta"):
+        model = ELF(config.model)
+    model.to_empty(device=device)
+    load_state_dict_strict(model, {k: v.to(device) for k, v in state.items()})
+    return model.eval(), config
+
+
+def read_config(folder: Path) -> ArtifactConfig:
+    """Read and validate a model folder's ``config.json``."""
+    try:
+        data = json.loads((folder / CONFIG).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ELFError(f"cannot read {folder / CONFIG}: {e}") from None
+    return ArtifactConfig.from_json(data)
+
+
+def import_official(
+    source: str | Path, out: str | Path, *, task: str | None = None, use_ema: bool = True, **fields
+) -> Path:
+    """Convert an authors' checkpoint into an elflow model folder (EMA weights by default)."""
+    resolved = resolve_source(source)
+    if resolved.kind != "official":
+        raise ELFError(f"{source!r} is not an authors' checkpoint (it is already an elflow model)")
+    model, config = _load_resolved(resolved, use_ema, "cpu", task)
+    return save_model(out, model, replace(config, **fields))

@@ -1,0 +1,253 @@
+"""Official checkpoint import, the elflow model artifact, and model-source resolution."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from elflow import artifact
+from elflow.artifact import ArtifactConfig, import_official, load_model, resolve_source, save_model
+from elflow.config import elf_tiny
+from elflow.errors import ELFError
+from elflow.model import build_model
+from elflow.official import (
+    elflow_to_official,
+    infer_model_config,
+    official_to_elflow,
+    read_official_checkpoint,
+    strip_prefixes,
+)
+
+CFG = elf_tiny(encoder_dim=8, vocab_size=20, max_length=16)
+
+
+def _perturbed_model(seed: int = 0):
+    torch.manual_seed(seed)
+    model = build_model(CFG)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    return model.eval()
+
+
+def _reference_payload(params, ema=None, prefix: str = "") -> dict:
+    """A synthetic checkpoint in the authors' layout, with the non-weight entries they save."""
+    payload = {
+        "params": {prefix + k: v for k, v in params.items()},
+        "opt_state": {"state": {0: {"step": torch.tensor(3.0)}}, "param_groups": [{"lr": 1e-3}]},
+        "lr_scheduler": {"last_epoch": 7, "_step_count": 8},
+        "step": 1000,
+        "epoch": 2,
+        "dropout_rng": torch.tensor([1, 2], dtype=torch.int64),
+        "grad_accum_buffers": None,
+    }
+    if ema is not None:
+        payload["ema_params1"] = ema
+    return payload
+
+
+def _save_reference(path: Path, model, ema_model=None, prefix: str = "") -> None:
+    params = elflow_to_official(model.state_dict())
+    ema = None
+    if ema_model is not None:
+        ema = elflow_to_official(dict(ema_model.named_parameters()))
+        ema = {k: v.detach().clone() for k, v in ema.items()}
+    torch.save(_reference_payload(params, ema, prefix), path)
+
+
+def _outputs(model):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 10, 16, generator=g)
+    with torch.no_grad():
+        out, hidden = model(x, torch.tensor([0.3, 0.9]), 2.0, torch.tensor([0.0, 1.0]))
+        return out, model.decode_logits(hidden)
+
+
+def test_key_map_round_trip_and_layout():
+    model = _perturbed_model()
+    official = elflow_to_official(model.state_dict())
+    assert official["proj_kernel"].shape == (CFG.hidden_size, CFG.encoder_dim)  # (in, out)
+    assert official["unembed_kernel"].shape == (CFG.encoder_dim, CFG.vocab_size)
+    assert "t_embedder.mlp_0.weight" in official and "self_cond_cfg_embedder.mlp_2.bias" in official
+    back = official_to_elflow(official)
+    assert back.keys() == model.state_dict().keys()
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(back[k], v, rtol=0, atol=0)
+
+
+def test_strip_prefixes():
+    state = {"module._orig_mod.a.b": 1, "_orig_mod.module.c": 2, "d": 3}
+    assert strip_prefixes(state) == {"a.b": 1, "c": 2, "d": 3}
+
+
+def test_infer_model_config_from_shapes():
+    model = _perturbed_model()
+    cfg = infer_model_config(elflow_to_official(model.state_dict()), max_length=16)
+    assert cfg == CFG
+
+
+@pytest.mark.parametrize("prefix", ["", "module.", "_orig_mod."])
+def test_import_official_file_prefers_ema(tmp_path, prefix):
+    raw, ema = _perturbed_model(0), _perturbed_model(1)
+    path = tmp_path / "checkpoint_1000"
+    _save_reference(path, raw, ema, prefix=prefix)
+    model, config = load_model(path, task="owt")
+    assert config.model.max_length == 1024  # the paper's OWT length (no config in the file)
+    for a, b in zip(_outputs(model), _outputs(ema), strict=True):
+        torch.testing.assert_close(a, b)
+    model_raw, _ = load_model(path, task="owt", use_ema=False)
+    torch.testing.assert_close(_outputs(model_raw)[0], _outputs(raw)[0])
+
+
+def test_params_used_when_no_ema(tmp_path):
+    raw = _perturbed_model(0)
+    _save_reference(tmp_path / "checkpoint_5", raw)
+    weights = read_official_checkpoint(tmp_path / "checkpoint_5")
+    torch.testing.assert_close(weights["proj_bias"], raw.decoder.proj.bias)
+
+
+def test_folder_takes_latest_step_numerically(tmp_path):
+    old, new = _perturbed_model(0), _perturbed_model(1)
+    _save_reference(tmp_path / "checkpoint_900", old)
+    _save_reference(tmp_path / "checkpoint_1000", new)
+    (tmp_path / "checkpoint_notes.txt").write_text("ignored")
+    resolved = resolve_source(tmp_path)
+    assert resolved.kind == "official" and resolved.path.name == "checkpoint_1000"
+    model, _ = load_model(tmp_path)
+    torch.testing.assert_close(_outputs(model)[0], _outputs(new)[0])
+
+
+def test_hub_id_goes_through_snapshot_download(tmp_path, monkeypatch):
+    raw = _perturbed_model(0)
+    repo = tmp_path / "snapshot"
+    (repo / "sub").mkdir(parents=True)
+    _save_reference(repo / "sub" / "checkpoint_10", raw)
+    calls = []
+
+    def fake_snapshot_download(repo_id, allow_patterns=None, **kwargs):
+        calls.append((repo_id, allow_patterns))
+        return str(repo)
+
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    model, config = load_model("embedded-language-flows/ELF-B-de-en-torch/sub")
+    assert calls == [("embedded-language-flows/ELF-B-de-en-torch", ["sub/*"])]
+    assert config.task == "conditional" and config.max_input_length == 64
+    assert config.sampler.sampler == "ode" and config.sampler.cfg == 2.0
+    torch.testing.assert_close(_outputs(model)[0], _outputs(raw)[0])
+
+
+def test_hub_failure_is_one_line_error(monkeypatch):
+    import huggingface_hub
+
+    def offline(*args, **kwargs):
+        raise OSError("offline")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    with pytest.raises(ELFError, match="Hugging Face Hub") as e:
+        load_model("someone/missing-model")
+    assert "\n" not in str(e.value)
+
+
+def test_missing_and_unexpected_keys_are_listed(tmp_path):
+    params = elflow_to_official(_perturbed_model().state_dict())
+    params.pop("blocks.1.attn.proj.bias")
+    params["extra.weight"] = torch.zeros(2)
+    torch.save(_reference_payload(params), tmp_path / "checkpoint_1")
+    with pytest.raises(ELFError) as e:
+        load_model(tmp_path / "checkpoint_1")
+    msg = str(e.value)
+    assert "blocks.1.attn.proj.bias" in msg and "extra.weight" in msg and "\n" not in msg
+
+
+def test_wrong_shape_is_named(tmp_path):
+    params = elflow_to_official(_perturbed_model().state_dict())
+    params["blocks.0.norm2.weight"] = torch.ones(CFG.hidden_size + 1)
+    torch.save(_reference_payload(params), tmp_path / "checkpoint_1")
+    with pytest.raises(ELFError, match="blocks.0.norm2.weight"):
+        load_model(tmp_path / "checkpoint_1")
+
+
+def test_unsafe_pickle_is_refused(tmp_path):
+    class Evil:
+        def __reduce__(self):
+            return (print, ("unpickled!",))
+
+    torch.save({"params": {}, "evil": Evil()}, tmp_path / "checkpoint_1")
+    with pytest.raises(ELFError, match="weights-only"):
+        read_official_checkpoint(tmp_path / "checkpoint_1")
+
+
+def test_not_a_model_errors(tmp_path):
+    with pytest.raises(ELFError, match="does not exist"):
+        load_model(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ELFError, match="holds no elflow model"):
+        load_model(tmp_path / "empty")
+
+
+def test_artifact_save_load_round_trip(tmp_path):
+    model = _perturbed_model()
+    config = ArtifactConfig(model=CFG, latent_std=0.35, encoder="enc", tokenizer="tok")
+    save_model(tmp_path / "m", model, config)
+    assert not list((tmp_path / "m").glob(".*tmp*"))
+    loaded, loaded_cfg = load_model(tmp_path / "m")
+    assert loaded_cfg == config
+    for a, b in zip(_outputs(loaded), _outputs(model), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    data = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert data["format"] == "elflow-model" and data["model"]["hidden_size"] == CFG.hidden_size
+
+
+def test_artifact_prefers_ema_and_run_folder_latest(tmp_path):
+    raw, ema = _perturbed_model(0), _perturbed_model(1)
+    config = ArtifactConfig(model=CFG)
+    save_model(tmp_path / "run" / "checkpoint-900", raw, config)
+    save_model(tmp_path / "run" / "checkpoint-1000", raw, config, ema_state=ema.state_dict())
+    resolved = resolve_source(tmp_path / "run")
+    assert resolved.path.name == "checkpoint-1000"
+    loaded, _ = load_model(tmp_path / "run")
+    torch.testing.assert_close(_outputs(loaded)[0], _outputs(ema)[0])
+    loaded_raw, _ = load_model(tmp_path / "run", use_ema=False)
+    torch.testing.assert_close(_outputs(loaded_raw)[0], _outputs(raw)[0])
+
+
+def test_config_unknown_key_is_an_error(tmp_path):
+    save_model(tmp_path / "m", _perturbed_model(), ArtifactConfig(model=CFG))
+    path = tmp_path / "m" / "config.json"
+    data = json.loads(path.read_text())
+    data["model"]["hiden_size"] = 3
+    path.write_text(json.dumps(data))
+    with pytest.raises(ELFError, match="model.hiden_size"):
+        load_model(tmp_path / "m")
+
+
+def test_export_imported_checkpoint(tmp_path):
+    raw, ema = _perturbed_model(0), _perturbed_model(1)
+    _save_reference(tmp_path / "checkpoint_7", raw, ema)
+    out = import_official(tmp_path / "checkpoint_7", tmp_path / "exported", task="xsum")
+    model, config = load_model(out)
+    assert config.task == "conditional" and config.model.max_length == 1088
+    assert config.max_input_length == 1024 and config.pad_with_eos
+    torch.testing.assert_close(_outputs(model)[0], _outputs(ema)[0], rtol=0, atol=0)
+    with pytest.raises(ELFError, match="already an elflow model"):
+        import_official(out, tmp_path / "again")
+
+
+def test_official_presets_match_paper():
+    assert artifact.official_task_from_name("embedded-language-flows/ELF-B-owt-torch") == "owt"
+    assert artifact.official_task_from_name("embedded-language-flows/ELF-B-xsum-torch") == "xsum"
+    assert artifact.official_task_from_name("x/ELF-B-de-en-torch") == "de-en"
+    official = elflow_to_official(_perturbed_model().state_dict())
+    cfg = artifact.official_artifact_config(official, "owt")
+    assert (cfg.sampler.steps, cfg.sampler.sampler, cfg.sampler.gamma, cfg.sampler.w) == (
+        32,
+        "sde",
+        1.5,
+        3.0,
+    )
+    assert cfg.latent_std == 0.2 and cfg.encoder == artifact.T5_SMALL
