@@ -1,0 +1,224 @@
+"""The frozen text encoder whose contextual embeddings are ELF's latent space.
+
+`FrozenEncoder` wraps a Hugging Face encoder (T5 encoder stack or a BERT-like `AutoModel`), never
+trains, and returns normalised latents x = (h - latent_mean) / latent_std in fp32 (spec §3 step
+1, §10 latent_std). For conditional tasks the encoder runs with the (B, 1, L, L) mask of spec §4:
+source latents never see the target, target latents see everything valid, and label-dropped rows
+compute their target latents without the source (spec §3 step 10a).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+
+import torch
+from torch import Tensor, nn
+
+from elflow.errors import ELFError
+
+_T5_TYPES = {"t5", "mt5", "umt5"}
+# Implementations that honour an arbitrary 4-D additive mask; flash-attention kernels only take
+# padding masks and would silently drop the source/target structure.
+_MASKABLE_ATTN = ("eager", "sdpa")
+
+
+def encoder_attention_mask(
+    attention_mask: Tensor,
+    cond_mask: Tensor | None = None,
+    label_drop: Tensor | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> Tensor:
+    """The encoder's 4-D additive mask: 0 where query i may attend to key j, dtype min elsewhere.
+
+    i may attend to j iff j is valid and (i is not source or j is source); in label-dropped rows a
+    target query may not attend to source keys either. A query row left with no key (a fully padded
+    row) attends to itself so softmax stays finite.
+
+    NOTE: transformers 5.x rejects (B, L, L) masks and adds a 4-D *boolean* mask as 0/1 under eager
+    attention (silently ignoring it), so this must be a float additive mask in the encoder's dtype.
+
+    Args:
+        attention_mask: (B, L), 1 at valid tokens.
+        cond_mask: (B, L), 1 at source positions; None for unconditional rows.
+        label_drop: (B,), True for rows whose target must not see the source.
+        dtype: dtype of the returned mask (the encoder's compute dtype).
+
+    Returns:
+        (B, 1, L, L) float mask.
+    """
+    valid = attention_mask.bool()
+    B, L = valid.shape
+    key_valid = valid[:, None, :]  # (B, 1, L)
+    if cond_mask is None:
+        allowed = key_valid.expand(B, L, L)
+    else:
+        src = cond_mask.bool()
+        src_q, src_k = src[:, :, None], src[:, None, :]  # (B, L, 1), (B, 1, L)
+        target_sees = torch.ones_like(src_k)
+        if label_drop is not None:
+            target_sees = ~(label_drop.bool().to(src.device)[:, None, None] & src_k)
+        allowed = key_valid & torch.where(src_q, src_k, target_sees)  # (B, L, L)
+    eye = torch.eye(L, dtype=torch.bool, device=valid.device)
+    allowed = allowed | (eye & ~allowed.any(dim=-1, keepdim=True))
+    mask = torch.zeros(B, 1, L, L, dtype=dtype, device=valid.device)
+    return mask.masked_fill(~allowed[:, None], torch.finfo(dtype).min)
+
+
+def _looks_like_path(name: str) -> bool:
+    # A Hub id is "name" or "org/name"; anything else that is not on disk was meant as a folder.
+    return (
+        os.path.isabs(name)
+        or name.startswith((".", "~"))
+        or name.count("/") > 1
+        or (os.sep != "/" and os.sep in name)
+    )
+
+
+def _offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+class FrozenEncoder(nn.Module):
+    """A pretrained encoder held fixed: no gradients, always in eval mode."""
+
+    def __init__(self, model: nn.Module, latent_mean: float = 0.0, latent_std: float = 0.2):
+        super().__init__()
+        if latent_std <= 0:
+            raise ELFError(f"latent_std must be positive, got {latent_std}; measure it or use 0.2")
+        attn = getattr(model.config, "_attn_implementation", None)
+        if attn not in _MASKABLE_ATTN:
+            raise ELFError(
+                f"encoder attention implementation {attn!r} cannot take the 4-D encoder mask; "
+                f"use one of {_MASKABLE_ATTN}"
+            )
+        self.model = model
+        self.latent_mean = float(latent_mean)
+        self.latent_std = float(latent_std)
+        self.model.requires_grad_(False)
+        self.model.eval()
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        name_or_path: str,
+        *,
+        latent_mean: float = 0.0,
+        latent_std: float = 0.2,
+        attn_implementation: str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> FrozenEncoder:
+        """Load a local folder or a Hub id; T5-family configs load only the encoder stack."""
+        from transformers import AutoConfig, AutoModel, T5EncoderModel
+
+        if attn_implementation not in (None, *_MASKABLE_ATTN):
+            raise ELFError(
+                f"attn_implementation {attn_implementation!r} cannot take the 4-D encoder mask; "
+                f"use one of {_MASKABLE_ATTN}"
+            )
+        expanded = os.path.expanduser(name_or_path)
+        if not os.path.isdir(expanded) and _looks_like_path(name_or_path):
+            raise ELFError(
+                f"encoder folder '{name_or_path}' does not exist; pass an existing folder"
+            )
+        source = expanded if os.path.isdir(expanded) else name_or_path
+        try:
+            config = AutoConfig.from_pretrained(source, trust_remote_code=False)
+        except (OSError, ValueError) as e:
+            if _offline() and not os.path.isdir(expanded):
+                raise ELFError(
+                    f"encoder '{name_or_path}' not found locally and HF_HUB_OFFLINE is set; "
+                    "download it or pass a local folder"
+                ) from e
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ELFError(
+                f"cannot load encoder '{name_or_path}' ({reason}); pass a local model folder or a "
+                "Hub model id"
+            ) from e
+        is_t5 = config.model_type in _T5_TYPES
+        if not is_t5 and getattr(config, "is_encoder_decoder", False):
+            raise ELFError(
+                f"encoder '{name_or_path}' is a {config.model_type} encoder-decoder, not T5; "
+                "use a T5-family or an encoder-only model"
+            )
+        kwargs = {}
+        if attn_implementation is not None:
+            kwargs["attn_implementation"] = attn_implementation
+        if dtype is not None:
+            kwargs["dtype"] = dtype
+        model_cls = T5EncoderModel if is_t5 else AutoModel
+        try:
+            model = model_cls.from_pretrained(
+                source, config=config, trust_remote_code=False, **kwargs
+            )
+        except (OSError, ValueError) as e:
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ELFError(
+                f"cannot load encoder weights from '{name_or_path}' ({reason}); "
+                "check the folder has the model weights"
+            ) from e
+        return cls(model, latent_mean=latent_mean, latent_std=latent_std)
+
+    def train(self, mode: bool = True) -> FrozenEncoder:
+        # A parent's .train() must not switch on the encoder's dropout.
+        return super().train(False)
+
+    @property
+    def hidden_size(self) -> int:
+        """E, the width of the latents."""
+        return int(self.model.config.hidden_size)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @torch.no_grad()
+    def encode_raw(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor,
+        cond_mask: Tensor | None = None,
+        label_drop: Tensor | None = None,
+    ) -> Tensor:
+        """Unnormalised last hidden states in fp32: (B, L) ids -> (B, L, E)."""
+        assert input_ids.shape == attention_mask.shape, (input_ids.shape, attention_mask.shape)
+        mask = encoder_attention_mask(attention_mask, cond_mask, label_drop, dtype=self.dtype)
+        out = self.model(input_ids=input_ids, attention_mask=mask)
+        return out.last_hidden_state.float()  # (B, L, E)
+
+    @torch.no_grad()
+    def forward(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor,
+        cond_mask: Tensor | None = None,
+        label_drop: Tensor | None = None,
+    ) -> Tensor:
+        """Normalised latents x = (h - latent_mean) / latent_std in fp32: (B, L) -> (B, L, E)."""
+        h = self.encode_raw(input_ids, attention_mask, cond_mask, label_drop)
+        return (h - self.latent_mean) / self.latent_std
+
+
+@torch.no_grad()
+def measure_latent_std(encoder: FrozenEncoder, batches: Iterable[Mapping[str, Tensor]]) -> float:
+    """RMS of the encoder's raw outputs over valid tokens (spec §10 latent_std).
+
+    Each batch holds `input_ids` and `attention_mask`, and optionally `cond_mask`, all (B, L).
+    """
+    device = next(encoder.model.parameters()).device
+    sum_sq = torch.zeros((), dtype=torch.float64)
+    count = 0
+    for batch in batches:
+        attention_mask = batch["attention_mask"].to(device)
+        cond_mask = batch.get("cond_mask")
+        h = encoder.encode_raw(
+            batch["input_ids"].to(device),
+            attention_mask,
+            None if cond_mask is None else cond_mask.to(device),
+        )  # (B, L, E)
+        valid = attention_mask.bool()
+        sum_sq += h[valid].double().pow(2).sum().cpu()
+        count += int(valid.sum()) * h.shape[-1]
+    if count == 0:
+        raise ELFError("no valid tokens to measure latent_std on; pass non-empty batches")
+    return float((sum_sq / count).sqrt())

