@@ -168,7 +168,7 @@ def test_wrong_shape_is_named(tmp_path):
     params = elflow_to_official(_perturbed_model().state_dict())
     params["blocks.0.norm2.weight"] = torch.ones(CFG.hidden_size + 1)
     torch.save(_reference_payload(params), tmp_path / "checkpoint_1")
-    with pytest.raises(ELFError, match="blocks.0.norm2.weight"):
+    with pytest.raises(ELFError, match=r"blocks\.0\.norm2\.weight"):
         load_model(tmp_path / "checkpoint_1")
 
 
@@ -222,7 +222,7 @@ def test_config_unknown_key_is_an_error(tmp_path):
     data = json.loads(path.read_text())
     data["model"]["hiden_size"] = 3
     path.write_text(json.dumps(data))
-    with pytest.raises(ELFError, match="model.hiden_size"):
+    with pytest.raises(ELFError, match=r"model\.hiden_size"):
         load_model(tmp_path / "m")
 
 

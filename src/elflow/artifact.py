@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +45,7 @@ class ArtifactConfig:
 
     model: ModelConfig
     """Network dims and token counts."""
-    sampler: SamplerConfig = SamplerConfig()
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
     """Sampler defaults for this model."""
     encoder: str = T5_SMALL
     """Hub id or local folder of the frozen encoder."""
@@ -92,7 +92,9 @@ class ArtifactConfig:
     def from_json(cls, data: dict[str, Any]) -> ArtifactConfig:
         data = dict(data)
         if data.pop("format", None) != FORMAT:
-            raise ELFError("config.json is not an elflow model config (no 'format': 'elflow-model')")
+            raise ELFError(
+                "config.json is not an elflow model config (no 'format': 'elflow-model')"
+            )
         version = data.pop("format_version", None)
         if version != FORMAT_VERSION:
             raise ELFError(f"unsupported elflow model format_version {version}; upgrade elflow")

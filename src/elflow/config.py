@@ -1,8 +1,8 @@
 """Typed configuration for the network, the training objective and the sampler.
 
 One frozen dataclass per concern, validated in ``__post_init__``; defaults are the paper's released
-values (ELF_SPEC §2, §3, §5), not the reference code's class defaults. Presets are plain functions in
-:data:`MODEL_PRESETS`. :func:`from_dict` rejects unknown keys instead of dropping them.
+values (ELF_SPEC §2, §3, §5), not the reference code's class defaults. Presets are plain
+functions in :data:`MODEL_PRESETS`. :func:`from_dict` rejects unknown keys instead of dropping them.
 """
 
 from __future__ import annotations
@@ -57,19 +57,30 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         for name in ("encoder_dim", "vocab_size", "max_length", "hidden_size", "depth"):
-            _check(getattr(self, name) > 0, f"model.{name} must be positive, got {getattr(self, name)}")
+            _check(
+                getattr(self, name) > 0, f"model.{name} must be positive, got {getattr(self, name)}"
+            )
         _check(self.num_heads > 0, f"model.num_heads must be positive, got {self.num_heads}")
         _check(
             self.hidden_size % self.num_heads == 0,
             f"model.hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}",
         )
         _check(self.head_dim % 2 == 0, f"model head_dim {self.head_dim} must be even for RoPE")
-        _check(self.bottleneck_dim > 0, f"model.bottleneck_dim must be positive, got {self.bottleneck_dim}")
+        _check(
+            self.bottleneck_dim > 0,
+            f"model.bottleneck_dim must be positive, got {self.bottleneck_dim}",
+        )
         _check(self.mlp_ratio > 0, f"model.mlp_ratio must be positive, got {self.mlp_ratio}")
         for name in ("num_time_tokens", "num_scale_tokens", "num_mode_tokens"):
-            _check(getattr(self, name) >= 0, f"model.{name} must be >= 0, got {getattr(self, name)}")
-        _check(self.num_time_tokens > 0, "model.num_time_tokens must be >= 1 (time must reach the net)")
-        _check(self.num_mode_tokens > 0, "model.num_mode_tokens must be >= 1 (decode mode needs them)")
+            _check(
+                getattr(self, name) >= 0, f"model.{name} must be >= 0, got {getattr(self, name)}"
+            )
+        _check(
+            self.num_time_tokens > 0, "model.num_time_tokens must be >= 1 (time must reach the net)"
+        )
+        _check(
+            self.num_mode_tokens > 0, "model.num_mode_tokens must be >= 1 (decode mode needs them)"
+        )
         _check(0.0 <= self.dropout < 1.0, f"model.dropout must be in [0, 1), got {self.dropout}")
 
     @property
@@ -125,7 +136,7 @@ class ObjectiveConfig:
             _check(getattr(self, name) > 0, f"objective.{name} must be positive")
         _check(
             -1.0 < self.w_min <= self.w_max,
-            f"objective.w_min/w_max must satisfy -1 < w_min <= w_max, got {self.w_min}, {self.w_max}",
+            f"objective needs -1 < w_min <= w_max, got w_min={self.w_min}, w_max={self.w_max}",
         )
 
 
@@ -153,7 +164,8 @@ class SamplerConfig:
     def __post_init__(self) -> None:
         _check(self.steps >= 1, f"sampler.steps must be >= 1, got {self.steps}")
         _check(
-            self.sampler in SAMPLERS, f"sampler.sampler must be one of {SAMPLERS}, got {self.sampler!r}"
+            self.sampler in SAMPLERS,
+            f"sampler.sampler must be one of {SAMPLERS}, got {self.sampler!r}",
         )
         _check(
             self.time_grid in TIME_GRIDS,
@@ -251,4 +263,3 @@ def _coerce(value: Any, f: dataclasses.Field, where: str) -> Any:
             return value
         raise ELFError(f"{where} must be a string, got {value!r}")
     return value
-

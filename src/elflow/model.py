@@ -240,7 +240,7 @@ class ELF(nn.Module):
                 f" (2E needs self_condition), got {tuple(x_in.shape)}"
             )
         B, L, _ = x_in.shape
-        if L > cfg.max_length:
+        if cfg.max_length < L:
             raise ELFError(
                 f"sequence length {L} exceeds the model's max_length {cfg.max_length}; "
                 "truncate the input or use a model built with a larger max_length"

@@ -113,7 +113,7 @@ def elf_loss(
         raise ValueError(f"procedure must be one of {PROCEDURES}, got {procedure!r}")
     reference = procedure == "reference"
     x = batch.x.float()
-    B, L, E = x.shape
+    B, L, _ = x.shape
     cond = (
         batch.cond_mask.bool()
         if batch.cond_mask is not None

@@ -2,8 +2,9 @@
 
 A reference checkpoint is a pickled dict (``params``, ``ema_params1``, ``opt_state``, ...) in an
 extension-less file ``checkpoint_<step>``. It is read with ``torch.load(weights_only=True)`` only;
-keys go through one declarative key map (:data:`KEY_MAP`) plus a transpose for the four bare (in, out)
-decoder-head kernels, and the result is checked strictly against the network's own keys and shapes.
+keys go through one declarative key map (:data:`KEY_MAP`) plus a transpose for the four bare
+(in, out) decoder-head kernels, and the result is checked strictly against the network's own
+keys and shapes.
 The architecture is inferred from tensor shapes; the rest comes from the matching paper preset.
 """
 

@@ -68,7 +68,9 @@ def _build_model(tensors: dict[str, Tensor], meta: dict) -> ELF:
     }
     wrong = {k: (getattr(cfg, k), v) for k, v in expected.items() if getattr(cfg, k) != v}
     if wrong:
-        raise ELFError(f"architecture inferred from the fixture's tensors disagrees with json: {wrong}")
+        raise ELFError(
+            f"architecture inferred from the fixture's tensors disagrees with json: {wrong}"
+        )
     model = ELF(cfg)
     load_state_dict_strict(model, official_to_elflow(official))
     return model
@@ -137,9 +139,7 @@ def _check_training(
     model.eval()
 
 
-def _check_steps(
-    model: ELF, f: dict[str, Tensor], meta: dict, report: dict[str, float]
-) -> None:
+def _check_steps(model: ELF, f: dict[str, Tensor], meta: dict, report: dict[str, float]) -> None:
     sc = meta["sampling_config"]
     s, t_eps = sc["denoiser_noise_scale"], sc["t_eps"]
     for name, case in meta.get("steps", {}).items():
