@@ -40,3 +40,10 @@ def test_report_covers_every_case(report):
 
 def test_tokens_exact(report):
     assert report["decode/tokens"] == 0.0
+
+
+def test_cli_check_fixture(capsys):
+    from elflow.__main__ import main
+
+    assert main(["check-fixture", str(REFERENCE_FIXTURE)]) == 0
+    assert "0 over 1e-4" in capsys.readouterr().out

@@ -273,10 +273,10 @@ def load_model(
         task: for authors' checkpoints only: the paper task ('owt', 'de-en', 'xsum'); guessed from
             the name when None.
     """
-    return _load_resolved(resolve_source(source), use_ema, device, task)
+    return load_resolved(resolve_source(source), use_ema, device, task)
 
 
-def _load_resolved(
+def load_resolved(
     resolved: ResolvedSource, use_ema: bool, device: torch.device | str, task: str | None
 ) -> tuple[ELF, ArtifactConfig]:
     if resolved.kind == "official":
@@ -313,5 +313,5 @@ def import_official(
     resolved = resolve_source(source)
     if resolved.kind != "official":
         raise ELFError(f"{source!r} is not an authors' checkpoint (it is already an elflow model)")
-    model, config = _load_resolved(resolved, use_ema, "cpu", task)
+    model, config = load_resolved(resolved, use_ema, "cpu", task)
     return save_model(out, model, replace(config, **fields))

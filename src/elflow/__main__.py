@@ -1,0 +1,129 @@
+"""The ``elflow`` command line: a thin table of subcommand -> function.
+
+Each subcommand is ``(add_arguments, run)``; ``run`` returns an exit code. User errors
+(:class:`ELFError`) print one line and exit with status 2; nothing here is imported by the library.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from elflow.errors import ELFError
+
+
+def _add_import(p: argparse.ArgumentParser) -> None:
+    p.add_argument("source", help="authors' checkpoint: checkpoint_<step> file, folder or Hub id")
+    p.add_argument("--out", required=True, help="folder for the elflow model")
+    p.add_argument("--task", choices=["owt", "de-en", "xsum"], help="paper task (default: guess)")
+    p.add_argument("--no-ema", action="store_true", help="export 'params' instead of the EMA")
+
+
+def _run_import(args: argparse.Namespace) -> int:
+    from elflow.artifact import import_official
+
+    out = import_official(args.source, args.out, task=args.task, use_ema=not args.no_ema)
+    print(f"wrote {out}")
+    return 0
+
+
+def _add_info(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="any model source (folder, checkpoint, Hub id)")
+
+
+def _run_info(args: argparse.Namespace) -> int:
+    from elflow.artifact import load_model
+    from elflow.model import count_parameters
+
+    model, config = load_model(args.model)
+    print(json.dumps({"parameters": count_parameters(model), **config.to_json()}, indent=2))
+    return 0
+
+
+def _add_check_fixture(p: argparse.ArgumentParser) -> None:
+    p.add_argument("fixture", help="reference fixture .safetensors (with its .json beside it)")
+
+
+def _run_check_fixture(args: argparse.Namespace) -> int:
+    from elflow.testing.reference import check_fixture
+
+    report = check_fixture(args.fixture)
+    worst = max(report.items(), key=lambda kv: kv[1])
+    bad = {k: v for k, v in report.items() if v > 1e-4}
+    for key, value in report.items():
+        print(f"{value:.3e}  {key}")
+    print(f"{len(report)} entries, worst {worst[1]:.3e} ({worst[0]}), {len(bad)} over 1e-4")
+    return 1 if bad else 0
+
+
+def _add_generate(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="any model source (folder, checkpoint, Hub id)")
+    p.add_argument("-n", "--num-samples", type=int, default=4)
+    p.add_argument("--source", action="append", help="source text (conditional models; repeat)")
+    p.add_argument("--steps", type=int)
+    p.add_argument("--sampler", choices=["ode", "sde", "heun"])
+    p.add_argument("--gamma", type=float)
+    p.add_argument("--w", type=float, help="self-conditioning CFG scale")
+    p.add_argument("--cfg", type=float, help="classifier-free guidance (conditional models)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--device", default="cpu")
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    from elflow.pipeline import ELFPipeline
+
+    pipe = ELFPipeline.from_pretrained(args.model, device=args.device)
+    texts = pipe.generate(
+        None if args.source else args.num_samples,
+        sources=args.source,
+        steps=args.steps,
+        sampler=args.sampler,
+        gamma=args.gamma,
+        w=args.w,
+        cfg=args.cfg,
+        seed=args.seed,
+        batch_size=args.batch_size,
+    )
+    for text in texts:
+        print(text)
+    return 0
+
+
+COMMANDS: dict[str, tuple[str, Callable, Callable]] = {
+    "generate": ("generate text and print it", _add_generate, _run_generate),
+    "import": ("convert an authors' checkpoint to an elflow model", _add_import, _run_import),
+    "info": ("print a model's config and size", _add_info, _run_info),
+    "check-fixture": (
+        "compare elflow to a reference fixture",
+        _add_check_fixture,
+        _run_check_fixture,
+    ),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="elflow", description="ELF: Embedded Language Flows")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (help_text, add, _) in COMMANDS.items():
+        add(sub.add_parser(name, help=help_text, description=help_text))
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command][2](args)
+    except ELFError as e:
+        print(f"elflow: error: {e}", file=sys.stderr)
+        return 2
+    except FileNotFoundError as e:
+        print(f"elflow: error: {Path(e.filename or '')} does not exist", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

