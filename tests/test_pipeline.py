@@ -89,7 +89,7 @@ def test_generate_overrides_and_trajectory(uncond_dir):
     assert len(out.trajectory) == 5 and all(len(frame) == 2 for frame in out.trajectory)
     with pytest.raises(ELFError, match="max_length"):
         pipe.generate(1, length=13)
-    with pytest.raises(ELFError, match="sampler.sampler"):
+    with pytest.raises(ELFError, match=r"sampler\.sampler"):
         pipe.generate(1, sampler="euler")
     with pytest.raises(ELFError, match="unconditional"):
         pipe.encode_sources(["x"])
