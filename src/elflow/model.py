@@ -67,25 +67,26 @@ class TextProjection(nn.Module):
 
 def rope_tables(
     num_prefix: int, length: int, head_dim: int, theta: float, device: torch.device
-) -> tuple[Tensor, Tensor]:
-    """cos/sin tables (P + L, head_dim); prefix rows get the identity rotation.
+) -> Tensor:
+    """Complex rotations (P + L, head_dim / 2); prefix rows get the identity rotation.
 
-    Frequencies f_i = theta^(-2i/head_dim), each repeated for the adjacent pair (2i, 2i+1).
+    Pair i = (2i, 2i + 1) of position j is rotated by angle j * theta^(-2i/head_dim).
     """
     freqs = theta ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
-    freqs = freqs.repeat_interleave(2)  # (head_dim,)
     pos = torch.arange(length, device=device, dtype=torch.float32)
-    angles = pos[:, None] * freqs[None]  # (L, head_dim)
-    cos = torch.cat([torch.ones(num_prefix, head_dim, device=device), torch.cos(angles)])
-    sin = torch.cat([torch.zeros(num_prefix, head_dim, device=device), torch.sin(angles)])
-    return cos, sin
+    angles = torch.cat(
+        [torch.zeros(num_prefix, head_dim // 2, device=device), pos[:, None] * freqs]
+    )
+    return torch.polar(torch.ones_like(angles), angles)
 
 
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate adjacent pairs: (a, b) -> (a cos - b sin, b cos + a sin). x: (B, H, N, hd)."""
-    a, b = x[..., 0::2], x[..., 1::2]
-    rotated = torch.stack([-b, a], dim=-1).flatten(-2)
-    return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
+def apply_rope(x: Tensor, rotations: Tensor) -> Tensor:
+    """Rotate adjacent pairs: (a, b) -> (a cos - b sin, b cos + a sin). x: (B, H, N, hd).
+
+    As a complex product (a + ib) e^{i angle}: one fused multiply instead of four strided ones.
+    """
+    pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    return torch.view_as_real(pairs * rotations).flatten(-2).type_as(x)
 
 
 class Attention(nn.Module):
@@ -101,12 +102,12 @@ class Attention(nn.Module):
         self.proj = nn.Linear(dim, dim)
         self.proj_drop = nn.Dropout(dropout)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None) -> Tensor:
+    def forward(self, x: Tensor, rotations: Tensor, mask: Tensor | None) -> Tensor:
         B, N, D = x.shape
         qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         q, k, v = qkv.unbind(0)  # each (B, H, N, hd)
-        q = apply_rope(self.q_norm(q), cos, sin)
-        k = apply_rope(self.k_norm(k), cos, sin)
+        q = apply_rope(self.q_norm(q), rotations)
+        k = apply_rope(self.k_norm(k), rotations)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, H, N, hd)
         return self.proj_drop(self.proj(out.transpose(1, 2).reshape(B, N, D)))
 
@@ -133,8 +134,8 @@ class Block(nn.Module):
         self.norm2 = RMSNorm(cfg.hidden_size)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.mlp_hidden, dropout)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None) -> Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin, mask)
+    def forward(self, x: Tensor, rotations: Tensor, mask: Tensor | None) -> Tensor:
+        x = x + self.attn(self.norm1(x), rotations, mask)
         return x + self.mlp(self.norm2(x))
 
 
@@ -263,7 +264,7 @@ class ELF(nn.Module):
         P = cfg.num_prefix_tokens
         tokens = torch.cat([p.expand(B, -1, -1) for p in prefix] + [x], dim=1)  # (B, P+L, D)
 
-        cos, sin = rope_tables(P, L, cfg.head_dim, cfg.rope_theta, dev)
+        rotations = rope_tables(P, L, cfg.head_dim, cfg.rope_theta, dev)
         mask = None
         if key_mask is not None:
             if key_mask.shape != (B, L):
@@ -271,7 +272,7 @@ class ELF(nn.Module):
             full = torch.cat([key_mask.new_ones(B, P), key_mask], dim=1).bool()  # (B, P+L)
             mask = full[:, None, None, :]  # (B, 1, 1, P+L)
         for block in self.blocks:
-            tokens = block(tokens, cos, sin, mask)
+            tokens = block(tokens, rotations, mask)
         hidden = tokens[:, P:]  # (B, L, D)
         return self.final_layer(hidden), hidden
 

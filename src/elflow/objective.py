@@ -5,7 +5,8 @@
 Two procedures compute the same loss and gradients:
 
 - ``"reference"``: the authors' procedure: a no-grad unconditional pass and a no-grad
-  self-conditioned pass over every row, and the V-way decoder head on every row.
+  self-conditioned pass over every row, and the V-way decoder head on every row of every pass
+  (the authors' forward always evaluates both heads, ELF_SPEC §9).
 - ``"efficient"`` (default): the no-grad pass only for denoiser rows that use self-conditioning,
   the trained pass's own detached output as v_cond when dropout is 0 (its input is exactly the
   self-conditioned input), and the decoder head only on decoder rows.
@@ -134,7 +135,7 @@ def elf_loss(
 
     # 1) No-grad unconditional pass at (z_t, t, w) -> x_hat_u.
     nograd_rows = torch.ones_like(sc) if reference else sc
-    x_hat_u = _nograd_pass(model, z_t, x_cond_only, t, w, nograd_rows)
+    x_hat_u = _nograd_pass(model, z_t, x_cond_only, t, w, nograd_rows, with_head=reference)
     sc_half = torch.where(cond3, x, x_hat_u)  # the self-conditioning input (condition reset)
 
     # 2) Trained pass: denoiser rows [z_t, SC half or Z0] at t; decoder rows [z_dec, 0] at t = 1.
@@ -147,7 +148,7 @@ def elf_loss(
     # 3) SC-CFG target: v* + (1 - 1/w)(v_cond - v_u) on self-conditioned rows, v* elsewhere.
     num_nograd = int(nograd_rows.sum()) if not reference else B
     if reference:
-        x_hat_c = _nograd_pass(model, z_t, sc_half, t, w, torch.ones_like(sc))
+        x_hat_c = _nograd_pass(model, z_t, sc_half, t, w, torch.ones_like(sc), with_head=True)
         num_nograd += B
     elif model.cfg.dropout == 0.0:
         # Same input as the trained pass for these rows, so the same output: reuse it.
@@ -170,18 +171,13 @@ def elf_loss(
     l2_sum = torch.where(den_mask > 0, l2_tok * den_mask, 0.0).sum()
     ids = batch.input_ids.long()
     if reference:
-        ce_tok = F.cross_entropy(
-            model.decode_logits(hidden).float().transpose(1, 2), ids, reduction="none"
-        )  # (B, L)
+        ce_tok = _token_ce(model.decode_logits(hidden), ids)  # (B, L)
         dec_mask = mask * dec.float()[:, None]
-        ce_sum = (ce_tok * dec_mask).sum()
-        dec_count = dec_mask.sum()
     else:
-        logits = model.decode_logits(hidden[dec]).float()  # (B_dec, L, V)
-        ce_tok = F.cross_entropy(logits.transpose(1, 2), ids[dec], reduction="none")
+        ce_tok = _token_ce(model.decode_logits(hidden[dec]), ids[dec])  # (B_dec, L)
         dec_mask = mask[dec]
-        ce_sum = (ce_tok * dec_mask).sum()
-        dec_count = dec_mask.sum()
+    ce_sum = (ce_tok * dec_mask).sum()
+    dec_count = dec_mask.sum()
     denom = mask.sum()
     return LossOutput(
         loss=(l2_sum + ce_sum) / denom.clamp_min(1.0),
@@ -194,15 +190,37 @@ def elf_loss(
     )
 
 
+def _token_ce(logits: Tensor, ids: Tensor) -> Tensor:
+    """Per-token cross-entropy with the log-softmax in fp32: (..., L, V), (..., L) -> (..., L)."""
+    V = logits.shape[-1]
+    ce = F.cross_entropy(logits.float().reshape(-1, V), ids.reshape(-1), reduction="none")
+    return ce.view(ids.shape)
+
+
 @torch.no_grad()
 def _nograd_pass(
-    model: ELF, z: Tensor, sc_half: Tensor, t: Tensor, w: Tensor, rows: Tensor
+    model: ELF,
+    z: Tensor,
+    sc_half: Tensor,
+    t: Tensor,
+    w: Tensor,
+    rows: Tensor,
+    with_head: bool = False,
 ) -> Tensor:
-    """x-prediction at (z, t, w) in denoise mode, computed only for ``rows`` (zeros elsewhere)."""
+    """x-prediction at (z, t, w) in denoise mode, computed only for ``rows`` (zeros elsewhere).
+
+    ``with_head`` also evaluates (and discards) the decoder head, as the reference forward does.
+    """
     out = torch.zeros_like(z)
     if bool(rows.all()):
-        out = model(torch.cat([z, sc_half], dim=-1), t, w, 0.0)[0].float()
+        out, hidden = model(torch.cat([z, sc_half], dim=-1), t, w, 0.0)
+        out = out.float()
     elif bool(rows.any()):
         x_in = torch.cat([z[rows], sc_half[rows]], dim=-1)
-        out[rows] = model(x_in, t[rows], w[rows], 0.0)[0].float()
+        pred, hidden = model(x_in, t[rows], w[rows], 0.0)
+        out[rows] = pred.float()
+    else:
+        return out
+    if with_head:
+        model.decode_logits(hidden)
     return out
