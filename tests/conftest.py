@@ -13,8 +13,13 @@ REFERENCE_FIXTURE = FIXTURES / "elf_reference_tiny.safetensors"
 
 @pytest.fixture(autouse=True)
 def _seed_and_threads():
+    # Test tensors are tiny: intra-op threads gain nothing, and two OpenMP threads on a loaded
+    # 2-core machine can spin-wait a 2 s test into minutes.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
     torch.manual_seed(0)
     yield
+    torch.set_num_threads(n)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -82,6 +82,7 @@ class ModelConfig:
             self.num_mode_tokens > 0, "model.num_mode_tokens must be >= 1 (decode mode needs them)"
         )
         _check(0.0 <= self.dropout < 1.0, f"model.dropout must be in [0, 1), got {self.dropout}")
+        _check(self.rope_theta > 0, f"model.rope_theta must be positive, got {self.rope_theta}")
 
     @property
     def head_dim(self) -> int:
@@ -172,6 +173,8 @@ class SamplerConfig:
             f"sampler.time_grid must be one of {TIME_GRIDS}, got {self.time_grid!r}",
         )
         _check(self.gamma >= 0, f"sampler.gamma must be >= 0, got {self.gamma}")
+        _check(self.w > -1.0, f"sampler.w must be > -1, got {self.w}")
+        _check(self.cfg >= 0, f"sampler.cfg must be >= 0, got {self.cfg}")
         _check(self.time_std > 0, f"sampler.time_std must be positive, got {self.time_std}")
 
 

@@ -123,7 +123,7 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         a, b = self.w12(x).chunk(2, dim=-1)
-        return self.drop(self.w3(self.drop(F.silu(a) * b)))
+        return self.w3(self.drop(F.silu(a) * b))
 
 
 class Block(nn.Module):

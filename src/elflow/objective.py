@@ -150,7 +150,7 @@ def elf_loss(
     if reference:
         x_hat_c = _nograd_pass(model, z_t, sc_half, t, w, torch.ones_like(sc), with_head=True)
         num_nograd += B
-    elif model.cfg.dropout == 0.0:
+    elif model.cfg.dropout == 0.0 or not model.training:
         # Same input as the trained pass for these rows, so the same output: reuse it.
         x_hat_c = x_pred.detach()
     else:
