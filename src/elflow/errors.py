@@ -7,6 +7,15 @@ and how to fix it. The CLI prints these messages without a traceback.
 
 from __future__ import annotations
 
+import torch
+from torch import Tensor
+
 
 class ELFError(ValueError):
     """A problem the user can fix; the message is one line and says how."""
+
+
+def check_finite(tensor: Tensor, what: str) -> None:
+    """Raise :class:`ELFError` if ``tensor`` holds NaN or inf (one host sync: use at API edges)."""
+    if not bool(torch.isfinite(tensor).all()):
+        raise ELFError(f"{what} contains NaN or inf values; check the inputs that produced it")

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from elflow.config import ObjectiveConfig
+from elflow.errors import ELFError, check_finite
 from elflow.flow import interpolate, log_uniform_scale, logit_normal, velocity
 from elflow.model import ELF
 
@@ -111,9 +112,10 @@ def elf_loss(
 ) -> LossOutput:
     """The ELF loss of one batch for the given draws (ELF_SPEC §3 steps 2–10)."""
     if procedure not in PROCEDURES:
-        raise ValueError(f"procedure must be one of {PROCEDURES}, got {procedure!r}")
+        raise ELFError(f"procedure must be one of {PROCEDURES}, got {procedure!r}")
     reference = procedure == "reference"
     x = batch.x.float()
+    check_finite(x, "the batch's latents")
     B, L, _ = x.shape
     cond = (
         batch.cond_mask.bool()

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from elflow.config import SamplerConfig
+from elflow.errors import check_finite
 from elflow.flow import (
     euler_step,
     logit_normal_grid,
@@ -148,9 +149,11 @@ class SampleOutput:
 
 
 @torch.no_grad()
-def decode_tokens(model: ELF, z: Tensor, w: float | Tensor | None) -> Tensor:
-    """Decode mode at t = 1 on [z, 0] -> argmax tokens (B, L)."""
-    _, hidden = model(torch.cat([z, torch.zeros_like(z)], -1), 1.0, w, 1.0)
+def decode_tokens(
+    model: ELF, z: Tensor, w: float | Tensor | None, t: float | Tensor = 1.0
+) -> Tensor:
+    """Decode mode (at t = 1 in sampling) on [z, 0] -> argmax tokens (B, L)."""
+    _, hidden = model(torch.cat([z, torch.zeros_like(z)], -1), t, w, 1.0)
     return model.decode_logits(hidden).argmax(-1)
 
 
@@ -177,6 +180,7 @@ def sample(
     z = noise_scale * _randn(generators, (length, E), device)
     x_prev = torch.zeros_like(z)
     if cond is not None:
+        check_finite(cond.latents, "the condition latents")
         c3 = cond.mask.bool()[..., None]
         z, x_prev = torch.where(c3, cond.latents, z), torch.where(c3, cond.latents, x_prev)
     w = sampler.w if model.cfg.num_scale_tokens > 0 else None

@@ -189,8 +189,9 @@ def check_fixture(safetensors_path: str | Path) -> dict[str, float]:
         with torch.no_grad():
             _check_steps(model, tensors, meta, report)
             if "decode/z" in tensors:
-                w = meta.get("decode", {}).get("self_cond_cfg_scale", 3.0)
-                tokens = decode_tokens(model, tensors["decode/z"], w)
+                dec = meta.get("decode", {})
+                w, t = dec.get("self_cond_cfg_scale", 3.0), dec.get("t", 1.0)
+                tokens = decode_tokens(model, tensors["decode/z"], w, t)
                 ref = tensors["decode/tokens"].round().long()
                 report["decode/tokens"] = float((tokens != ref).sum().item())
     return report
