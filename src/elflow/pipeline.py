@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from elflow.artifact import ArtifactConfig, load_resolved, resolve_source
-from elflow.encoder import FrozenEncoder
+from elflow.encoder import FrozenEncoder, resolve_pretrained
 from elflow.errors import ELFError
 from elflow.model import ELF
 from elflow.sampling import Condition, sample, sample_generators
@@ -39,7 +39,7 @@ def load_tokenizer(name_or_path: str | Path):
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(str(name_or_path))
+        return AutoTokenizer.from_pretrained(resolve_pretrained(str(name_or_path)))
     except (OSError, ValueError) as e:
         raise ELFError(
             f"cannot load tokenizer {str(name_or_path)!r} ({type(e).__name__}); it must be a local "
