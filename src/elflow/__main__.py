@@ -93,7 +93,64 @@ def _run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_train(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--preset", required=True, help="owt-b, owt-m, owt-l, de-en-b, xsum-b, bible-tiny, ..."
+    )
+    p.add_argument("--out", required=True, help="run folder (checkpoints, metrics, samples)")
+    p.add_argument("--config", help="YAML or JSON file of config sections to override")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one dotted config key, e.g. train.max_steps=100 (repeatable)",
+    )
+    p.add_argument(
+        "--resume",
+        default="auto",
+        help="'auto' (latest checkpoint in --out, if any), 'never', or a checkpoint/run folder",
+    )
+    p.add_argument("--print-config", action="store_true", help="print the resolved config, exit")
+
+
+def _run_train(args: argparse.Namespace) -> int:
+    from elflow.run_config import apply_overrides, preset, run_config_to_dict
+
+    cfg = apply_overrides(preset(args.preset), args.config, args.set)
+    if args.print_config:
+        print(json.dumps(run_config_to_dict(cfg), indent=2))
+        return 0
+    from elflow.distributed import teardown
+    from elflow.train import train
+
+    try:
+        last = train(cfg, args.out, resume=args.resume)
+    finally:
+        teardown()
+    print(f"done: {last}")
+    return 0
+
+
+def _add_prepare(p: argparse.ArgumentParser) -> None:
+    from elflow.data.cli import add_arguments
+
+    add_arguments(p)
+
+
+def _run_prepare(args: argparse.Namespace) -> int:
+    from elflow.data.cli import run
+
+    return run(args)
+
+
 COMMANDS: dict[str, tuple[str, Callable, Callable]] = {
+    "prepare": (
+        "tokenise a corpus once into a memory-mapped token file",
+        _add_prepare,
+        _run_prepare,
+    ),
+    "train": ("train or resume an ELF model", _add_train, _run_train),
     "generate": ("generate text and print it", _add_generate, _run_generate),
     "import": ("convert an authors' checkpoint to an elflow model", _add_import, _run_import),
     "info": ("print a model's config and size", _add_info, _run_info),

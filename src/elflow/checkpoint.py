@@ -1,0 +1,232 @@
+"""Training checkpoints: one folder per step, written atomically, resumable exactly.
+
+``OUT/checkpoint-<step>/`` holds ``model.safetensors`` (training weights), ``ema.safetensors``,
+``config.json`` (the model artifact config plus the full run config under ``"run"``), ``state.json``
+(step, epoch, data position, world size) and ``rank<r>.pt`` per process (the optimizer and EMA
+state of that rank's parameters or FSDP2 shards, and its RNG states). Everything is first written
+to a hidden temporary folder that is renamed into place, so an interrupted save leaves the
+previous checkpoints loadable; the last ``keep_last`` are kept. Any checkpoint folder is also a
+model folder for ``load_model``.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+
+from elflow.artifact import CONFIG, EMA_WEIGHTS, WEIGHTS, ArtifactConfig, latest_run_checkpoint
+from elflow.distributed import DistInfo, barrier, broadcast_object
+from elflow.errors import ELFError
+
+STATE = "state.json"
+
+
+def rank_file(rank: int) -> str:
+    return f"rank{rank}.pt"
+
+
+def full_state(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Plain CPU tensors of a (possibly FSDP2-sharded) state dict; collective under FSDP2."""
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for key, value in state.items():
+        if isinstance(value, DTensor):
+            value = value.full_tensor()
+        out[key] = value.detach().to("cpu").contiguous()
+    return out
+
+
+def _to_local(obj: Any) -> Any:
+    """Optimizer state with DTensors replaced by their local shards (weights-only loadable)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(obj, DTensor):
+        return obj.to_local().detach().cpu().clone()
+    if isinstance(obj, Tensor):
+        return obj.detach().cpu().clone()
+    if isinstance(obj, dict):
+        return {k: _to_local(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_local(v) for v in obj)
+    return obj
+
+
+def rng_state() -> dict[str, Any]:
+    state = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(
+    out_dir: Path,
+    step: int,
+    *,
+    model_state: dict[str, Tensor],
+    ema_state: dict[str, Tensor],
+    rank_state: dict[str, Any],
+    artifact: ArtifactConfig,
+    run_config: dict[str, Any],
+    state: dict[str, Any],
+    info: DistInfo,
+    keep_last: int,
+) -> Path:
+    """Write ``checkpoint-<step>`` atomically (call on every rank; full states on rank 0).
+
+    A failure (e.g. a full disk) removes the temporary folder, leaves earlier checkpoints as they
+    were, and raises the same one-line :class:`ELFError` on every rank.
+    """
+    final = out_dir / f"checkpoint-{step}"
+    tmp = out_dir / f".tmp-checkpoint-{step}"
+    error = None
+    if info.is_main:
+        try:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir()
+        except OSError as e:
+            error = str(e)
+    error = broadcast_object(error)
+    if error is None:
+        try:
+            payload = {**_to_local(rank_state), "rng": rng_state()}
+            torch.save(payload, tmp / rank_file(info.rank))
+        except OSError as e:
+            error = str(e)
+    barrier()
+    errors = _gather_errors(error)
+    if not errors and info.is_main:
+        try:
+            save_file(model_state, str(tmp / WEIGHTS), {"format": "elflow-model"})
+            save_file(ema_state, str(tmp / EMA_WEIGHTS), {"format": "elflow-model"})
+            config = {**artifact.to_json(), "run": run_config}
+            (tmp / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+            (tmp / STATE).write_text(json.dumps({**state, "world_size": info.world_size}) + "\n")
+            if final.exists():
+                shutil.rmtree(final)
+            tmp.rename(final)
+            _prune(out_dir, keep_last)
+        except OSError as e:
+            errors = [str(e)]
+    errors = broadcast_object(errors if info.is_main else None)
+    if errors:
+        if info.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        barrier()
+        raise ELFError(
+            f"cannot write checkpoint {final} ({errors[0]}); earlier checkpoints are untouched — "
+            "free disk space or choose another --out, then resume"
+        )
+    barrier()
+    return final
+
+
+def _gather_errors(error: str | None) -> list[str]:
+    import torch.distributed as dist
+
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [error] if error else []
+    box: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(box, error)
+    return [e for e in box if e]
+
+
+def _prune(out_dir: Path, keep_last: int) -> None:
+    steps = sorted(
+        int(p.name.split("-", 1)[1])
+        for p in out_dir.glob("checkpoint-*")
+        if p.is_dir() and p.name.split("-", 1)[1].isdigit()
+    )
+    for step in steps[:-keep_last]:
+        shutil.rmtree(out_dir / f"checkpoint-{step}", ignore_errors=True)
+
+
+def find_checkpoint(path: Path) -> Path | None:
+    """A checkpoint folder itself, or the latest complete one in a run folder."""
+    if (path / STATE).is_file():
+        return path
+    if not path.is_dir():
+        return None
+    return latest_run_checkpoint(path)
+
+
+def read_state(ckpt: Path) -> dict[str, Any]:
+    try:
+        return json.loads((ckpt / STATE).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ELFError(f"cannot resume: {ckpt / STATE} is unreadable ({e})") from None
+
+
+def read_run_config(ckpt: Path) -> dict[str, Any]:
+    try:
+        return json.loads((ckpt / CONFIG).read_text())["run"]
+    except (OSError, json.JSONDecodeError, KeyError) as e:
+        raise ELFError(f"cannot resume: {ckpt / CONFIG} has no readable run config ({e})") from None
+
+
+def load_weights(ckpt: Path, name: str) -> dict[str, Tensor]:
+    path = ckpt / name
+    try:
+        return load_file(str(path))
+    except Exception as e:
+        raise ELFError(f"cannot resume: {path} is missing or corrupt ({e})") from None
+
+
+def load_rank_state(ckpt: Path, info: DistInfo) -> dict[str, Any]:
+    """This rank's optimizer and RNG state (weights-only load)."""
+    saved_world = read_state(ckpt).get("world_size", 1)
+    path = ckpt / rank_file(info.rank)
+    if saved_world != info.world_size:
+        raise ELFError(
+            f"cannot resume {ckpt}: it was saved by {saved_world} processes, this run has "
+            f"{info.world_size}; resume with --nproc_per_node {saved_world}"
+        )
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise ELFError(f"cannot resume: {path} is missing or corrupt ({e})") from None
+
+
+def restore_optimizer(optimizer, state: dict[str, Any]) -> None:
+    """Load a saved optimizer state; local shards are re-wrapped as DTensors under FSDP2.
+
+    NOTE: ``Optimizer.load_state_dict`` casts saved tensors to the parameter's device and dtype
+    but cannot make them DTensors, so the momentum/Adam buffers of sharded parameters are
+    re-wrapped with the parameter's mesh and placements here.
+    """
+    from torch.distributed.tensor import DTensor
+
+    optimizer.load_state_dict(state)
+    subs = getattr(optimizer, "optimizers", None)
+    for opt in subs.values() if isinstance(subs, dict) else [optimizer]:
+        for p, st in opt.state.items():
+            if not isinstance(p, DTensor):
+                continue
+            local_shape = p.to_local().shape
+            for k, v in st.items():
+                if isinstance(v, Tensor) and not isinstance(v, DTensor) and v.shape == local_shape:
+                    st[k] = DTensor.from_local(
+                        v, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()
+                    )

@@ -1,0 +1,85 @@
+"""`elflow prepare`: tokenise a corpus once into a memory-mappable folder (spec §4, §10).
+
+`add_arguments(parser)` and `run(args)` plug into the command table of :mod:`elflow.__main__`.
+With `--encoder`, latent_std is measured on a sample of the prepared rows and written to meta.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from elflow.data.config import FORMATS, DataConfig
+from elflow.errors import ELFError
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--data", required=True, help="text/JSONL file or folder, HF dataset or name")
+    p.add_argument("--format", default="auto", choices=FORMATS, help="input format (auto)")
+    p.add_argument("--tokenizer", help="tokenizer name or folder (default: --encoder)")
+    p.add_argument("--out", required=True, help="folder to write")
+    p.add_argument("--max-length", type=int, required=True, help="row length L")
+    p.add_argument("--max-input-length", type=int, default=0, help="source length (pairs)")
+    p.add_argument("--text-field", default="text")
+    p.add_argument("--source-field", default="source")
+    p.add_argument("--target-field", default="target")
+    p.add_argument("--hf-split", default="train")
+    p.add_argument("--doc-per", default="line", choices=["line", "file"], help="plain text")
+    p.add_argument("--packing", action="store_true", help="count truncation as packed rows")
+    p.add_argument("--overlong", default="truncate", choices=["truncate", "error"])
+    p.add_argument("--max-rows", type=int, default=0, help="read at most N documents (0: all)")
+    p.add_argument("--batch-size", type=int, default=1024, help="documents per tokenizer call")
+    p.add_argument("--encoder", help="encoder name or folder: measure latent_std (spec §10)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out folder")
+
+
+def load_tokenizer(name_or_path: str):
+    """A fast Hugging Face tokenizer, or a one-line error."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(name_or_path, use_fast=True, trust_remote_code=False)
+    except (OSError, ValueError) as e:
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ELFError(
+            f"cannot load tokenizer '{name_or_path}' ({reason}); pass a folder or Hub id"
+        ) from None
+
+
+def run(args: argparse.Namespace) -> int:
+    from elflow.data.prepare import prepare
+
+    name = args.tokenizer or args.encoder
+    if not name:
+        raise ELFError("pass --tokenizer (or --encoder, whose tokenizer is then used)")
+    cfg = DataConfig(
+        path=args.data,
+        format=args.format,
+        text_field=args.text_field,
+        source_field=args.source_field,
+        target_field=args.target_field,
+        hf_split=args.hf_split,
+        doc_per=args.doc_per,
+        packing=args.packing,
+        overlong=args.overlong,
+        max_rows=args.max_rows,
+        tokenize_batch_size=args.batch_size,
+    )
+    encoder = None
+    if args.encoder:
+        from elflow.encoder import FrozenEncoder
+
+        encoder = FrozenEncoder.from_pretrained(args.encoder, latent_std=1.0)
+    out = prepare(
+        cfg,
+        load_tokenizer(name),
+        args.out,
+        args.max_length,
+        args.max_input_length,
+        encoder,
+        overwrite=args.overwrite,
+    )
+    meta = json.loads((out / "meta.json").read_text())
+    keys = ("num_docs", "num_tokens", "num_source_tokens", "num_truncated", "dtype", "latent_std")
+    print(f"wrote {out}: " + ", ".join(f"{k}={meta[k]}" for k in keys if k in meta))
+    return 0

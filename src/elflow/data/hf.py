@@ -1,0 +1,59 @@
+"""Hugging Face datasets as a data source: `load_from_disk` folders and Hub names (issue 3, data).
+
+The `datasets` package is imported only when such a source is used; without it the error says
+how to install it. Arrow-backed datasets are memory-mapped by `datasets`, so iterating streams.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from elflow.data.config import DataConfig
+from elflow.errors import ELFError
+
+
+def load_hf(location: str, split: str):
+    try:
+        import datasets
+    except ImportError:
+        raise ELFError(
+            f"reading the Hugging Face dataset '{location}' needs the datasets package; "
+            "pip install datasets (or elflow[data])"
+        ) from None
+    path = Path(os.path.expanduser(location))
+    try:
+        if path.is_dir():
+            ds = datasets.load_from_disk(str(path))
+        else:
+            ds = datasets.load_dataset(location, split=split)
+    except Exception as e:  # datasets raises many types; all mean "cannot load this"
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ELFError(
+            f"cannot load Hugging Face dataset '{location}' ({reason}); pass a saved dataset "
+            "folder or a Hub name"
+        ) from None
+    if isinstance(ds, datasets.DatasetDict):
+        if split not in ds:
+            raise ELFError(
+                f"dataset '{location}' has no split '{split}' (splits: {', '.join(ds)}); "
+                "set data.hf_split"
+            )
+        ds = ds[split]
+    return ds
+
+
+def hf_kind(cfg: DataConfig, location: str, split: str) -> str:
+    ds = load_hf(location, split)
+    columns = set(ds.column_names)
+    if cfg.format == "pretokenized" or "input_ids" in columns:
+        return "pretokenized"
+    if cfg.format == "pairs" or (cfg.source_field in columns and cfg.target_field in columns):
+        return "pairs"
+    if cfg.text_field in columns:
+        return "text"
+    raise ELFError(
+        f"dataset '{location}' has no '{cfg.text_field}' column, no '{cfg.source_field}'/"
+        f"'{cfg.target_field}' pair and no 'input_ids' (columns: {', '.join(sorted(columns))}); "
+        "set data.text_field or data.source_field/target_field"
+    )

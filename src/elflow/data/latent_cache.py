@@ -1,0 +1,94 @@
+"""Latent cache: encode every row once with the frozen encoder and reuse it every epoch.
+
+For small corpora the frozen encoder is most of a CPU step's cost, and its output for a row never
+changes, so the normalised latents x = encoder(ids, masks) / latent_std are computed once (batched,
+no grad) and kept in RAM as an (N, L, E) tensor in float16 (configurable; float32 is bitwise the
+direct encoding at the same batch composition). Memory: N * L * E * bytes per value.
+
+Packing: packed rows are fixed slices of the token stream, so caching by row index is exact.
+Label drop (spec §3 step 10a): a dropped conditional example's target latents are computed without
+the source, so conditional datasets also cache the source-blind encoding (encoder mask with
+label_drop = 1) of every row; `get` picks per example, and label drop stays exact (2x memory).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from elflow.data.rows import RowDataset
+from elflow.encoder import FrozenEncoder
+from elflow.errors import ELFError
+
+_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+class LatentCache:
+    """Normalised encoder latents of every row (plus source-blind ones for conditional data)."""
+
+    def __init__(self, latents: Tensor, dropped: Tensor | None = None):
+        assert latents.dim() == 3, latents.shape
+        assert dropped is None or dropped.shape == latents.shape, (dropped.shape, latents.shape)
+        self.latents, self.dropped = latents, dropped
+
+    @classmethod
+    @torch.no_grad()
+    def build(
+        cls,
+        dataset: RowDataset,
+        encoder: FrozenEncoder,
+        *,
+        batch_size: int = 64,
+        dtype: torch.dtype | str = torch.float16,
+        progress: bool = False,
+    ) -> LatentCache:
+        """Encode all rows of `dataset` in batches of `batch_size` on the encoder's device."""
+        if isinstance(dtype, str):
+            if dtype not in _DTYPES:
+                raise ELFError(f"latent cache dtype must be one of {list(_DTYPES)}, got {dtype!r}")
+            dtype = _DTYPES[dtype]
+        n, L, E = len(dataset), dataset.max_length, encoder.hidden_size
+        device = next(encoder.model.parameters()).device
+        latents = torch.empty(n, L, E, dtype=dtype)
+        dropped = torch.empty(n, L, E, dtype=dtype) if dataset.conditional else None
+        starts = range(0, n, batch_size)
+        if progress:
+            from tqdm import tqdm
+
+            starts = tqdm(starts, desc="latent cache", unit="batch")
+        for s in starts:
+            idx = np.arange(s, min(s + batch_size, n))
+            batch = {k: v.to(device) for k, v in dataset.get_batch(idx).items()}
+            cond = batch["cond_mask"] if dataset.conditional else None
+            x = encoder(batch["input_ids"], batch["attention_mask"], cond)  # (B, L, E)
+            latents[s : s + len(idx)] = x.to("cpu", dtype)
+            if dropped is not None:
+                blind = torch.ones(len(idx), dtype=torch.bool, device=device)
+                x = encoder(batch["input_ids"], batch["attention_mask"], cond, blind)
+                dropped[s : s + len(idx)] = x.to("cpu", dtype)
+        return cls(latents, dropped)
+
+    def __len__(self) -> int:
+        return self.latents.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        size = self.latents.numel() * self.latents.element_size()
+        return size * (1 if self.dropped is None else 2)
+
+    def get(self, row_indices: np.ndarray, label_drop: np.ndarray | None = None) -> Tensor:
+        """(n, L, E) float32 latents of `row_indices`; rows with `label_drop` get the
+        source-blind encoding, as ``encoder(ids, attention_mask, cond_mask, label_drop)``."""
+        idx = torch.as_tensor(np.asarray(row_indices, dtype=np.int64).reshape(-1))
+        x = self.latents[idx].float()
+        if label_drop is None:
+            return x
+        drop = torch.as_tensor(np.asarray(label_drop, dtype=bool).reshape(-1))
+        if drop.shape != idx.shape:
+            raise ValueError(f"label_drop has shape {tuple(drop.shape)}, rows {tuple(idx.shape)}")
+        if bool(drop.any()):
+            if self.dropped is None:
+                raise ELFError("label drop needs a conditional dataset's latent cache")
+            x[drop] = self.dropped[idx[drop]].float()
+        return x

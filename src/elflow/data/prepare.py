@@ -1,0 +1,122 @@
+"""One-time preparation of a corpus into a memory-mappable token folder (`elflow prepare`).
+
+The folder holds flat token files plus int64 document offsets (`tokens.*` for unconditional data,
+`source.*` and `target.*` for pairs; see :mod:`elflow.data.tables`) and `meta.json`: tokenizer name
+and vocabulary hash, dtype, document/token/truncation counts, and — when an encoder is given —
+`latent_std`, the RMS of its raw outputs over a fixed sample of rows (spec §10: measured at
+preparation for non-T5 encoders). Tokens are appended batch by batch, so memory stays bounded;
+the folder is built under a temporary name and renamed into place only when complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+
+from elflow.data.config import DataConfig
+from elflow.data.rows import RowDataset
+from elflow.data.sources import PREPARED_MARKER, resolve_source
+from elflow.data.tables import token_dtype, tokenize_source
+from elflow.encoder import FrozenEncoder, measure_latent_std
+from elflow.errors import ELFError
+from elflow.tokens import token_spec, vocab_hash
+
+LATENT_STD_ROWS = 256
+LATENT_STD_BATCH = 32
+
+
+def prepare(
+    cfg: DataConfig,
+    tokenizer,
+    out_dir: str | Path,
+    max_length: int,
+    max_input_length: int = 0,
+    encoder: FrozenEncoder | None = None,
+    *,
+    overwrite: bool = False,
+    pad_id: int | None = None,
+) -> Path:
+    """Tokenise `cfg.path` into `out_dir`; returns the folder.
+
+    `max_length`/`max_input_length` only decide the truncation count in meta.json (and the rows
+    latent_std is measured on): the stored documents are complete, so the folder can be read at
+    other lengths later.
+    """
+    out = Path(out_dir)
+    if out.exists() and not overwrite:
+        raise ELFError(f"'{out}' already exists; remove it, choose another --out, or overwrite")
+    src = resolve_source(cfg, cfg.path)
+    if src.container == "prepared":
+        raise ELFError(f"'{cfg.path}' is already a prepared folder; nothing to do")
+    spec = token_spec(tokenizer)
+    pad_id = spec.pad_id if pad_id is None else pad_id
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    start = time.perf_counter()
+    try:
+        target, source = tokenize_source(src, cfg, tokenizer, folder=tmp)
+        rows = RowDataset(
+            target,
+            source=source,
+            max_length=max_length,
+            pad_id=pad_id,
+            max_input_length=max_input_length,
+            packing=cfg.packing,
+            overlong=cfg.overlong,
+        )
+        meta = {
+            PREPARED_MARKER: 1,
+            "source": str(cfg.path),
+            "format": f"{src.container}/{src.kind}",
+            "tokenizer": str(getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__),
+            "vocab_hash": vocab_hash(tokenizer),
+            "vocab_size": spec.vocab_size,
+            "eos_id": spec.eos_id,
+            "pad_id": pad_id,
+            "dtype": token_dtype(spec.vocab_size).name,
+            "conditional": rows.conditional,
+            "num_docs": rows.num_docs,
+            "num_tokens": target.num_tokens,
+            "num_source_tokens": source.num_tokens if source is not None else 0,
+            "max_length": max_length,
+            "max_input_length": max_input_length,
+            "packing": cfg.packing,
+            "num_rows": len(rows),
+            "num_truncated": rows.num_truncated,
+            "seconds": round(time.perf_counter() - start, 3),
+        }
+        if encoder is not None:
+            meta["latent_std"] = measure_rows_latent_std(rows, encoder)
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+        del rows, target, source  # release the memmaps before the rename
+        if out.exists():
+            old = out.parent / f".{out.name}.old-{os.getpid()}"
+            out.rename(old)
+            tmp.rename(out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def measure_rows_latent_std(
+    rows: RowDataset, encoder: FrozenEncoder, num_rows: int = LATENT_STD_ROWS, seed: int = 0
+) -> float:
+    """latent_std over a fixed random sample of `num_rows` rows (spec §10)."""
+    rng = np.random.Generator(np.random.PCG64(seed))
+    n = min(num_rows, len(rows))
+    sample = np.sort(rng.choice(len(rows), size=n, replace=False))
+    batches = (
+        rows.get_batch(sample[i : i + LATENT_STD_BATCH]) for i in range(0, n, LATENT_STD_BATCH)
+    )
+    return measure_latent_std(encoder, batches)

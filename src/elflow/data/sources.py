@@ -1,0 +1,280 @@
+"""Readers: every input format streamed as (source, target) examples (ELF_SPEC §4 custom data).
+
+Plain text (one document per line or per file; a folder means all its *.txt files, sorted), JSONL
+with a text field, JSONL pairs (source/target fields), Hugging Face datasets (`load_from_disk`
+folders or Hub names) and the authors' pre-tokenised records (`input_ids`, optional
+`condition_input_ids`). Everything is a generator: a 9B-token corpus is never held in memory.
+Each yielded example is ``(source, target)``: strings, or id lists for pre-tokenised data;
+``source`` is None for unconditional data. User errors are one line naming the file and line.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from elflow.data.config import DataConfig
+from elflow.data.hf import hf_kind as _hf_kind
+from elflow.data.hf import load_hf as _load_hf
+from elflow.errors import ELFError
+
+Example = tuple[Any, Any]  # (source or None, target): str, or list[int] when pre-tokenised
+TEXT_SUFFIXES = (".txt", ".txt.gz")
+JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".json.gz")
+PREPARED_MARKER = "elflow_prepared"
+
+
+@dataclass(frozen=True)
+class Source:
+    """A resolved data source."""
+
+    location: str
+    """The path or Hub name as given."""
+    container: str
+    """text | jsonl | hf | prepared."""
+    kind: str
+    """What a record holds: text | pairs | pretokenized (prepared: from its meta.json)."""
+    files: tuple[Path, ...] = ()
+    """The files to read, in order (text / jsonl)."""
+    hf_split: str = "train"
+    """Split to read from a Hugging Face dataset."""
+
+    @property
+    def conditional(self) -> bool:
+        if self.container == "prepared":
+            meta = json.loads((Path(self.location) / "meta.json").read_text())
+            return bool(meta["conditional"])
+        if self.kind == "pretokenized":
+            return _first_pretokenized_is_conditional(self)
+        return self.kind == "pairs"
+
+
+def _has_suffix(path: Path, suffixes: tuple[str, ...]) -> bool:
+    return path.name.lower().endswith(suffixes)
+
+
+def _looks_like_hub_name(location: str) -> bool:
+    # "name" or "org/name" without a file extension; anything else was meant as a local path.
+    return (
+        not os.path.isabs(location)
+        and not location.startswith((".", "~"))
+        and location.count("/") <= 1
+        and not _has_suffix(Path(location), (*TEXT_SUFFIXES, *JSONL_SUFFIXES, ".gz"))
+    )
+
+
+def _is_hf_folder(path: Path) -> bool:
+    names = ("dataset_info.json", "state.json", "dataset_dict.json")
+    return any((path / n).is_file() for n in names)
+
+
+def resolve_source(cfg: DataConfig, location: str, hf_split: str | None = None) -> Source:
+    """Find out what `location` is (per ``cfg.format``) without reading more than one record."""
+    if not location:
+        raise ELFError("no data path given; set data.path (or --data) to a file, folder or dataset")
+    split = hf_split or cfg.hf_split
+    fmt = cfg.format
+    path = Path(os.path.expanduser(location))
+    if not path.exists():
+        if fmt in ("auto", "hf") and _looks_like_hub_name(location):
+            return Source(location, "hf", _hf_kind(cfg, location, split), (), split)
+        raise ELFError(f"data path '{location}' does not exist; check data.path / --data")
+    if path.is_dir():
+        if (path / "meta.json").is_file() and fmt in ("auto", "prepared"):
+            meta = json.loads((path / "meta.json").read_text())
+            if PREPARED_MARKER in meta:
+                return Source(location, "prepared", "pretokenized")
+        if fmt == "prepared":
+            raise ELFError(f"'{location}' is not a folder written by elflow prepare (no meta.json)")
+        if fmt == "hf" or (fmt in ("auto", "pairs", "pretokenized") and _is_hf_folder(path)):
+            return Source(location, "hf", _hf_kind(cfg, location, split), (), split)
+        files = sorted(p for p in path.rglob("*") if p.is_file())
+        texts = tuple(p for p in files if _has_suffix(p, TEXT_SUFFIXES))
+        jsonls = tuple(p for p in files if _has_suffix(p, JSONL_SUFFIXES))
+        if fmt == "text" or (fmt == "auto" and texts and not jsonls):
+            if not texts:
+                raise ELFError(f"folder '{location}' has no *.txt or *.txt.gz files; add text")
+            return Source(location, "text", "text", texts)
+        if fmt == "auto" and texts and jsonls:
+            raise ELFError(
+                f"folder '{location}' holds both *.txt and *.jsonl files; set data.format "
+                "to 'text' or 'jsonl'"
+            )
+        if not jsonls:
+            raise ELFError(
+                f"folder '{location}' has no text (*.txt, *.jsonl, optionally .gz) and is not a "
+                "Hugging Face dataset; point data.path at your data"
+            )
+        return Source(location, "jsonl", _jsonl_kind(cfg, jsonls), jsonls)
+    if fmt in ("hf", "prepared"):
+        raise ELFError(f"data.format is {fmt!r} but '{location}' is a file; pass its folder")
+    if path.stat().st_size == 0:
+        raise ELFError(f"data file '{location}' is empty; point data.path at a file with text")
+    if fmt == "text" or (fmt == "auto" and not _has_suffix(path, JSONL_SUFFIXES)):
+        return Source(location, "text", "text", (path,))
+    return Source(location, "jsonl", _jsonl_kind(cfg, (path,)), (path,))
+
+
+def _jsonl_kind(cfg: DataConfig, files: tuple[Path, ...]) -> str:
+    explicit = {"jsonl": "text", "pairs": "pairs", "pretokenized": "pretokenized"}
+    if cfg.format in explicit:
+        return explicit[cfg.format]
+    for path in files:
+        for lineno, record in _iter_json(path):
+            return _record_kind(cfg, record, f"{path}:{lineno}")
+    raise ELFError(f"no JSON records in {', '.join(map(str, files))}; add data or fix data.path")
+
+
+def _record_kind(cfg: DataConfig, record: dict, where: str) -> str:
+    if "input_ids" in record:
+        return "pretokenized"
+    if cfg.source_field in record and cfg.target_field in record:
+        return "pairs"
+    if cfg.text_field in record:
+        return "text"
+    raise ELFError(
+        f"{where}: no '{cfg.text_field}' field, no '{cfg.source_field}'/'{cfg.target_field}' pair "
+        f"and no 'input_ids' (keys: {', '.join(sorted(record)) or 'none'}); set data.text_field "
+        "or data.source_field/target_field"
+    )
+
+
+def _first_pretokenized_is_conditional(src: Source) -> bool:
+    for _, record in _iter_records(src):
+        return "condition_input_ids" in record
+    return False
+
+
+# --- line and record readers --------------------------------------------------------------------
+
+
+def _open(path: Path):
+    return gzip.open(path, "rb") if path.name.lower().endswith(".gz") else open(path, "rb")
+
+
+def _decode(raw: bytes, path: Path, lineno: int) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ELFError(
+            f"{path}:{lineno}: invalid UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
+            "re-encode the file as UTF-8"
+        ) from None
+
+
+def _iter_lines(path: Path) -> Iterator[tuple[int, str]]:
+    """(line number, decoded line without its newline); a gzip or UTF-8 problem is an ELFError."""
+    try:
+        with _open(path) as f:
+            for lineno, raw in enumerate(f, 1):
+                line = _decode(raw, path, lineno).rstrip("\r\n")
+                yield lineno, (line.lstrip("\ufeff") if lineno == 1 else line)
+    except (gzip.BadGzipFile, EOFError, zlib.error) as e:
+        raise ELFError(f"{path}: corrupt gzip file ({e}); re-compress or decompress it") from None
+
+
+def _iter_json(path: Path) -> Iterator[tuple[int, dict]]:
+    for lineno, line in _iter_lines(path):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ELFError(
+                f"{path}:{lineno}: malformed JSON ({e.msg} at column {e.colno}); fix or remove "
+                "the line"
+            ) from None
+        if not isinstance(record, dict):
+            raise ELFError(f"{path}:{lineno}: expected a JSON object per line, got {line[:40]!r}")
+        yield lineno, record
+
+
+def _field(record: dict, name: str, where: str, kind: type) -> Any:
+    if name not in record:
+        raise ELFError(
+            f"{where}: record has no field '{name}' (keys: {', '.join(sorted(record)) or 'none'}); "
+            "fix the record or set the data.*_field option"
+        )
+    value = record[name]
+    if kind is str and not isinstance(value, str):
+        raise ELFError(f"{where}: field '{name}' must be a string, got {type(value).__name__}")
+    if kind is list and not (isinstance(value, list) and all(type(v) is int for v in value)):
+        raise ELFError(f"{where}: field '{name}' must be a list of integer token ids")
+    return value
+
+
+def _iter_records(src: Source) -> Iterator[tuple[str, dict]]:
+    """(location for messages, record) of a JSONL or HF source."""
+    if src.container == "jsonl":
+        for path in src.files:
+            for lineno, record in _iter_json(path):
+                yield f"{path}:{lineno}", record
+    else:
+        for i, record in enumerate(_load_hf(src.location, src.hf_split)):
+            yield f"{src.location}[{src.hf_split}] row {i}", record
+
+
+def _iter_text(src: Source, doc_per: str) -> Iterator[str]:
+    for path in src.files:
+        if doc_per == "line":
+            for _, line in _iter_lines(path):
+                if line.strip():
+                    yield line.strip()
+            continue
+        with _open(path) as f:
+            try:
+                data = f.read()
+            except (gzip.BadGzipFile, EOFError, zlib.error) as e:
+                raise ELFError(f"{path}: corrupt gzip file ({e}); re-compress it") from None
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            lineno = data.count(b"\n", 0, e.start) + 1
+            col = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
+            raise ELFError(
+                f"{path}:{lineno}: invalid UTF-8 (byte 0x{data[e.start]:02x} at column {col}); "
+                "re-encode the file as UTF-8"
+            ) from None
+        if text.lstrip("\ufeff").strip():
+            yield text.lstrip("\ufeff").strip()
+
+
+def iter_examples(src: Source, cfg: DataConfig) -> Iterator[Example]:
+    """Stream (source, target) examples from `src` (at most ``cfg.max_rows``; 0 = all)."""
+    if src.container == "prepared":
+        raise ELFError(f"'{src.location}' is already prepared; open it with build_dataset")
+    if src.kind == "text" and src.container == "text":
+        gen: Iterator[Example] = ((None, doc) for doc in _iter_text(src, cfg.doc_per))
+    else:
+        gen = _iter_record_examples(src, cfg)
+    count = 0
+    for example in gen:
+        yield example
+        count += 1
+        if count == cfg.max_rows:
+            return
+    if count == 0:
+        raise ELFError(f"no documents in '{src.location}'; it holds only blank lines or records")
+
+
+def _iter_record_examples(src: Source, cfg: DataConfig) -> Iterator[Example]:
+    conditional = None
+    for where, record in _iter_records(src):
+        if src.kind == "text":
+            yield None, _field(record, cfg.text_field, where, str)
+        elif src.kind == "pairs":
+            yield (
+                _field(record, cfg.source_field, where, str),
+                _field(record, cfg.target_field, where, str),
+            )
+        else:
+            if conditional is None:
+                conditional = "condition_input_ids" in record
+            source = _field(record, "condition_input_ids", where, list) if conditional else None
+            yield source, _field(record, "input_ids", where, list)

@@ -1,0 +1,416 @@
+"""The full configuration of a training run, its presets and its overrides (ELF_SPEC §3, §4).
+
+:class:`RunConfig` nests one frozen dataclass per concern (model, objective, sampler, data, optim,
+train, encoder). Presets are functions in :data:`PRESETS`: the paper's five (``owt-b/m/l``,
+``de-en-b``, ``xsum-b``, with the released settings) and CPU presets on the offline data sets.
+``--config FILE.yaml`` and ``--set a.b=value`` go through :func:`apply_overrides`: unknown keys and
+wrong types are one-line errors. The network's E and V always come from the encoder and tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from elflow.artifact import T5_SMALL
+from elflow.config import (
+    ModelConfig,
+    ObjectiveConfig,
+    SamplerConfig,
+    elf_b,
+    elf_l,
+    elf_m,
+    elf_small,
+    from_dict,
+    to_dict,
+)
+from elflow.data.config import DataConfig
+from elflow.errors import ELFError
+from elflow.optim import OptimConfig
+
+
+@dataclass(frozen=True)
+class EncoderConfig:
+    """The frozen encoder and its latent normalisation (ELF_SPEC §1, §10)."""
+
+    name: str = T5_SMALL
+    """Hub id, local folder, or the offline alias 'minilm'."""
+    tokenizer: str = ""
+    """Tokenizer id or folder; empty = the encoder's own."""
+    latent_mean: float = 0.0
+    """Latents are (h - latent_mean) / latent_std."""
+    latent_std: float = 0.2
+    """0.2 for T5-small (the paper's); 0 = measure it on the training data at start-up."""
+
+    def __post_init__(self) -> None:
+        if self.latent_std < 0:
+            raise ELFError(f"encoder.latent_std must be >= 0 (0 = measure), got {self.latent_std}")
+
+    @property
+    def tokenizer_name(self) -> str:
+        return self.tokenizer or self.name
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The training loop (ELF_SPEC §3 step 11)."""
+
+    global_batch: int = 512
+    """Examples per optimizer step, over all processes and accumulation steps."""
+    micro_batch: int = 0
+    """Examples per forward on one process; 0 = global_batch / world_size (no accumulation)."""
+    max_steps: int = 0
+    """Optimizer steps to run; 0 = ``epochs`` worth."""
+    epochs: float = 1.0
+    """Training length in passes over the data when max_steps is 0."""
+    warmup_epochs: float = 0.0
+    """If > 0, the linear warm-up lasts this many epochs (overrides optim.warmup_steps)."""
+    ema_decay: float = 0.9999
+    """EMA decay per optimizer step."""
+    ema_warmup: bool = False
+    """Use min(ema_decay, (1 + k) / (10 + k)) so short runs are not dominated by the init."""
+    precision: str = "auto"
+    """'auto' (bf16 autocast on CUDA, fp32 on CPU), 'fp32' or 'bf16'."""
+    parallel: str = "ddp"
+    """'ddp' or 'fsdp2' (shards each block; for ELF-L-sized models)."""
+    procedure: str = "efficient"
+    """Objective procedure: 'efficient' or 'reference' (same loss and gradients)."""
+    seed: int = 0
+    """Seeds the initial weights, the data order and every per-example draw."""
+    device: str = "auto"
+    """'auto' (cuda:LOCAL_RANK when available, else cpu), 'cpu' or 'cuda'."""
+    log_every: int = 10
+    """Steps between metric lines (JSONL, TensorBoard, progress bar)."""
+    save_every: int = 1000
+    """Steps between checkpoints (a final one is always written)."""
+    keep_last: int = 3
+    """Checkpoints kept on disk (older ones are deleted)."""
+    sample_every: int = 0
+    """Steps between sample generations (0 = never)."""
+    num_samples: int = 4
+    """Samples generated at each sample_every."""
+    tensorboard: bool = True
+    """Write TensorBoard events when the tensorboard package is installed."""
+    wandb: bool = False
+    """Log to Weights & Biases (needs the wandb package and its login)."""
+    compile: bool = False
+    """torch.compile the network (costs a one-off compile time)."""
+
+    def __post_init__(self) -> None:
+        def check(cond: bool, msg: str) -> None:
+            if not cond:
+                raise ELFError(msg)
+
+        check(
+            self.global_batch > 0, f"train.global_batch must be positive, got {self.global_batch}"
+        )
+        check(self.micro_batch >= 0, f"train.micro_batch must be >= 0, got {self.micro_batch}")
+        check(self.max_steps >= 0, f"train.max_steps must be >= 0, got {self.max_steps}")
+        check(self.epochs > 0, f"train.epochs must be positive, got {self.epochs}")
+        check(self.warmup_epochs >= 0, "train.warmup_epochs must be >= 0")
+        check(
+            0.0 <= self.ema_decay < 1.0, f"train.ema_decay must be in [0, 1), got {self.ema_decay}"
+        )
+        check(self.precision in ("auto", "fp32", "bf16"), "train.precision: auto, fp32 or bf16")
+        check(self.parallel in ("ddp", "fsdp2"), "train.parallel must be 'ddp' or 'fsdp2'")
+        check(
+            self.procedure in ("efficient", "reference"), "train.procedure: efficient or reference"
+        )
+        check(self.device in ("auto", "cpu", "cuda"), "train.device must be auto, cpu or cuda")
+        for name in ("log_every", "save_every", "keep_last"):
+            check(getattr(self, name) > 0, f"train.{name} must be positive")
+        check(self.sample_every >= 0 and self.num_samples >= 0, "train.sample_* must be >= 0")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything a training run needs; written as ``config.json`` next to every checkpoint."""
+
+    model: ModelConfig = field(default_factory=elf_b)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    encoder: EncoderConfig = field(default_factory=EncoderConfig)
+    task: str = "unconditional"
+    """'unconditional' or 'conditional'."""
+    max_input_length: int = 0
+    """Conditional tasks: source tokens kept; the target gets max_length - max_input_length."""
+    preset: str = ""
+    """The preset this config started from (informational)."""
+
+    def __post_init__(self) -> None:
+        if self.task not in ("unconditional", "conditional"):
+            raise ELFError(f"task must be 'unconditional' or 'conditional', got {self.task!r}")
+        if self.task == "conditional" and not 0 < self.max_input_length < self.model.max_length:
+            raise ELFError(
+                f"conditional runs need 0 < max_input_length ({self.max_input_length}) < "
+                f"model.max_length ({self.model.max_length})"
+            )
+
+
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "objective": ObjectiveConfig,
+    "sampler": SamplerConfig,
+    "data": DataConfig,
+    "optim": OptimConfig,
+    "train": TrainConfig,
+    "encoder": EncoderConfig,
+}
+_SCALARS = ("task", "max_input_length", "preset")
+
+
+def run_config_to_dict(cfg: RunConfig) -> dict[str, Any]:
+    return to_dict(cfg)
+
+
+def run_config_from_dict(data: dict[str, Any]) -> RunConfig:
+    """Build a RunConfig from nested dicts; unknown sections/keys and wrong types are errors."""
+    if not isinstance(data, dict):
+        raise ELFError(f"a run config must be a mapping, got {type(data).__name__}")
+    unknown = sorted(set(data) - set(SECTIONS) - set(_SCALARS))
+    if unknown:
+        raise ELFError(
+            f"unknown config key(s) {unknown}; valid: {sorted(SECTIONS) + list(_SCALARS)}"
+        )
+    kwargs: dict[str, Any] = {
+        name: from_dict(cls, data.get(name, {}), name) for name, cls in SECTIONS.items()
+    }
+    for key in _SCALARS:
+        if key in data:
+            kwargs[key] = data[key]
+    return RunConfig(**kwargs)
+
+
+def parse_value(text: str) -> Any:
+    """Parse a ``--set`` value: JSON (numbers, true/false, null, lists) or else a bare string."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def apply_overrides(
+    cfg: RunConfig, file: str | Path | None = None, sets: list[str] | tuple[str, ...] = ()
+) -> RunConfig:
+    """Apply a YAML/JSON config file, then ``key.path=value`` settings, to ``cfg``."""
+    data = run_config_to_dict(cfg)
+    if file:
+        _merge(data, _read_config_file(Path(file)), str(file))
+    for item in sets:
+        if "=" not in item:
+            raise ELFError(f"--set expects key.path=value, got {item!r}")
+        key, value = item.split("=", 1)
+        parts = key.strip().split(".")
+        node = data
+        for i, part in enumerate(parts[:-1]):
+            if not isinstance(node.get(part), dict):
+                raise ELFError(f"unknown config key {'.'.join(parts[: i + 1])!r} in --set {item}")
+            node = node[part]
+        if parts[-1] not in node:
+            raise ELFError(f"unknown config key {key!r}; valid keys there: {sorted(node)}")
+        node[parts[-1]] = parse_value(value)
+    return run_config_from_dict(data)
+
+
+def _read_config_file(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ELFError(f"config file {path} does not exist")
+    text = path.read_text()
+    if path.suffix == ".json":
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ELFError(f"{path}: invalid JSON ({e})") from None
+    try:
+        import yaml
+    except ImportError:
+        raise ELFError("YAML config files need PyYAML: pip install pyyaml") from None
+    try:
+        loaded = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ELFError(f"{path}: invalid YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(loaded, dict):
+        raise ELFError(f"{path} must hold a mapping of config sections")
+    return loaded
+
+
+def _merge(base: dict[str, Any], update: dict[str, Any], where: str, prefix: str = "") -> None:
+    for key, value in update.items():
+        if key not in base:
+            raise ELFError(f"unknown config key {prefix + key!r} in {where}")
+        if isinstance(base[key], dict):
+            if not isinstance(value, dict):
+                raise ELFError(f"config key {prefix + key!r} in {where} must be a mapping")
+            _merge(base[key], value, where, prefix + key + ".")
+        else:
+            base[key] = value
+
+
+# ----------------------------------------------------------------------------------------------
+# Presets
+
+
+def shared_data(*parts: str) -> str:
+    """A file of the offline data: ``$ELFLOW_SHARED_DATA`` or the repo's ``../shared/data``."""
+    root = os.environ.get("ELFLOW_SHARED_DATA")
+    base = Path(root) if root else Path(__file__).resolve().parents[3] / "shared" / "data"
+    return str(base.joinpath(*parts))
+
+
+def _paper(model: ModelConfig, steps: int = 32, gamma: float = 1.5) -> RunConfig:
+    """OpenWebText, T5-small, L 1024, batch 512, blr 1e-3 (lr 2e-3), warm-up half an epoch."""
+    return RunConfig(
+        model=replace(model, max_length=1024),
+        objective=ObjectiveConfig(),
+        sampler=SamplerConfig(steps=steps, sampler="sde", gamma=gamma, w=3.0),
+        data=DataConfig(packing=False),
+        optim=OptimConfig(blr=1e-3),
+        train=TrainConfig(global_batch=512, warmup_epochs=0.5, ema_decay=0.9999),
+        encoder=EncoderConfig(name=T5_SMALL, latent_std=0.2),
+    )
+
+
+def owt_b() -> RunConfig:
+    """ELF-B on OpenWebText (paper: 32-step SDE gamma 1.5, w 3)."""
+    return replace(_paper(elf_b()), preset="owt-b")
+
+
+def owt_m() -> RunConfig:
+    """ELF-M on OpenWebText (64-step SDE gamma 1.0)."""
+    return replace(_paper(elf_m(), steps=64, gamma=1.0), preset="owt-m")
+
+
+def owt_l() -> RunConfig:
+    """ELF-L on OpenWebText (64-step SDE gamma 1.0); FSDP2 recommended."""
+    return replace(_paper(elf_l(), steps=64, gamma=1.0), preset="owt-l")
+
+
+def _seq2seq(max_input_length: int, max_length: int, name: str) -> RunConfig:
+    """Translation/summarisation: pad with EOS, sigma_d 1, label drop 0.1, warm-up 5000 steps."""
+    return RunConfig(
+        model=elf_b(max_length=max_length),
+        objective=ObjectiveConfig(decoder_noise_scale=1.0, label_drop_prob=0.1, pad_with_eos=True),
+        sampler=SamplerConfig(steps=64, sampler="ode", gamma=0.0, w=1.0, cfg=2.0),
+        data=DataConfig(format="pairs"),
+        optim=OptimConfig(blr=1e-3, warmup_steps=5000),
+        train=TrainConfig(global_batch=512, ema_decay=0.9999),
+        encoder=EncoderConfig(name=T5_SMALL, latent_std=0.2),
+        task="conditional",
+        max_input_length=max_input_length,
+        preset=name,
+    )
+
+
+def de_en_b() -> RunConfig:
+    """ELF-B on WMT14 De-En: 64 + 64 tokens (paper: 64-step ODE, CFG 2, w 1)."""
+    return _seq2seq(64, 128, "de-en-b")
+
+
+def xsum_b() -> RunConfig:
+    """ELF-B on XSum: 1024 + 64 tokens."""
+    return _seq2seq(1024, 1088, "xsum-b")
+
+
+def _cpu(model: ModelConfig, data: DataConfig, name: str, **kw: Any) -> RunConfig:
+    """CPU presets: MiniLM encoder (offline), latent_std measured, latent cache, short-run EMA."""
+    base = dict(
+        model=model,
+        objective=ObjectiveConfig(),
+        sampler=SamplerConfig(steps=32, sampler="sde", gamma=1.5, w=3.0),
+        data=data,
+        optim=OptimConfig(lr=2e-3, warmup_steps=200),
+        train=TrainConfig(
+            global_batch=64,
+            max_steps=10000,
+            ema_decay=0.999,
+            ema_warmup=True,
+            save_every=500,
+            log_every=20,
+            sample_every=1000,
+        ),
+        encoder=EncoderConfig(name="minilm", latent_std=0.0),
+        preset=name,
+    )
+    base.update(kw)
+    return RunConfig(**base)
+
+
+def bible_tiny() -> RunConfig:
+    """World English Bible, one verse per row (L 64), D 256 x 6 blocks (see README)."""
+    data = DataConfig(
+        path=shared_data("web_bible", "train.jsonl.gz"),
+        valid_path=shared_data("web_bible", "valid.jsonl.gz"),
+        format="jsonl",
+        text_field="text",
+        packing=False,
+        latent_cache=True,
+    )
+    return _cpu(elf_small(max_length=64), data, "bible-tiny")
+
+
+def de_en_tiny() -> RunConfig:
+    """Debian descriptions German -> English (32 + 32 tokens)."""
+    data = DataConfig(
+        path=shared_data("ddtp_de_en", "train.jsonl.gz"),
+        valid_path=shared_data("ddtp_de_en", "valid.jsonl.gz"),
+        format="pairs",
+        source_field="de",
+        target_field="en",
+        latent_cache=True,
+    )
+    return _cpu(
+        elf_small(max_length=64),
+        data,
+        "de-en-tiny",
+        objective=ObjectiveConfig(decoder_noise_scale=1.0, label_drop_prob=0.1, pad_with_eos=True),
+        sampler=SamplerConfig(steps=32, sampler="ode", gamma=0.0, w=1.0, cfg=2.0),
+        task="conditional",
+        max_input_length=32,
+    )
+
+
+def summ_tiny() -> RunConfig:
+    """Debian long description -> synopsis (96 + 32 tokens)."""
+    data = DataConfig(
+        path=shared_data("ddtp_summ", "train.jsonl.gz"),
+        valid_path=shared_data("ddtp_summ", "valid.jsonl.gz"),
+        format="pairs",
+        source_field="document",
+        target_field="summary",
+        latent_cache=True,
+    )
+    return _cpu(
+        elf_small(max_length=128),
+        data,
+        "summ-tiny",
+        objective=ObjectiveConfig(decoder_noise_scale=1.0, label_drop_prob=0.1, pad_with_eos=True),
+        sampler=SamplerConfig(steps=32, sampler="ode", gamma=0.0, w=1.0, cfg=2.0),
+        task="conditional",
+        max_input_length=96,
+    )
+
+
+PRESETS: dict[str, Callable[[], RunConfig]] = {
+    "owt-b": owt_b,
+    "owt-m": owt_m,
+    "owt-l": owt_l,
+    "de-en-b": de_en_b,
+    "xsum-b": xsum_b,
+    "bible-tiny": bible_tiny,
+    "de-en-tiny": de_en_tiny,
+    "summ-tiny": summ_tiny,
+}
+
+
+def preset(name: str) -> RunConfig:
+    """A registered preset by name (one-line error listing the choices)."""
+    if name not in PRESETS:
+        raise ELFError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+    return PRESETS[name]()

@@ -1,0 +1,442 @@
+"""The training loop: one code path for 1 process and N processes under torchrun (ELF_SPEC §3).
+
+Per optimizer step every process loads its micro-batches (stream positions from the global order,
+so the union over processes and accumulation steps is the global batch), encodes them with the
+frozen encoder (or reads the latent cache), draws every random quantity keyed by the example's
+global position, and back-propagates (l2_sum + ce_sum) / D with D the loss-mask total of the whole
+global batch (all-reduced), so N processes and gradient accumulation give the update of one process.
+Then: global-norm clipping, Muon + Adam, EMA. A non-finite loss stops every rank with the last good
+checkpoint intact. Checkpoints and resume: ``checkpoint.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from elflow import checkpoint as ckpt_io
+from elflow.artifact import ArtifactConfig
+from elflow.data.latent_cache import LatentCache
+from elflow.data.order import StreamOrder, keyed_bernoulli, rank_positions
+from elflow.data.rows import build_dataset
+from elflow.distributed import DistInfo, all_reduce_sum, parallelize, setup
+from elflow.ema import EMA
+from elflow.encoder import FrozenEncoder, measure_latent_std
+from elflow.errors import ELFError
+from elflow.model import ELF, build_model, count_parameters
+from elflow.objective import Batch, TrainForward, elf_loss, sample_draws_keyed
+from elflow.optim import build_optimizer, learning_rate, set_lr
+from elflow.pipeline import load_tokenizer
+from elflow.run_config import RunConfig, run_config_from_dict, run_config_to_dict
+from elflow.sampling import Condition, sample, sample_generators
+from elflow.tokens import detokenize, shift_out_source, token_spec, vocab_hash
+
+LATENT_STD_ROWS = 256
+
+
+def _autocast(cfg: RunConfig, device: torch.device):
+    bf16 = cfg.train.precision == "bf16" or (
+        cfg.train.precision == "auto" and device.type == "cuda"
+    )
+    if not bf16:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+
+
+class _Logger:
+    """Rank-0 metrics: JSONL always, TensorBoard when installed, wandb when asked."""
+
+    def __init__(self, out: Path, cfg: RunConfig, enabled: bool) -> None:
+        self.enabled = enabled
+        self.tb = self.wandb = None
+        if not enabled:
+            return
+        self.jsonl = (out / "metrics.jsonl").open("a")
+        if cfg.train.tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(str(out / "tensorboard"))
+            except ImportError:
+                self.tb = None
+        if cfg.train.wandb:
+            try:
+                import wandb
+            except ImportError:
+                raise ELFError(
+                    "train.wandb is on but wandb is not installed: pip install wandb"
+                ) from None
+            self.wandb = wandb.init(project="elflow", config=run_config_to_dict(cfg))
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
+        self.jsonl.flush()
+        if self.tb is not None:
+            for k, v in metrics.items():
+                self.tb.add_scalar(k, v, step)
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=step)
+
+    def close(self) -> None:
+        if self.enabled:
+            self.jsonl.close()
+            if self.tb is not None:
+                self.tb.close()
+
+
+def resolve_resume(out: Path, resume: str | None) -> Path | None:
+    """``resume``: None/'auto' (latest checkpoint in ``out`` if any), 'never', or a path."""
+    if resume in (None, "auto"):
+        return ckpt_io.find_checkpoint(out) if out.exists() else None
+    if resume == "never":
+        return None
+    found = ckpt_io.find_checkpoint(Path(resume))
+    if found is None:
+        raise ELFError(f"--resume {resume}: no checkpoint-<step> with state.json there")
+    return found
+
+
+def train(cfg: RunConfig, out: str | Path, resume: str | None = None) -> Path:
+    """Train (or resume) a run into ``out``; returns the last checkpoint folder."""
+    out = Path(out)
+    info = setup(cfg.train.device)
+    resume_from = resolve_resume(out, resume)
+    if resume_from is not None:
+        saved = run_config_from_dict(ckpt_io.read_run_config(resume_from))
+        if saved.model != replace(
+            cfg.model, encoder_dim=saved.model.encoder_dim, vocab_size=saved.model.vocab_size
+        ):
+            raise ELFError(
+                f"cannot resume {resume_from}: it holds another architecture "
+                f"({saved.model}); use a new --out or the same model settings"
+            )
+    torch.manual_seed(cfg.train.seed)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    tokenizer = load_tokenizer(cfg.encoder.tokenizer_name)
+    spec = token_spec(tokenizer)
+    pad_id = spec.eos_id if cfg.objective.pad_with_eos else spec.pad_id
+    L = cfg.model.max_length
+    dataset = build_dataset(cfg.data, tokenizer, L, cfg.max_input_length, pad_id, "train")
+    if len(dataset) == 0:
+        raise ELFError(f"training data {cfg.data.path!r} yields no rows")
+    encoder = FrozenEncoder.from_pretrained(
+        cfg.encoder.name, latent_mean=cfg.encoder.latent_mean, latent_std=1.0
+    ).to(info.device)
+    latent_std = cfg.encoder.latent_std or _measure_latent_std(encoder, dataset, info.device)
+    encoder.latent_std = latent_std
+    model_cfg = replace(cfg.model, encoder_dim=encoder.hidden_size, vocab_size=len(tokenizer))
+    cfg = replace(cfg, model=model_cfg, encoder=replace(cfg.encoder, latent_std=latent_std))
+    artifact = ArtifactConfig(
+        model=model_cfg,
+        sampler=cfg.sampler,
+        encoder=cfg.encoder.name,
+        tokenizer=cfg.encoder.tokenizer_name,
+        tokenizer_hash=vocab_hash(tokenizer),
+        latent_mean=cfg.encoder.latent_mean,
+        latent_std=latent_std,
+        task=cfg.task,
+        max_input_length=cfg.max_input_length,
+        pad_with_eos=cfg.objective.pad_with_eos,
+        noise_scale=cfg.objective.noise_scale,
+        t_eps=cfg.objective.t_eps,
+        origin=f"elflow train (preset {cfg.preset or 'custom'})",
+    )
+
+    G, W = cfg.train.global_batch, info.world_size
+    micro = cfg.train.micro_batch or G // W
+    if G % (W * micro):
+        raise ELFError(
+            f"train.global_batch {G} is not divisible by world_size {W} x micro_batch {micro}"
+        )
+    accum = G // (W * micro)
+    N = len(dataset)
+    total_steps = cfg.train.max_steps or math.ceil(cfg.train.epochs * N / G)
+    optim_cfg = cfg.optim
+    if cfg.train.warmup_epochs > 0:
+        optim_cfg = replace(optim_cfg, warmup_steps=round(cfg.train.warmup_epochs * N / G))
+
+    model = build_model(model_cfg, info.device)
+    start_step = 0
+    rank_state = None
+    if resume_from is not None:
+        from elflow.official import load_state_dict_strict
+
+        load_state_dict_strict(model, ckpt_io.load_weights(resume_from, "model.safetensors"))
+        start_step = ckpt_io.read_state(resume_from)["step"]
+        rank_state = ckpt_io.load_rank_state(resume_from, info)
+    forward = TrainForward(model)
+    if cfg.train.compile:
+        model.compile()
+    sharded = cfg.train.parallel == "fsdp2"
+    wrapped = parallelize(forward, model.blocks, info, cfg.train.parallel)
+    ema = EMA(model, cfg.train.ema_decay, cfg.train.ema_warmup)
+    optimizer = build_optimizer(model, optim_cfg, sharded=sharded)
+    if rank_state is not None:
+        ema.load_state_dict(rank_state["ema"])
+        ckpt_io.restore_optimizer(optimizer, rank_state["optimizer"])
+        ckpt_io.set_rng_state(rank_state["rng"])
+
+    cache = None
+    if cfg.data.latent_cache:
+        cache = LatentCache.build(dataset, encoder, dtype=cfg.data.latent_cache_dtype)
+    order = StreamOrder(N, cfg.train.seed)
+    if info.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+    logger = _Logger(out, cfg, info.is_main)
+    if info.is_main:
+        n_params = count_parameters(model)
+        print(
+            f"elflow train: {cfg.preset or 'custom'} | {n_params / 1e6:.2f}M params | {N} rows | "
+            f"{W} process(es) x {micro} x {accum} accumulation = batch {G} | "
+            f"steps {start_step}->{total_steps} | latent_std {latent_std:.4f} | out {out}",
+            flush=True,
+        )
+    progress = _progress(info, start_step, total_steps)
+    autocast = _autocast(cfg, info.device)
+    ctx = _StepContext(cfg, info, dataset, order, cache, encoder, wrapped, micro, accum, autocast)
+    last_ckpt = resume_from
+    t_last, tokens_since = time.perf_counter(), 0
+    sums: dict[str, float] = {}
+    step = start_step
+    try:
+        for step in range(start_step, total_steps):
+            lr = learning_rate(optim_cfg, step, total_steps, G)
+            set_lr(optimizer, lr)
+            metrics = ctx.accumulate(step)
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), optim_cfg.clip_grad_norm)
+            if not math.isfinite(metrics["loss"]):
+                raise ELFError(
+                    f"non-finite loss at step {step}; stopping (last good checkpoint: "
+                    f"{last_ckpt or 'none'}); lower the learning rate or check the data"
+                )
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            ema.update(model)
+            tokens_since += G * L
+            for k in ("loss", "l2", "ce"):
+                sums[k] = sums.get(k, 0.0) + metrics[k]
+            sums["n"] = sums.get("n", 0) + 1
+            done = step + 1
+            if done % cfg.train.log_every == 0 or done == total_steps:
+                now = time.perf_counter()
+                line = {k: sums[k] / sums["n"] for k in ("loss", "l2", "ce")}
+                line |= {
+                    "lr": lr,
+                    "grad_norm": float(grad_norm),
+                    "tokens_per_s": tokens_since / (now - t_last),
+                    "epoch": done * G / N,
+                }
+                logger.log(done, line)
+                progress.update(done, line)
+                t_last, tokens_since, sums = now, 0, {}
+            if done % cfg.train.save_every == 0 or done == total_steps:
+                last_ckpt = _save(out, done, model, ema, optimizer, artifact, cfg, info, N, G)
+            if cfg.train.sample_every and done % cfg.train.sample_every == 0:
+                _sample_and_print(
+                    out, done, model_cfg, ema, artifact, cfg, tokenizer, dataset, encoder, info
+                )
+    finally:
+        progress.close()
+        logger.close()
+    return last_ckpt if last_ckpt is not None else out
+
+
+class _StepContext:
+    """Builds the micro-batches of one optimizer step and back-propagates them."""
+
+    def __init__(self, cfg, info, dataset, order, cache, encoder, wrapped, micro, accum, autocast):
+        self.cfg, self.info, self.dataset, self.order = cfg, info, dataset, order
+        self.cache, self.encoder, self.wrapped = cache, encoder, wrapped
+        self.micro, self.accum, self.autocast = micro, accum, autocast
+
+    def batch(self, positions: np.ndarray) -> Batch:
+        cfg, dev = self.cfg, self.info.device
+        row_idx = self.order.rows(positions)
+        rows = self.dataset.get_rows(row_idx)
+        ids = torch.from_numpy(rows["input_ids"]).to(dev)
+        attn = torch.from_numpy(rows["attention_mask"]).to(dev)
+        cond = torch.from_numpy(rows["cond_mask"]).to(dev) if self.dataset.conditional else None
+        drop_np = None
+        if self.dataset.conditional and cfg.objective.label_drop_prob > 0:
+            drop_np = keyed_bernoulli(
+                positions, cfg.objective.label_drop_prob, cfg.train.seed, "label_drop"
+            )
+        drop = torch.from_numpy(drop_np).to(dev) if drop_np is not None else None
+        if self.cache is not None:
+            x = self.cache.get(row_idx, drop_np).to(dev)
+        else:
+            x = self.encoder(ids, attn, cond, drop)
+        return Batch(x=x, input_ids=ids, attention_mask=attn, cond_mask=cond, label_drop=drop)
+
+    def accumulate(self, step: int) -> dict[str, float]:
+        cfg, info = self.cfg, self.info
+        G, W = cfg.train.global_batch, info.world_size
+        parts = []
+        for k in range(self.accum):
+            pos = rank_positions(step, G, W, info.rank, self.micro, k)
+            parts.append((pos, self.batch(pos)))
+        # D: the loss-mask total of the whole global batch (spec §10 "Distributed equality").
+        local = sum(_mask_total(b, cfg.objective.pad_with_eos) for _, b in parts)
+        denom = all_reduce_sum(torch.tensor([float(local)], device=info.device)).item()
+        stats = torch.zeros(4, device=info.device, dtype=torch.float64)
+        for k, (pos, batch) in enumerate(parts):
+            draws = sample_draws_keyed(
+                pos.tolist(),
+                batch.x.shape[1],
+                batch.x.shape[2],
+                cfg.objective,
+                cfg.train.seed,
+                info.device,
+            )
+            sync = contextlib.nullcontext()
+            if k < self.accum - 1 and hasattr(self.wrapped, "no_sync"):
+                sync = self.wrapped.no_sync()
+            with sync:
+                with self.autocast:
+                    out = elf_loss(self.wrapped, batch, draws, cfg.objective, cfg.train.procedure)
+                # DDP/FSDP2 average gradients over processes: scale by W to get the sum.
+                ((out.l2_sum + out.ce_sum) * (W / max(denom, 1.0))).backward()
+            den_rows = (~draws.decoder_active.bool()).to(batch.x.device)
+            l2_tokens, ce_tokens = _branch_tokens(batch, den_rows, cfg.objective.pad_with_eos)
+            stats += torch.stack(
+                [out.l2_sum.detach(), out.ce_sum.detach(), l2_tokens, ce_tokens]
+            ).double()
+        stats = all_reduce_sum(stats).tolist()
+        return {
+            "loss": (stats[0] + stats[1]) / max(denom, 1.0),
+            "l2": stats[0] / max(stats[2], 1.0),
+            "ce": stats[1] / max(stats[3], 1.0),
+        }
+
+
+def _loss_mask(batch: Batch, pad_with_eos: bool) -> Tensor:
+    valid = (
+        torch.ones_like(batch.attention_mask, dtype=torch.bool)
+        if pad_with_eos
+        else batch.attention_mask.bool()
+    )
+    if batch.cond_mask is not None:
+        valid = valid & ~batch.cond_mask.bool()
+    return valid.float()
+
+
+def _mask_total(batch: Batch, pad_with_eos: bool) -> float:
+    return float(_loss_mask(batch, pad_with_eos).sum())
+
+
+def _branch_tokens(batch: Batch, den_rows: Tensor, pad_with_eos: bool) -> tuple[Tensor, Tensor]:
+    mask = _loss_mask(batch, pad_with_eos)
+    den = (mask * den_rows.float()[:, None]).sum()
+    return den, mask.sum() - den
+
+
+@torch.no_grad()
+def _measure_latent_std(encoder: FrozenEncoder, dataset, device: torch.device) -> float:
+    """RMS of the encoder's outputs over the first rows (deterministic; spec §10)."""
+    n = min(LATENT_STD_ROWS, len(dataset))
+    rows = dataset.get_rows(np.arange(n))
+    batches = []
+    for start in range(0, n, 32):
+        sl = slice(start, start + 32)
+        batch = {k: torch.from_numpy(v[sl]).to(device) for k, v in rows.items()}
+        if not dataset.conditional:
+            batch.pop("cond_mask", None)
+        batches.append(batch)
+    return float(measure_latent_std(encoder, batches))
+
+
+def _save(out, step, model, ema, optimizer, artifact, cfg, info: DistInfo, N, G) -> Path:
+    model_state = ckpt_io.full_state(model.state_dict())
+    ema_state = ema.state_dict_for_save()
+    state = {"step": step, "epoch": step * G / N, "examples_seen": step * G}
+    return ckpt_io.save_checkpoint(
+        out,
+        step,
+        model_state=model_state,
+        ema_state=ema_state,
+        rank_state={"optimizer": optimizer.state_dict(), "ema": ema.state_dict()},
+        artifact=artifact,
+        run_config=run_config_to_dict(cfg),
+        state=state,
+        info=info,
+        keep_last=cfg.train.keep_last,
+    )
+
+
+def _sample_and_print(out, step, model_cfg, ema, artifact, cfg, tokenizer, dataset, encoder, info):
+    ema_state = ema.state_dict_for_save()  # collective under FSDP2
+    if not info.is_main or cfg.train.num_samples == 0:
+        return
+    net = ELF(model_cfg).to(info.device)
+    net.load_state_dict(ema_state)
+    net.eval()
+    spec = token_spec(tokenizer)
+    n = cfg.train.num_samples
+    gens = sample_generators(cfg.train.seed, range(n), info.device)
+    cond, cond_mask = None, None
+    if dataset.conditional:
+        rows = dataset.get_rows(np.arange(min(n, len(dataset))))
+        ids = torch.from_numpy(rows["input_ids"]).to(info.device)
+        cond_mask = torch.from_numpy(rows["cond_mask"]).to(info.device)
+        src = ids.masked_fill(cond_mask == 0, spec.pad_id)
+        cond = Condition(encoder(src, cond_mask, cond_mask), cond_mask)
+        gens = gens[: len(ids)]
+    result = sample(
+        net, gens, model_cfg.max_length, cfg.sampler, artifact.noise_scale, artifact.t_eps, cond
+    )
+    tokens = result.tokens
+    if cond_mask is not None:
+        keep = model_cfg.max_length - cfg.max_input_length
+        tokens = shift_out_source(tokens, cond_mask, keep, spec.pad_id)
+    texts = detokenize(tokenizer, tokens, spec.eos_id, spec.pad_id)
+    folder = out / "samples"
+    folder.mkdir(exist_ok=True)
+    with (folder / f"step-{step}.jsonl").open("w") as f:
+        for i, text in enumerate(texts):
+            f.write(json.dumps({"id": i, "step": step, "text": text}) + "\n")
+    print(f"\n[samples @ step {step}]", *(f"  {i}: {t}" for i, t in enumerate(texts)), sep="\n")
+
+
+class _Progress:
+    def __init__(self, bar) -> None:
+        self.bar = bar
+
+    def update(self, done: int, line: dict[str, Any]) -> None:
+        if self.bar is None:
+            return
+        self.bar.n = done
+        self.bar.set_postfix(
+            loss=f"{line['loss']:.4f}",
+            l2=f"{line['l2']:.4f}",
+            ce=f"{line['ce']:.3f}",
+            lr=f"{line['lr']:.2e}",
+            gnorm=f"{line['grad_norm']:.2f}",
+            tok_s=f"{line['tokens_per_s']:.0f}",
+            refresh=False,
+        )
+        self.bar.refresh()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _progress(info: DistInfo, start: int, total: int) -> _Progress:
+    if not info.is_main:
+        return _Progress(None)
+    from tqdm import tqdm
+
+    return _Progress(tqdm(total=total, initial=start, desc="train", dynamic_ncols=True))

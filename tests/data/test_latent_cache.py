@@ -1,0 +1,43 @@
+"""The latent cache returns what the encoder would, label-dropped conditional rows included."""
+
+import numpy as np
+import torch
+
+from elflow.data import DataConfig, LatentCache, build_dataset
+from tests.data.conftest import shared_rows, write_jsonl
+
+
+def test_unconditional_packed_cache_equals_direct_encoding(tokenizer, tiny_encoder, tmp_path):
+    path = write_jsonl(tmp_path / "b.jsonl", shared_rows("web_bible", 12))
+    ds = build_dataset(DataConfig(path=str(path), packing=True), tokenizer, 16)
+    cache = LatentCache.build(ds, tiny_encoder, batch_size=4, dtype="float32")
+    idx = np.array([5, 0, 3, 3])
+    batch = ds.get_batch(idx)
+    direct = tiny_encoder(batch["input_ids"], batch["attention_mask"])
+    torch.testing.assert_close(cache.get(idx), direct, rtol=0, atol=0)
+    half = LatentCache.build(ds, tiny_encoder, batch_size=4)
+    assert half.latents.dtype == torch.float16 and half.nbytes == cache.nbytes // 2
+    torch.testing.assert_close(half.get(idx), direct, rtol=2e-3, atol=2e-3)
+
+
+def test_conditional_cache_with_label_drop(tokenizer, tiny_encoder, tmp_path):
+    path = write_jsonl(tmp_path / "p.jsonl", shared_rows("ddtp_de_en", 10))
+    cfg = DataConfig(path=str(path), source_field="de", target_field="en")
+    ds = build_dataset(cfg, tokenizer, max_length=32, max_input_length=16)
+    cache = LatentCache.build(ds, tiny_encoder, batch_size=3, dtype="float32")
+    idx = np.array([9, 2, 4, 7, 0])
+    drop = np.array([True, False, True, False, False])
+    b = ds.get_batch(idx)
+    direct = tiny_encoder(
+        b["input_ids"], b["attention_mask"], b["cond_mask"], torch.from_numpy(drop)
+    )
+    got = cache.get(idx, drop)
+    torch.testing.assert_close(got, direct, rtol=0, atol=0)
+    # The label drop changes target latents of dropped rows only (source latents never see the
+    # target, so they agree).
+    kept = cache.get(idx)
+    tgt = (b["attention_mask"].bool() & ~b["cond_mask"].bool())[..., None]
+    assert not torch.allclose(got[0][tgt[0, :, 0]], kept[0][tgt[0, :, 0]])
+    torch.testing.assert_close(got[1], kept[1])
+    src = b["cond_mask"].bool()
+    torch.testing.assert_close(got[0][src[0]], kept[0][src[0]])

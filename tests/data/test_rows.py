@@ -1,0 +1,189 @@
+"""Rows (spec §4): packing, one document per row, conditional rows and masks, truncation, and the
+prepared (memory-mapped) folder reproducing the in-memory path."""
+
+import argparse
+import json
+from typing import ClassVar
+
+import numpy as np
+import pytest
+
+from elflow.data import DataConfig, RowDataset, TokenTable, build_dataset, prepare
+from elflow.data.rows import read_meta
+from elflow.errors import ELFError
+from elflow.tokens import build_conditional_row, build_unconditional_row, token_spec, tokenize
+from tests.data.conftest import shared_rows, write_jsonl
+
+
+def _table(docs):
+    lengths = np.array([0] + [len(d) for d in docs])
+    flat = np.array([t for d in docs for t in d], dtype=np.uint16)
+    return TokenTable(flat, np.cumsum(lengths))
+
+
+def test_one_document_per_row_padding_and_masks(tokenizer, tmp_path):
+    verses = [r["text"] for r in shared_rows("web_bible", 20)]
+    path = write_jsonl(tmp_path / "b.jsonl", [{"text": v} for v in verses])
+    spec = token_spec(tokenizer)
+    ds = build_dataset(DataConfig(path=str(path)), tokenizer, max_length=32)
+    assert len(ds) == 20 and not ds.conditional
+    rows = ds.get_rows(np.arange(20))
+    assert all(v.dtype == np.int64 and v.shape == (20, 32) for v in rows.values())
+    docs = tokenize(tokenizer, verses)
+    for i, doc in enumerate(docs):
+        ids, mask = build_unconditional_row(doc, 32, spec.pad_id)
+        assert rows["input_ids"][i].tolist() == ids
+        assert rows["attention_mask"][i].tolist() == mask
+    assert not rows["cond_mask"].any()
+    assert ds.num_truncated == sum(len(d) > 32 for d in docs) > 0
+    # A different pad id (the seq2seq convention pads with EOS) only changes the padding.
+    eos_pad = build_dataset(DataConfig(path=str(path)), tokenizer, 32, pad_id=spec.eos_id)
+    other = eos_pad.get_rows(np.arange(20))
+    pad = rows["attention_mask"] == 0
+    assert (other["input_ids"][pad] == spec.eos_id).all()
+    assert (other["input_ids"][~pad] == rows["input_ids"][~pad]).all()
+
+
+def test_packing_exact_rows_with_eos_separators(tokenizer, tmp_path):
+    verses = [r["text"] for r in shared_rows("web_bible", 30)]
+    (tmp_path / "b.txt").write_text("\n".join(verses), encoding="utf-8")
+    eos = token_spec(tokenizer).eos_id
+    ds = build_dataset(DataConfig(path=str(tmp_path / "b.txt"), packing=True), tokenizer, 16)
+    stream = [t for d in tokenize(tokenizer, verses) for t in d]
+    assert len(ds) == len(stream) // 16 and ds.num_truncated == 0  # the partial tail is dropped
+    rows = ds.get_rows(np.arange(len(ds)))
+    assert rows["input_ids"].shape == (len(ds), 16)
+    assert rows["input_ids"].reshape(-1).tolist() == stream[: len(ds) * 16]
+    assert rows["attention_mask"].all() and not rows["cond_mask"].any()
+    assert stream.count(eos) == 30  # one EOS ends every document in the stream
+
+
+def test_packing_appends_missing_eos():
+    # Pre-tokenised documents without a trailing EOS still get one separator each when packed.
+    table = _table([[5, 6, 2], [7, 8]])
+    ds = RowDataset(table, max_length=2, pad_id=0, packing=True)
+    assert ds.get_rows(np.arange(len(ds)))["input_ids"].reshape(-1).tolist() == [5, 6, 2, 7]
+
+
+def test_conditional_rows_match_build_conditional_row(tokenizer, tmp_path):
+    pairs = shared_rows("ddtp_de_en", 40)
+    path = write_jsonl(tmp_path / "p.jsonl.gz", pairs, gz=True)
+    cfg = DataConfig(path=str(path), source_field="de", target_field="en")
+    eos = token_spec(tokenizer).eos_id
+    ds = build_dataset(cfg, tokenizer, max_length=24, max_input_length=12, pad_id=eos)
+    assert ds.conditional and len(ds) == 40
+    rows = ds.get_rows(np.arange(40))
+    src = tokenize(tokenizer, [p["de"] for p in pairs])
+    tgt = tokenize(tokenizer, [p["en"] for p in pairs])
+    truncated = 0
+    for i in range(40):
+        ids, attn, cond = build_conditional_row(src[i], tgt[i], 12, 24, eos)
+        assert rows["input_ids"][i].tolist() == ids
+        assert rows["attention_mask"][i].tolist() == attn
+        assert rows["cond_mask"][i].tolist() == cond
+        truncated += len(src[i]) > 12 or min(len(src[i]), 12) + len(tgt[i]) > 24
+    assert ds.num_truncated == truncated > 0
+    with pytest.raises(ELFError, match="max_input_length"):
+        build_dataset(cfg, tokenizer, max_length=24)
+    with pytest.raises(ELFError, match="packing applies to unconditional"):
+        build_dataset(
+            DataConfig(path=str(path), source_field="de", target_field="en", packing=True),
+            tokenizer,
+            24,
+            12,
+        )
+
+
+def test_overlong_error_names_document(tokenizer, tmp_path):
+    path = tmp_path / "t.txt"
+    path.write_text("short\n" + "a much longer line with many words in it\n")
+    ds = build_dataset(DataConfig(path=str(path)), tokenizer, 5)
+    assert ds.num_truncated == 1
+    with pytest.raises(ELFError, match=r"document 1 has 11 tokens, more than max_length 5"):
+        build_dataset(DataConfig(path=str(path), overlong="error"), tokenizer, 5)
+    table = _table([[1, 2, 3], [4, 5, 6, 7]])
+    with pytest.raises(ELFError, match="document 0 has source 3"):
+        RowDataset(
+            table, source=table, max_length=6, max_input_length=2, pad_id=0, overlong="error"
+        )
+
+
+@pytest.mark.parametrize("kind", ["text", "pairs", "packed", "pretokenized"])
+def test_prepare_round_trip_equals_in_memory(tokenizer, tmp_path, kind):
+    if kind == "pairs":
+        recs = shared_rows("ddtp_summ", 30)
+        kw = dict(source_field="document", target_field="summary")
+        lengths = dict(max_length=40, max_input_length=32)
+    elif kind == "pretokenized":
+        recs = [
+            {"input_ids": [101, i, 102], "condition_input_ids": [101, 7, i, 102]}
+            for i in range(1000, 1030)
+        ]
+        kw, lengths = {}, dict(max_length=6, max_input_length=3)
+    else:
+        recs = shared_rows("web_bible", 30)
+        kw = dict(packing=kind == "packed")
+        lengths = dict(max_length=24)
+    path = write_jsonl(tmp_path / "d.jsonl", recs)
+    cfg = DataConfig(path=str(path), tokenize_batch_size=7, **kw)  # several append batches
+    memory = build_dataset(cfg, tokenizer, **lengths)
+    out = prepare(cfg, tokenizer, tmp_path / "prep", **lengths)
+    assert not any(p.name.startswith(".") for p in tmp_path.iterdir())  # temp folder renamed
+    meta = read_meta(out)
+    assert meta["dtype"] == "uint16" and meta["conditional"] == memory.conditional
+    assert meta["num_docs"] == memory.num_docs and meta["num_truncated"] == memory.num_truncated
+    mapped = build_dataset(DataConfig(path=str(out), **kw), tokenizer, **lengths)
+    assert isinstance(mapped.target.tokens, np.memmap)
+    assert len(mapped) == len(memory) and mapped.num_truncated == memory.num_truncated
+    idx = np.arange(len(memory))[::-1]
+    a, b = memory.get_rows(idx), mapped.get_rows(idx)
+    for key in a:
+        assert np.array_equal(a[key], b[key]), key
+    with pytest.raises(ELFError, match="already exists"):
+        prepare(cfg, tokenizer, out, **lengths)
+
+
+def test_prepare_checks_tokenizer_and_cli(tokenizer, tmp_path, capsys):
+    from elflow.data import cli
+
+    recs = shared_rows("web_bible", 10)
+    path = write_jsonl(tmp_path / "d.jsonl", recs)
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    args = parser.parse_args(
+        [
+            "--data",
+            str(path),
+            "--tokenizer",
+            tokenizer.name_or_path,
+            "--out",
+            str(tmp_path / "p"),
+            "--max-length",
+            "16",
+        ]
+    )
+    assert cli.run(args) == 0
+    assert "num_docs=10" in capsys.readouterr().out
+    meta = json.loads((tmp_path / "p" / "meta.json").read_text())
+    assert meta["vocab_size"] == len(tokenizer) and "latent_std" not in meta
+
+    class Other:  # a tokenizer with another vocabulary
+        special_tokens_map: ClassVar[dict] = {}
+
+        def get_vocab(self):
+            return {"a": 0}
+
+    with pytest.raises(ELFError, match="vocabulary hash differs"):
+        RowDataset.from_prepared(tmp_path / "p", max_length=16, pad_id=0, tokenizer=Other())
+
+
+def test_prepare_measures_latent_std(tokenizer, tmp_path, tiny_encoder):
+    path = write_jsonl(tmp_path / "d.jsonl", shared_rows("web_bible", 12))
+    cfg = DataConfig(path=str(path))
+    out = prepare(cfg, tokenizer, tmp_path / "p", max_length=16, encoder=tiny_encoder)
+    std = read_meta(out)["latent_std"]
+    ds = build_dataset(DataConfig(path=str(out)), tokenizer, 16)
+    batch = ds.get_batch(np.arange(len(ds)))
+    h = tiny_encoder.encode_raw(batch["input_ids"], batch["attention_mask"])
+    valid = batch["attention_mask"].bool()
+    assert std == pytest.approx(float(h[valid].pow(2).mean().sqrt()), rel=1e-5)
