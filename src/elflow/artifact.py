@@ -98,6 +98,7 @@ class ArtifactConfig:
         version = data.pop("format_version", None)
         if version != FORMAT_VERSION:
             raise ELFError(f"unsupported elflow model format_version {version}; upgrade elflow")
+        data.pop("run", None)  # a training checkpoint's full run config (see checkpoint.py)
         model = from_dict(ModelConfig, data.pop("model", {}), "model")
         sampler = from_dict(SamplerConfig, data.pop("sampler", {}), "sampler")
         rest = from_dict(_ArtifactFields, data)

@@ -64,17 +64,34 @@ def rng_state() -> dict[str, Any]:
     state = {
         "torch": torch.get_rng_state(),
         "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "numpy": _numpy_state_to_torch(np.random.get_state()),
     }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
+def _numpy_state_to_torch(state: tuple) -> dict[str, Any]:
+    # NOTE: numpy arrays are not weights-only loadable; keep the key array as a tensor.
+    kind, keys, pos, has_gauss, cached = state
+    return {
+        "kind": kind,
+        "keys": torch.from_numpy(keys.astype(np.int64)),
+        "pos": int(pos),
+        "has_gauss": int(has_gauss),
+        "cached": float(cached),
+    }
+
+
+def _numpy_state_from_torch(state: dict[str, Any]) -> tuple:
+    keys = state["keys"].numpy().astype(np.uint32)
+    return (state["kind"], keys, state["pos"], state["has_gauss"], state["cached"])
+
+
 def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    np.random.set_state(_numpy_state_from_torch(state["numpy"]))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 

@@ -325,9 +325,11 @@ def _cpu(model: ModelConfig, data: DataConfig, name: str, **kw: Any) -> RunConfi
         objective=ObjectiveConfig(),
         sampler=SamplerConfig(steps=32, sampler="sde", gamma=1.5, w=3.0),
         data=data,
-        optim=OptimConfig(lr=2e-3, warmup_steps=200),
+        # bf16 autocast and bf16 Newton-Schulz: 2.3x faster steps on AVX-512 BF16 CPUs (README).
+        optim=OptimConfig(lr=2e-3, warmup_steps=200, muon_ns_dtype="bfloat16"),
         train=TrainConfig(
             global_batch=64,
+            precision="bf16",
             max_steps=10000,
             ema_decay=0.999,
             ema_warmup=True,

