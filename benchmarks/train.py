@@ -1,0 +1,178 @@
+"""Training-step throughput and peak memory: the full step and the latent cache's speed-up.
+
+Usage:
+    python benchmarks/train.py                       # every size below, each in its own process
+    python benchmarks/train.py --only bible-tiny --precision bf16 --steps 10
+
+One full optimizer step = objective forward + backward (efficient or reference procedure) +
+global-norm clipping + Muon/Adam + EMA, on random latents of the preset's shape. Each
+(size, procedure, precision) runs in a fresh subprocess so that its peak RSS is its own.
+``--cache`` also times the frozen MiniLM encoder on a batch of real verses (what the latent cache
+saves per step) against a cache lookup.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import resource
+import subprocess
+import sys
+import time
+
+import torch
+
+SIZES = {
+    # name: (model preset, E, V, L, B, optimizer Newton-Schulz dtype)
+    "bible-tiny": ("elf-small", 384, 30522, 64, 64),
+    "elf-b-L128": ("elf-b", 512, 32100, 128, 8),
+}
+
+
+def one(size: str, procedure: str, precision: str, steps: int, ns_dtype: str) -> dict:
+    from elflow.config import ObjectiveConfig, model_preset
+    from elflow.ema import EMA
+    from elflow.model import build_model
+    from elflow.objective import Batch, elf_loss, sample_draws_keyed
+    from elflow.optim import OptimConfig, build_optimizer, set_lr
+
+    preset, E, V, L, B = SIZES[size]
+    torch.manual_seed(0)
+    model = build_model(model_preset(preset, encoder_dim=E, vocab_size=V, max_length=L)).train()
+    ema = EMA(model, 0.999)
+    opt = build_optimizer(model, OptimConfig(lr=1e-3, muon_ns_dtype=ns_dtype))
+    set_lr(opt, 1e-3)
+    cfg = ObjectiveConfig()
+    g = torch.Generator().manual_seed(0)
+    batch = Batch(
+        torch.randn(B, L, E, generator=g),
+        torch.randint(0, V, (B, L), generator=g),
+        torch.ones(B, L),
+    )
+    autocast = (
+        torch.autocast("cpu", dtype=torch.bfloat16)
+        if precision == "bf16"
+        else contextlib.nullcontext()
+    )
+
+    def step(i: int) -> None:
+        draws = sample_draws_keyed(range(i * B, (i + 1) * B), L, E, cfg, 0)
+        with autocast:
+            out = elf_loss(model, batch, draws, cfg, procedure)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        ema.update(model)
+
+    step(0)
+    t0 = time.perf_counter()
+    for i in range(1, steps + 1):
+        step(i)
+    dt = (time.perf_counter() - t0) / steps
+    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return {
+        "size": size,
+        "procedure": procedure,
+        "precision": precision,
+        "ns": ns_dtype,
+        "s_per_step": dt,
+        "tokens_per_s": B * L / dt,
+        "peak_rss_mb": peak_mb,
+    }
+
+
+def cache_speedup(batches: int = 3) -> dict:
+    """Seconds per batch of 64 verses (L 64) through MiniLM vs a latent-cache lookup."""
+    import gzip
+
+    import numpy as np
+    from transformers import AutoTokenizer
+
+    from elflow.data.latent_cache import LatentCache
+    from elflow.encoder import FrozenEncoder, resolve_pretrained
+    from elflow.run_config import shared_data
+
+    tok = AutoTokenizer.from_pretrained(resolve_pretrained("minilm"))
+    enc = FrozenEncoder.from_pretrained("minilm", latent_std=0.358)
+    with gzip.open(shared_data("web_bible", "valid.jsonl.gz"), "rt") as f:
+        texts = [json.loads(line)["text"] for line in f][: 64 * batches]
+    ids = tok(texts, max_length=64, truncation=True, padding="max_length", return_tensors="pt")
+    enc(ids["input_ids"][:64], ids["attention_mask"][:64])
+    t0 = time.perf_counter()
+    latents = [
+        enc(ids["input_ids"][i : i + 64], ids["attention_mask"][i : i + 64])
+        for i in range(0, 64 * batches, 64)
+    ]
+    t_enc = (time.perf_counter() - t0) / batches
+    cache = LatentCache(torch.cat(latents).to(torch.float16))
+    t0 = time.perf_counter()
+    for i in range(batches):
+        cache.get(np.arange(i * 64, (i + 1) * 64))
+    t_cache = (time.perf_counter() - t0) / batches
+    return {"encode_s_per_batch": t_enc, "cache_s_per_batch": t_cache}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--only", help="run one size in this process (used by the driver)")
+    p.add_argument("--procedure", default="efficient")
+    p.add_argument("--precision", default="fp32")
+    p.add_argument("--ns", default="bfloat16", help="Muon Newton-Schulz dtype")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--cache", action="store_true", help="also time encoder vs latent cache")
+    args = p.parse_args()
+    if args.only:
+        print(json.dumps(one(args.only, args.procedure, args.precision, args.steps, args.ns)))
+        return
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(
+        f"{'size':<11} {'procedure':<10} {'prec':<5} {'NS':<9} {'s/step':>7} {'tok/s':>7} "
+        f"{'peak RSS MB':>11}"
+    )
+    rows = []
+    for size in SIZES:
+        for precision in ("fp32", "bf16"):
+            for procedure in ("reference", "efficient"):
+                cmd = [
+                    sys.executable,
+                    __file__,
+                    "--only",
+                    size,
+                    "--procedure",
+                    procedure,
+                    "--precision",
+                    precision,
+                    "--steps",
+                    str(args.steps),
+                    "--ns",
+                    args.ns,
+                ]
+                r = json.loads(
+                    subprocess.run(cmd, capture_output=True, text=True, check=True)
+                    .stdout.strip()
+                    .splitlines()[-1]
+                )
+                rows.append(r)
+                print(
+                    f"{size:<11} {procedure:<10} {precision:<5} {args.ns:<9} "
+                    f"{r['s_per_step']:>7.2f} {r['tokens_per_s']:>7.0f} {r['peak_rss_mb']:>11.0f}",
+                    flush=True,
+                )
+            ref, eff = rows[-2], rows[-1]
+            print(
+                f"{'':<11} full step efficient / reference ({precision}): "
+                f"{eff['s_per_step'] / ref['s_per_step']:.2f}"
+            )
+    if args.cache:
+        c = cache_speedup()
+        print(
+            f"\nMiniLM encoding of 64 verses (L 64): {c['encode_s_per_batch']:.3f} s/batch; "
+            f"latent-cache lookup: {c['cache_s_per_batch'] * 1e3:.1f} ms/batch "
+            f"({c['encode_s_per_batch'] / c['cache_s_per_batch']:.0f}x less per step)"
+        )
+
+
+if __name__ == "__main__":
+    main()

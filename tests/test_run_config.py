@@ -1,0 +1,97 @@
+"""Run configs: paper presets carry the released settings; overrides are typed and strict."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from elflow.errors import ELFError
+from elflow.optim import peak_lr
+from elflow.run_config import (
+    PRESETS,
+    apply_overrides,
+    preset,
+    run_config_from_dict,
+    run_config_to_dict,
+)
+
+
+def test_paper_presets_have_the_released_settings():
+    b = preset("owt-b")
+    assert (b.model.depth, b.model.hidden_size, b.model.num_heads) == (12, 768, 12)
+    assert b.model.max_length == 1024 and b.task == "unconditional"
+    assert b.encoder.name == "google-t5/t5-small" and b.encoder.latent_std == 0.2
+    assert b.train.global_batch == 512 and peak_lr(b.optim, 512) == pytest.approx(2e-3)
+    assert b.train.warmup_epochs == 0.5 and b.train.ema_decay == 0.9999
+    o = b.objective
+    assert (o.time_mean, o.time_std, o.noise_scale, o.t_eps) == (-1.5, 0.8, 2.0, 0.05)
+    assert (o.decoder_prob, o.decoder_noise_scale, o.self_cond_prob) == (0.2, 5.0, 0.5)
+    assert (o.w_min, o.w_max) == (0.5, 5.0) and not o.pad_with_eos
+    assert (b.sampler.steps, b.sampler.sampler, b.sampler.gamma, b.sampler.w) == (32, "sde", 1.5, 3)
+    assert preset("owt-m").model.hidden_size == 1056 and preset("owt-m").sampler.steps == 64
+    assert preset("owt-l").model.depth == 32 and preset("owt-l").sampler.gamma == 1.0
+    de = preset("de-en-b")
+    assert (de.model.max_length, de.max_input_length, de.task) == (128, 64, "conditional")
+    assert de.objective.pad_with_eos and de.objective.decoder_noise_scale == 1.0
+    assert de.objective.label_drop_prob == 0.1 and de.optim.warmup_steps == 5000
+    assert (de.sampler.sampler, de.sampler.steps, de.sampler.cfg, de.sampler.w) == (
+        "ode",
+        64,
+        2.0,
+        1.0,
+    )
+    xs = preset("xsum-b")
+    assert (xs.model.max_length, xs.max_input_length) == (1088, 1024)
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_presets_round_trip_through_dicts(name):
+    cfg = preset(name)
+    assert run_config_from_dict(json.loads(json.dumps(run_config_to_dict(cfg)))) == cfg
+
+
+def test_cpu_presets_use_offline_encoder_and_short_run_ema():
+    cfg = preset("bible-tiny")
+    assert cfg.encoder.name == "minilm" and cfg.encoder.latent_std == 0.0  # measured
+    assert cfg.train.ema_warmup and cfg.train.ema_decay < 0.9999
+    assert cfg.data.latent_cache and cfg.data.path.endswith("train.jsonl.gz")
+    assert preset("de-en-tiny").task == "conditional"
+    assert preset("summ-tiny").max_input_length == 96
+
+
+def test_overrides_from_set_and_yaml(tmp_path):
+    yaml_file = tmp_path / "cfg.yaml"
+    yaml_file.write_text("train:\n  global_batch: 32\nmodel:\n  depth: 3\n")
+    cfg = apply_overrides(
+        preset("bible-tiny"), yaml_file, ["train.max_steps=7", "optim.lr=1e-3", "data.path=x.txt"]
+    )
+    assert cfg.train.global_batch == 32 and cfg.model.depth == 3
+    assert cfg.train.max_steps == 7 and cfg.optim.lr == 1e-3 and cfg.data.path == "x.txt"
+
+
+@pytest.mark.parametrize(
+    ("sets", "message"),
+    [
+        (["train.max_stepz=1"], "unknown config key 'train.max_stepz'"),
+        (["trian.max_steps=1"], "unknown config key 'trian'"),
+        (["train.max_steps=1.5"], "must be an integer"),
+        (["train.ema_warmup=yes"], "true or false"),
+        (["optim.blr=-1"], "optim"),
+        (["objective.self_cond_prob=2"], "self_cond_prob must be in [0, 1]"),
+        (["task=conditional"], "max_input_length"),
+    ],
+)
+def test_bad_overrides(sets, message):
+    with pytest.raises(ELFError) as e:
+        apply_overrides(preset("bible-tiny"), None, sets)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_unknown_key_in_config_file(tmp_path):
+    f = tmp_path / "c.json"
+    f.write_text(json.dumps({"train": {"globl_batch": 3}}))
+    with pytest.raises(ELFError, match=r"train\.globl_batch"):
+        apply_overrides(preset("bible-tiny"), f)
+    with pytest.raises(ELFError, match="does not exist"):
+        apply_overrides(preset("bible-tiny"), tmp_path / "missing.yaml")
