@@ -27,7 +27,7 @@ from elflow import checkpoint as ckpt_io
 from elflow.artifact import ArtifactConfig
 from elflow.data.latent_cache import LatentCache
 from elflow.data.order import StreamOrder, keyed_bernoulli, rank_positions
-from elflow.data.rows import build_dataset
+from elflow.data.rows import build_dataset, read_meta
 from elflow.distributed import DistInfo, all_reduce_sum, parallelize, setup
 from elflow.ema import EMA
 from elflow.encoder import FrozenEncoder, measure_latent_std
@@ -135,7 +135,9 @@ def train(cfg: RunConfig, out: str | Path, resume: str | None = None) -> Path:
     encoder = FrozenEncoder.from_pretrained(
         cfg.encoder.name, latent_mean=cfg.encoder.latent_mean, latent_std=1.0
     ).to(info.device)
-    latent_std = cfg.encoder.latent_std or _measure_latent_std(encoder, dataset, info.device)
+    latent_std = cfg.encoder.latent_std or _prepared_latent_std(cfg) or _measure_latent_std(
+        encoder, dataset, info.device
+    )
     encoder.latent_std = latent_std
     model_cfg = replace(cfg.model, encoder_dim=encoder.hidden_size, vocab_size=len(tokenizer))
     cfg = replace(cfg, model=model_cfg, encoder=replace(cfg.encoder, latent_std=latent_std))
@@ -217,9 +219,9 @@ def train(cfg: RunConfig, out: str | Path, resume: str | None = None) -> Path:
             set_lr(optimizer, lr)
             metrics = ctx.accumulate(step)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), optim_cfg.clip_grad_norm)
-            if not math.isfinite(metrics["loss"]):
+            if not (math.isfinite(metrics["loss"]) and math.isfinite(float(grad_norm))):
                 raise ELFError(
-                    f"non-finite loss at step {step}; stopping (last good checkpoint: "
+                    f"non-finite loss or gradient at step {step}; stopping (last good checkpoint: "
                     f"{last_ckpt or 'none'}); lower the learning rate or check the data"
                 )
             optimizer.step()
@@ -341,6 +343,15 @@ def _branch_tokens(batch: Batch, den_rows: Tensor, pad_with_eos: bool) -> tuple[
     mask = _loss_mask(batch, pad_with_eos)
     den = (mask * den_rows.float()[:, None]).sum()
     return den, mask.sum() - den
+
+
+def _prepared_latent_std(cfg: RunConfig) -> float:
+    """latent_std measured by ``elflow prepare --encoder`` (0 when absent or another encoder)."""
+    path = Path(cfg.data.path)
+    if not (path / "meta.json").is_file():
+        return 0.0
+    meta = read_meta(path)
+    return float(meta.get("latent_std") or 0.0)
 
 
 @torch.no_grad()
