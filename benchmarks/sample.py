@@ -4,9 +4,13 @@ Usage:
     python benchmarks/sample.py                               # small size at 8/16/32 steps
     python benchmarks/sample.py --sizes elf-b --steps 32      # ELF-B, L 128, batch 8, 32-step SDE
     python benchmarks/sample.py --dtypes fp32,bf16
+    python benchmarks/sample.py --checkpoint MODEL --steps 32 --dtypes fp32,bf16 --num-samples 32
 
 Randomly initialised weights (the speed does not depend on them); one warm-up batch per setting.
 bf16 runs the network under torch.autocast and reports the share of tokens identical to fp32.
+With ``--checkpoint`` (any model source) it times ``elflow sample``'s own path
+(``elflow.generate.sample_records``: sampling, decoding, detokenising) on that model, whose bf16
+agreement with fp32 is the meaningful one (a random network's argmax is near-uniform).
 """
 
 from __future__ import annotations
@@ -56,6 +60,39 @@ def run(name: str, steps: int, sampler: str, dtype: str, device: str, seed: int)
     return {"samples_per_s": B / dt, "s_per_batch": dt, "tokens": tokens, "B": B, "L": L}
 
 
+def run_checkpoint(args: argparse.Namespace) -> None:
+    """samples/s of ``elflow sample``'s path on a real model, fp32 vs bf16 token agreement."""
+    from elflow.generate import resolve_sampler, sample_records, token_agreement
+    from elflow.pipeline import ELFPipeline
+
+    pipe = ELFPipeline.from_pretrained(args.checkpoint, device=args.device)
+    head = f"{'steps':>5} {'NFE':>4} {'dtype':<5} {'n':>4} {'batch':>5} {'s':>8} {'samples/s':>9}"
+    print(f"{head} {'same tokens as fp32':>20}")
+    for steps in (int(s) for s in args.steps.split(",")):
+        scfg = resolve_sampler(pipe, steps=steps, sampler=args.sampler)
+        ref = None
+        for dtype in args.dtypes.split(","):
+            kw = {"n": args.num_samples, "seed": args.seed, "batch_size": args.batch_size}
+            kw.update(bf16=dtype == "bf16", save_tokens=True)
+            sample_records(pipe, scfg, **{**kw, "n": min(args.batch_size, args.num_samples)})
+            if args.device.startswith("cuda"):
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            recs = sample_records(pipe, scfg, **kw).records
+            if args.device.startswith("cuda"):
+                torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+            agree = ""
+            if dtype == "fp32":
+                ref = recs
+            elif ref is not None:
+                agree = f"{100 * token_agreement(ref, recs):.1f}%"
+            print(
+                f"{steps:>5} {nfe(scfg.sampler, steps):>4} {dtype:<5} {len(recs):>4} "
+                f"{args.batch_size:>5} {dt:>8.2f} {len(recs) / dt:>9.2f} {agree:>20}"
+            )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="small")
@@ -64,8 +101,14 @@ def main() -> None:
     parser.add_argument("--dtypes", default="fp32", help="comma list of fp32, bf16")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--checkpoint", help="time elflow sample's path on this model instead")
+    parser.add_argument("--num-samples", type=int, default=32, help="with --checkpoint")
+    parser.add_argument("--batch-size", type=int, default=8, help="with --checkpoint")
     args = parser.parse_args()
     print(f"torch {torch.__version__}, device {args.device}, {torch.get_num_threads()} threads")
+    if args.checkpoint:
+        run_checkpoint(args)
+        return
     print(
         f"{'size':<6} {'steps':>5} {'NFE':>4} {'dtype':<5} {'batch':>5} {'s/batch':>8} "
         f"{'samples/s':>9} {'same tokens as fp32':>20}"

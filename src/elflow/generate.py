@@ -1,0 +1,400 @@
+"""``elflow sample``: generate a JSONL file of samples, on one process or many (ELF_SPEC §5, §10).
+
+Every sample i is drawn from generators seeded by (seed, i) (§10 "Sampling reproducibility"), so
+the file is the same whatever the batch size or the number of ``torchrun`` processes: each rank
+generates a contiguous share of the indices, rank 0 gathers them and writes one file in index
+order. Each line holds ``id``, ``text`` (``source`` when conditional) and the settings that made
+it. ``--trajectory`` renders every step's decoded x_hat (§10 "Trajectories") as a self-contained
+HTML page or a terminal animation. Also runnable as ``python -m elflow.generate``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from elflow.config import SamplerConfig
+from elflow.distributed import DistInfo, setup, teardown
+from elflow.errors import ELFError
+from elflow.pipeline import ELFPipeline
+from elflow.sampling import nfe
+
+# Few-step students (spec §5, "Distilled few-step"): (gamma, w) by number of steps. The paper
+# gives 1-8 and 16-32 steps; 9-15 take the 16-32 values.
+FEWSTEP = ((8, 1.5, 2.5), (10**9, 2.0, 2.0))
+
+
+@dataclass
+class SampleResult:
+    records: list[dict]
+    """One JSON-able dict per sample in index order (rank 0; empty on the other ranks)."""
+    frames: list[list[str]] | None = None
+    """frames[k][i]: sample i's text after step k, then the final texts (rank 0, when asked)."""
+    seconds: float = 0.0
+    """Wall time of the generation on this rank."""
+
+
+def read_sources(path: str | Path, field: str = "text") -> list[dict]:
+    """Read a JSONL file of source objects, each with a string ``field``; one-line errors."""
+    path = Path(path)
+    if not path.is_file():
+        raise ELFError(f"sources file {str(path)!r} does not exist")
+    rows = []
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError:
+                raise ELFError(
+                    f"{path}:{lineno} is not JSON; --sources must be JSONL (one object a line)"
+                ) from None
+            if not isinstance(obj, dict) or not isinstance(obj.get(field), str):
+                raise ELFError(
+                    f"{path}:{lineno} has no string field {field!r}; pass --source-field NAME"
+                )
+            rows.append(obj)
+    if not rows:
+        raise ELFError(f"sources file {path} is empty")
+    return rows
+
+
+def resolve_sampler(
+    pipe: ELFPipeline,
+    *,
+    preset: str | None = None,
+    steps: int | None = None,
+    sampler: str | None = None,
+    gamma: float | None = None,
+    w: float | None = None,
+    cfg: float | None = None,
+) -> SamplerConfig:
+    """The model's sampler defaults, then the preset, then the explicit (non-None) options."""
+    if steps is not None and steps < 1:
+        raise ELFError(f"--steps must be >= 1, got {steps}")
+    base = pipe.config.sampler
+    if preset == "fewstep":
+        n = steps or 8
+        _, g, ww = next(row for row in FEWSTEP if n <= row[0])
+        base = replace(base, steps=n, sampler="sde", gamma=g, w=ww)
+    elif preset not in (None, "model"):
+        raise ELFError(f"unknown preset {preset!r}; use 'model' or 'fewstep'")
+    if cfg is not None and cfg != 1.0 and not pipe.config.conditional:
+        raise ELFError("--cfg (classifier-free guidance) applies to conditional models only")
+    given = {"steps": steps, "sampler": sampler, "gamma": gamma, "w": w, "cfg": cfg}
+    return replace(base, **{k: v for k, v in given.items() if v is not None})
+
+
+def settings_record(
+    pipe: ELFPipeline,
+    scfg: SamplerConfig,
+    *,
+    seed: int,
+    length: int | None,
+    bf16: bool,
+    model: str,
+    ema: bool,
+) -> dict:
+    """The settings written on every line.
+
+    ``nfe`` counts network evaluations per sample (a Heun step costs two, the final decode is not
+    counted); classifier-free guidance batches its two evaluations into the same forward, so it
+    does not change ``nfe`` but doubles the rows: ``nfe_rows`` = nfe x 2 under CFG.
+    """
+    guided = pipe.config.conditional and scfg.cfg != 1.0
+    n = nfe(scfg.sampler, scfg.steps)
+    L = pipe.config.model.max_length if pipe.config.conditional else length
+    return {
+        "sampler": scfg.sampler,
+        "steps": scfg.steps,
+        "nfe": n,
+        "nfe_rows": 2 * n if guided else n,
+        "gamma": scfg.gamma if scfg.sampler == "sde" else None,
+        "w": scfg.w,
+        "cfg": scfg.cfg if pipe.config.conditional else None,
+        "time_grid": scfg.time_grid,
+        "seed": seed,
+        "length": L or pipe.config.model.max_length,
+        "dtype": "bf16" if bf16 else "fp32",
+        "model": model,
+        "ema": ema,
+    }
+
+
+def shard(n: int, info: DistInfo) -> range:
+    """This rank's contiguous share of ``range(n)`` (sizes differ by at most one)."""
+    return range(info.rank * n // info.world_size, (info.rank + 1) * n // info.world_size)
+
+
+def autocast(enabled: bool, device: torch.device) -> contextlib.AbstractContextManager:
+    """bf16 autocast around sampling (CUDA, or CPUs with AVX512-BF16/AMX), or nothing."""
+    if not enabled:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+
+
+def _gather(obj: Any, info: DistInfo) -> list[Any]:
+    """Every rank's ``obj`` on rank 0 (in rank order), ``[]`` elsewhere; one process: ``[obj]``."""
+    if not (info.distributed and dist.is_initialized()):
+        return [obj]
+    box = [None] * info.world_size if info.is_main else None
+    dist.gather_object(obj, box, dst=0)
+    return box if info.is_main else []
+
+
+def sample_records(
+    pipe: ELFPipeline,
+    scfg: SamplerConfig,
+    *,
+    n: int | None = None,
+    sources: Sequence[dict] | None = None,
+    source_field: str = "text",
+    seed: int = 0,
+    batch_size: int = 32,
+    length: int | None = None,
+    bf16: bool = False,
+    trajectory: bool = False,
+    save_tokens: bool = False,
+    model: str = "",
+    ema: bool = True,
+    info: DistInfo | None = None,
+    progress: bool = False,
+) -> SampleResult:
+    """Generate samples ``0..n-1`` (or one per source) across the ranks; records on rank 0.
+
+    The same function backs ``elflow sample`` and every ``elflow sweep`` cell, so a sweep cell is
+    a ``sample`` run by construction.
+    """
+    info = info or DistInfo(0, 1, 0, pipe.device)
+    if batch_size < 1:
+        raise ELFError(f"--batch-size must be >= 1, got {batch_size}")
+    total = len(sources) if sources is not None else n
+    if total is None or total < 1:
+        raise ELFError("pass --num-samples >= 1 (unconditional) or a non-empty --sources file")
+    if pipe.config.conditional and sources is None:
+        raise ELFError("this model is conditional: pass --sources FILE.jsonl")
+    if not pipe.config.conditional and sources is not None:
+        raise ELFError("this model is unconditional: drop --sources")
+    settings = settings_record(
+        pipe, scfg, seed=seed, length=length, bf16=bf16, model=model, ema=ema
+    )
+    overrides = {k: getattr(scfg, k) for k in ("steps", "sampler", "gamma", "w", "cfg")}
+    mine = shard(total, info)
+    rows: list[tuple[int, str, list[int], list[str]]] = []
+    bar = _progress(total, progress and info.is_main)
+    t0 = time.perf_counter()
+    for start in range(mine.start, mine.stop, batch_size):
+        stop = min(mine.stop, start + batch_size)
+        batch_sources = None
+        if sources is not None:
+            batch_sources = [s[source_field] for s in sources[start:stop]]
+        with autocast(bf16, pipe.device):
+            gen = pipe.generate_full(
+                stop - start,
+                sources=batch_sources,
+                seed=seed,
+                batch_size=stop - start,
+                length=length,
+                trajectory=trajectory,
+                first_index=start,
+                **overrides,
+            )
+        for j, i in enumerate(range(start, stop)):
+            steps = [frame[j] for frame in gen.trajectory] if trajectory else []
+            rows.append((i, gen.texts[j], gen.tokens[j].tolist(), steps))
+        # Other ranks progress at the same rate; scale so the bar shows the whole run.
+        bar.update((stop - start) * info.world_size)
+    seconds = time.perf_counter() - t0
+    bar.close()
+    gathered = [row for part in _gather(rows, info) for row in part]
+    if not info.is_main:
+        return SampleResult([], None, seconds)
+    gathered.sort(key=lambda r: r[0])
+    records = []
+    for i, text, tokens, _ in gathered:
+        rec: dict[str, Any] = {"id": i, "text": text}
+        if sources is not None:
+            rec["source"] = sources[i][source_field]
+            if "id" in sources[i]:
+                rec["source_id"] = sources[i]["id"]
+        rec.update(settings)
+        if save_tokens:
+            rec["tokens"] = tokens
+        records.append(rec)
+    frames = None
+    if trajectory:
+        frames = [[r[3][k] for r in gathered] for k in range(scfg.steps)]
+        frames.append([r[1] for r in gathered])
+    return SampleResult(records, frames, seconds)
+
+
+def _progress(total: int, enabled: bool):
+    from tqdm.auto import tqdm
+
+    # A bar only on an interactive stderr: in logs and tests it would be noise.
+    live = enabled and sys.stderr.isatty()
+    return tqdm(total=total, unit="sample", disable=not live, file=sys.stderr, leave=False)
+
+
+def write_jsonl(path: str | Path, records: Sequence[dict]) -> Path:
+    """Write records one JSON object a line, atomically (temporary name, then rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w", encoding="utf-8") as f:
+        for rec in records:
+            f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def token_agreement(a: Sequence[dict], b: Sequence[dict]) -> float:
+    """Share of identical token ids between two runs saved with ``--save-tokens``."""
+    same = total = 0
+    for ra, rb in zip(a, b, strict=True):
+        ta, tb = ra["tokens"], rb["tokens"]
+        same += sum(x == y for x, y in zip(ta, tb, strict=True))
+        total += len(ta)
+    return same / max(total, 1)
+
+
+def write_trajectory(target: str, frames: list[list[str]], meta: dict) -> None:
+    """``-``: animate in the terminal (stdout); else write the HTML page to ``target``."""
+    from elflow.trajectory import animate_terminal, render_html
+
+    labels = [f"step {k + 1}/{len(frames) - 1}" for k in range(len(frames) - 1)] + ["final"]
+    if target == "-":
+        animate_terminal(frames, sys.stdout, delay=0.15, labels=labels)
+        return
+    out = Path(target)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(render_html(frames, meta, labels), encoding="utf-8")
+
+
+def _device(name: str) -> DistInfo:
+    # setup() knows 'cpu' / 'cuda' / 'auto'; an explicit 'cuda:K' is honoured on one process.
+    info = setup("cuda" if name.startswith("cuda") else name)
+    if name.startswith("cuda:") and not info.distributed:
+        info = replace(info, device=torch.device(name))
+    return info
+
+
+def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
+    """Options shared by ``sample`` and ``sweep``."""
+    p.add_argument("--checkpoint", required=True, help="any model source (folder, run, Hub id)")
+    p.add_argument("--num-samples", type=int, help="unconditional: how many (default 16)")
+    p.add_argument("--seed", type=int, default=0, help="sample i depends on (seed, i) only")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--length", type=int, help="sequence length (default: the model's)")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:K")
+    p.add_argument("--bf16", action="store_true", help="bf16 autocast around sampling")
+    p.add_argument("--no-ema", action="store_true", help="sample with the training weights")
+    p.add_argument("--sources", help="conditional: JSONL file, one sample per line")
+    p.add_argument("--source-field", default="text", help="field of --sources holding the text")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Arguments of ``elflow sample``."""
+    add_sampling_arguments(p)
+    p.add_argument("--out", required=True, help="samples JSONL file (written by rank 0)")
+    p.add_argument("--steps", type=int, help="integration steps (default: the model's)")
+    p.add_argument("--sampler", choices=["ode", "sde", "heun"])
+    p.add_argument("--gamma", type=float, help="SDE noise re-injection rate")
+    p.add_argument("--w", type=float, help="self-conditioning CFG scale")
+    p.add_argument("--cfg", type=float, help="classifier-free guidance (conditional models)")
+    p.add_argument(
+        "--preset",
+        choices=["model", "fewstep"],
+        help="'model': the model's defaults; 'fewstep': the paper's distilled SDE settings",
+    )
+    p.add_argument(
+        "--trajectory", metavar="OUT.html|-", help="HTML page of every step, or '-' to animate"
+    )
+    p.add_argument("--save-tokens", action="store_true", help="add token ids to every line")
+
+
+def load_pipeline(args: argparse.Namespace, info: DistInfo) -> ELFPipeline:
+    return ELFPipeline.from_pretrained(args.checkpoint, device=info.device, use_ema=not args.no_ema)
+
+
+def run(args: argparse.Namespace) -> int:
+    """``elflow sample``; one process or under ``torchrun``."""
+    if args.steps is not None and args.steps < 1:
+        raise ELFError(f"--steps must be >= 1, got {args.steps}")
+    info = _device(args.device)
+    try:
+        sources = read_sources(args.sources, args.source_field) if args.sources else None
+        if sources is not None and args.num_samples is not None:
+            sources = sources[: args.num_samples]
+        pipe = load_pipeline(args, info)
+        scfg = resolve_sampler(
+            pipe,
+            preset=args.preset,
+            steps=args.steps,
+            sampler=args.sampler,
+            gamma=args.gamma,
+            w=args.w,
+            cfg=args.cfg,
+        )
+        result = sample_records(
+            pipe,
+            scfg,
+            n=16 if args.num_samples is None else args.num_samples,
+            sources=sources,
+            source_field=args.source_field,
+            seed=args.seed,
+            batch_size=args.batch_size,
+            length=args.length,
+            bf16=args.bf16,
+            trajectory=args.trajectory is not None,
+            save_tokens=args.save_tokens,
+            model=str(args.checkpoint),
+            ema=not args.no_ema,
+            info=info,
+            progress=True,
+        )
+        if info.is_main:
+            write_jsonl(args.out, result.records)
+            if result.frames is not None:
+                meta = {k: v for k, v in result.records[0].items() if k not in ("id", "text")}
+                meta.pop("source", None)
+                meta.pop("tokens", None)
+                write_trajectory(args.trajectory, result.frames, meta)
+            rate = len(result.records) / max(result.seconds, 1e-9)
+            print(
+                f"wrote {len(result.records)} samples to {args.out} "
+                f"({result.seconds:.1f} s, {rate:.2f} samples/s per rank)",
+                file=sys.stderr,
+            )
+    finally:
+        if info.distributed:
+            teardown()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m elflow.generate``: the same command before it is wired into ``elflow``."""
+    parser = argparse.ArgumentParser(prog="elflow sample", description="generate samples")
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except ELFError as e:
+        print(f"elflow: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

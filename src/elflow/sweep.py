@@ -1,0 +1,332 @@
+"""``elflow sweep``: sample and score a grid of sampler settings; the quality-diversity frontier.
+
+Grid = sampler x steps x w x gamma (gamma only for the SDE; spec §5). Each cell is exactly an
+``elflow sample`` run (the same :func:`elflow.generate.sample_records`, the same seed) followed by
+an ``elflow score`` run (:func:`elflow.evaluation.score_samples`, spec §6), so a cell can be
+reproduced on its own. Writes ``samples/<cell>.jsonl``, ``metrics/<cell>.json``, ``table.csv``,
+``table.md`` and ``frontier.png`` (generative perplexity vs unigram entropy, one curve per sampler,
+the real-text reference point marked when ``--reference`` is given).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from elflow.distributed import teardown
+from elflow.errors import ELFError
+from elflow.generate import (
+    _device,
+    add_sampling_arguments,
+    load_pipeline,
+    read_sources,
+    resolve_sampler,
+    sample_records,
+    write_jsonl,
+)
+
+COLUMNS = (
+    "cell",
+    "sampler",
+    "steps",
+    "nfe",
+    "gamma",
+    "w",
+    "gen_ppl",
+    "gen_ppl_lo",
+    "gen_ppl_hi",
+    "entropy",
+    "entropy_lo",
+    "entropy_hi",
+    "num_samples",
+    "num_empty",
+    "seconds",
+)
+
+
+@dataclass(frozen=True)
+class Cell:
+    sampler: str
+    steps: int
+    w: float | None
+    gamma: float | None
+
+    @property
+    def name(self) -> str:
+        """A file-name-safe id, e.g. ``sde-n16-w3-g1.5`` (``default`` for a model default)."""
+        w = "default" if self.w is None else f"{self.w:g}"
+        g = (
+            ""
+            if self.sampler != "sde"
+            else "-g" + ("default" if self.gamma is None else f"{self.gamma:g}")
+        )
+        return f"{self.sampler}-n{self.steps}-w{w}{g}"
+
+
+def _list(text: str | None, kind: type, what: str) -> list:
+    if text is None:
+        return [None]
+    try:
+        values = [kind(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ELFError(
+            f"--{what} must be a comma-separated list of numbers, got {text!r}"
+        ) from None
+    if not values:
+        raise ELFError(f"--{what} is empty")
+    return values
+
+
+def grid(samplers: str, steps: str | None, ws: str | None, gammas: str | None) -> list[Cell]:
+    """Every cell in a fixed order; ``None`` values mean "the model's default"."""
+    names = [s.strip() for s in samplers.split(",") if s.strip()]
+    for name in names:
+        if name not in ("ode", "sde", "heun"):
+            raise ELFError(f"unknown sampler {name!r} in --sampler; use ode, sde or heun")
+    step_list = _list(steps, int, "steps")
+    if any(n is not None and n < 1 for n in step_list):
+        raise ELFError(f"--steps must be >= 1, got {steps}")
+    cells = []
+    for sampler in names:
+        for n in step_list:
+            for w in _list(ws, float, "w"):
+                for g in _list(gammas, float, "gamma") if sampler == "sde" else [None]:
+                    cells.append(Cell(sampler, n, w, g))
+    return cells
+
+
+def table_row(name: str, settings: dict, metrics: dict, seconds: float | None) -> dict:
+    """One row of ``table.csv`` (NaN where a metric was not computed)."""
+    nan = math.nan
+    lo, hi = metrics.get("gen_ppl_ci", [nan, nan])
+    elo, ehi = metrics.get("entropy_ci", [nan, nan])
+    return {
+        "cell": name,
+        "sampler": settings.get("sampler", ""),
+        "steps": settings.get("steps", ""),
+        "nfe": settings.get("nfe", ""),
+        "gamma": "" if settings.get("gamma") is None else settings["gamma"],
+        "w": settings.get("w", ""),
+        "gen_ppl": metrics.get("gen_ppl", nan),
+        "gen_ppl_lo": lo,
+        "gen_ppl_hi": hi,
+        "entropy": metrics.get("entropy", nan),
+        "entropy_lo": elo,
+        "entropy_hi": ehi,
+        "num_samples": metrics.get("num_samples", ""),
+        "num_empty": metrics.get("num_empty", ""),
+        "seconds": "" if seconds is None else round(seconds, 3),
+    }
+
+
+def _num(value: Any, digits: int = 2) -> str:
+    if isinstance(value, float):
+        return "nan" if not math.isfinite(value) else f"{value:.{digits}f}"
+    return str(value)
+
+
+def _g(value: Any) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def write_tables(folder: Path, rows: list[dict], protocol: str) -> None:
+    with (folder / "table.csv").open("w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+    head = "| sampler | steps | nfe | gamma | w | gen PPL [95% CI] | entropy | empty | seconds |"
+    lines = [head, "|" + "---|" * 9]
+    for r in rows:
+        ppl = f"{_num(r['gen_ppl'])} [{_num(r['gen_ppl_lo'])}, {_num(r['gen_ppl_hi'])}]"
+        lines.append(
+            f"| {r['sampler']} | {r['steps']} | {r['nfe']} | {r['gamma']} | {r['w']} | {ppl} | "
+            f"{_num(r['entropy'], 3)} | {r['num_empty']} | {r['seconds']} |"
+        )
+    lines.append(f"\nScored with protocol: {protocol}")
+    (folder / "table.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+def plot_frontier(path: Path, rows: list[dict], reference: dict | None = None) -> Path:
+    """Generative perplexity vs entropy, one curve per sampler, points labelled ``n<steps> w<w>``.
+
+    Uses the Agg canvas directly (no pyplot): no global backend state, no display needed.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 5))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    ppls = []
+    for sampler in dict.fromkeys(r["sampler"] for r in rows):
+        pts = [
+            r
+            for r in rows
+            if r["sampler"] == sampler
+            and math.isfinite(r["gen_ppl"])
+            and math.isfinite(r["entropy"])
+        ]
+        pts.sort(key=lambda r: r["entropy"])
+        if not pts:
+            continue
+        xs, ys = [r["entropy"] for r in pts], [r["gen_ppl"] for r in pts]
+        ppls += ys
+        ax.plot(xs, ys, marker="o", label=sampler)
+        for r in pts:
+            label = f"n{r['steps']} w{_g(r['w'])}" + (
+                f" g{_g(r['gamma'])}" if r["gamma"] != "" else ""
+            )
+            ax.annotate(
+                label,
+                (r["entropy"], r["gen_ppl"]),
+                fontsize=7,
+                xytext=(3, 3),
+                textcoords="offset points",
+            )
+    if reference is not None and math.isfinite(reference.get("gen_ppl", math.nan)):
+        ref_xy = ([reference["entropy"]], [reference["gen_ppl"]])
+        ax.plot(*ref_xy, "k*", markersize=14, label="real text")
+        ppls.append(reference["gen_ppl"])
+    if ppls and min(ppls) > 0 and max(ppls) / min(ppls) > 10:
+        ax.set_yscale("log")
+    ax.set_xlabel("unigram entropy (higher = more diverse)")
+    ax.set_ylabel("generative perplexity (lower = better)")
+    ax.set_title("quality-diversity frontier")
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Arguments of ``elflow sweep``."""
+    from elflow.evaluation.judge import DEFAULT_JUDGE
+    from elflow.evaluation.score import PROTOCOLS
+
+    add_sampling_arguments(p)
+    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--sampler", default="ode,sde", help="comma list of ode, sde, heun")
+    p.add_argument("--steps", help="comma list, e.g. 8,16,32 (default: the model's)")
+    p.add_argument("--w", help="comma list of self-conditioning CFG scales (default: the model's)")
+    p.add_argument("--gamma", help="comma list of SDE gammas (default: the model's)")
+    p.add_argument("--cfg", type=float, help="classifier-free guidance (conditional models)")
+    p.add_argument("--judge", default=DEFAULT_JUDGE, help="judge LM for gen PPL (see elflow score)")
+    p.add_argument("--reference", help="JSONL of real text ('text'): its point on the frontier")
+    p.add_argument("--protocol", default="paper", choices=list(PROTOCOLS))
+    p.add_argument("--score-batch-size", type=int, default=16, help="samples per judge forward")
+    p.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples (0: no CIs)")
+    p.add_argument("--bootstrap-seed", type=int, default=0, help="as elflow score --seed")
+
+
+def run(args: argparse.Namespace) -> int:
+    """``elflow sweep``; generation is shared across ``torchrun`` ranks, scoring is on rank 0."""
+    from elflow.evaluation import load_judge, read_jsonl, score_samples
+
+    cells = grid(args.sampler, args.steps, args.w, args.gamma)
+    info = _device(args.device)
+    out = Path(args.out)
+    try:
+        sources = read_sources(args.sources, args.source_field) if args.sources else None
+        if sources is not None and args.num_samples is not None:
+            sources = sources[: args.num_samples]
+        reference = read_jsonl(args.reference) if args.reference else None
+        pipe = load_pipeline(args, info)
+        judge = None
+        if info.is_main:
+            (out / "samples").mkdir(parents=True, exist_ok=True)
+            (out / "metrics").mkdir(parents=True, exist_ok=True)
+            judge = None if args.judge.lower() == "none" else load_judge(args.judge)
+        score = dict(
+            judge=judge,
+            protocol=args.protocol,
+            batch_size=args.score_batch_size,
+            bootstrap=args.bootstrap,
+            seed=args.bootstrap_seed,
+        )
+        rows = []
+        for i, cell in enumerate(cells):
+            scfg = resolve_sampler(
+                pipe,
+                steps=cell.steps,
+                sampler=cell.sampler,
+                gamma=cell.gamma,
+                w=cell.w,
+                cfg=args.cfg,
+            )
+            result = sample_records(
+                pipe,
+                scfg,
+                n=16 if args.num_samples is None else args.num_samples,
+                sources=sources,
+                source_field=args.source_field,
+                seed=args.seed,
+                batch_size=args.batch_size,
+                length=args.length,
+                bf16=args.bf16,
+                model=str(args.checkpoint),
+                ema=not args.no_ema,
+                info=info,
+            )
+            if not info.is_main:
+                continue
+            write_jsonl(out / "samples" / f"{cell.name}.jsonl", result.records)
+            metrics = score_samples(result.records, **score)
+            settings = {k: result.records[0][k] for k in ("sampler", "steps", "nfe", "gamma", "w")}
+            _write_json(
+                out / "metrics" / f"{cell.name}.json",
+                {**metrics, "sweep": {**settings, "cell": cell.name, "seconds": result.seconds}},
+            )
+            rows.append(table_row(cell.name, settings, metrics, result.seconds))
+            print(
+                f"[{i + 1}/{len(cells)}] {cell.name}: gen_ppl {_num(rows[-1]['gen_ppl'])}, "
+                f"entropy {_num(rows[-1]['entropy'], 3)} ({result.seconds:.1f} s)",
+                file=sys.stderr,
+            )
+        if not info.is_main:
+            return 0
+        ref_metrics = None
+        if reference is not None:
+            ref_metrics = score_samples(reference, **score)
+            _write_json(out / "metrics" / "reference.json", ref_metrics)
+            rows.append(table_row("reference", {"sampler": "reference"}, ref_metrics, None))
+        write_tables(out, rows, args.protocol)
+        if judge is not None:
+            cells_only = [r for r in rows if r["cell"] != "reference"]
+            plot_frontier(out / "frontier.png", cells_only, ref_metrics)
+        print((out / "table.md").read_text(), end="")
+        print(f"wrote {out}", file=sys.stderr)
+    finally:
+        if info.distributed:
+            teardown()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m elflow.sweep``: the same command before it is wired into ``elflow``."""
+    parser = argparse.ArgumentParser(prog="elflow sweep", description="sample and score a grid")
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except ELFError as e:
+        print(f"elflow: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

