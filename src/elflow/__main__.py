@@ -7,6 +7,7 @@ Each subcommand is ``(add_arguments, run)``; ``run`` returns an exit code. User 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 from collections.abc import Callable, Sequence
@@ -132,23 +133,28 @@ def _run_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_prepare(p: argparse.ArgumentParser) -> None:
-    from elflow.data.cli import add_arguments
+def _delegate(module: str) -> tuple[Callable, Callable]:
+    """(add_arguments, run) of a module that owns its subcommand, imported lazily."""
 
-    add_arguments(p)
+    def add(p: argparse.ArgumentParser) -> None:
+        importlib.import_module(module).add_arguments(p)
 
+    def run(args: argparse.Namespace) -> int:
+        return importlib.import_module(module).run(args)
 
-def _run_prepare(args: argparse.Namespace) -> int:
-    from elflow.data.cli import run
-
-    return run(args)
+    return add, run
 
 
 COMMANDS: dict[str, tuple[str, Callable, Callable]] = {
+    "sample": ("generate samples into a JSONL file", *_delegate("elflow.generate")),
+    "score": (
+        "score samples: generative perplexity, entropy, BLEU, ROUGE",
+        *_delegate("elflow.evaluation.cli"),
+    ),
+    "sweep": ("sample and score a grid of sampler settings", *_delegate("elflow.sweep")),
     "prepare": (
         "tokenise a corpus once into a memory-mapped token file",
-        _add_prepare,
-        _run_prepare,
+        *_delegate("elflow.data.cli"),
     ),
     "train": ("train or resume an ELF model", _add_train, _run_train),
     "generate": ("generate text and print it", _add_generate, _run_generate),

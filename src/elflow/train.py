@@ -135,8 +135,10 @@ def train(cfg: RunConfig, out: str | Path, resume: str | None = None) -> Path:
     encoder = FrozenEncoder.from_pretrained(
         cfg.encoder.name, latent_mean=cfg.encoder.latent_mean, latent_std=1.0
     ).to(info.device)
-    latent_std = cfg.encoder.latent_std or _prepared_latent_std(cfg) or _measure_latent_std(
-        encoder, dataset, info.device
+    latent_std = (
+        cfg.encoder.latent_std
+        or _prepared_latent_std(cfg)
+        or _measure_latent_std(encoder, dataset, info.device)
     )
     encoder.latent_std = latent_std
     model_cfg = replace(cfg.model, encoder_dim=encoder.hidden_size, vocab_size=len(tokenizer))

@@ -1,0 +1,97 @@
+"""`elflow score`: score a samples file (gen PPL, entropy, BLEU, ROUGE, bootstrap CIs; spec §6).
+
+`add_arguments(parser)` and `run(args)` plug into the command table of :mod:`elflow.__main__`.
+Writes metrics.json (flat numbers plus a `protocol` card) and prints a short summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+from elflow.evaluation.judge import DEFAULT_JUDGE
+from elflow.evaluation.score import PROTOCOLS, protocol_line, read_jsonl, score_samples
+
+SUMMARY_KEYS = (
+    "gen_ppl",
+    "entropy",
+    "mean_length",
+    "bleu",
+    "bleu_cased",
+    "rouge1",
+    "rouge2",
+    "rougeL",
+    "rougeLsum",
+)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--samples", required=True, help="JSONL file, one object with 'text' per line")
+    p.add_argument("--out", required=True, help="metrics.json to write")
+    p.add_argument(
+        "--judge",
+        default=DEFAULT_JUDGE,
+        help="causal LM for gen PPL/entropy: Hub id, folder, smollm2-135m (offline) or none",
+    )
+    p.add_argument("--refs", help="JSONL references ('text'; aligned by 'id' or by order)")
+    p.add_argument("--protocol", default="paper", choices=list(PROTOCOLS), help="PPL protocol")
+    p.add_argument("--batch-size", type=int, default=16, help="samples per judge forward")
+    p.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples (0: no CIs)")
+    p.add_argument("--seed", type=int, default=0, help="bootstrap seed")
+
+
+def _fmt(value: float) -> str:
+    return "nan" if value is None or not math.isfinite(value) else f"{value:.2f}"
+
+
+def summary(metrics: dict) -> str:
+    """Each metric with its CI, then the protocol one-liner."""
+    lines = []
+    for key in SUMMARY_KEYS:
+        if key not in metrics:
+            continue
+        line = f"{key:<11} {_fmt(metrics[key]):>8}"
+        if f"{key}_ci" in metrics:
+            lo, hi = metrics[f"{key}_ci"]
+            line += f"  95% CI [{_fmt(lo)}, {_fmt(hi)}]"
+        lines.append(line)
+    lines.append(protocol_line(metrics))
+    return "\n".join(lines)
+
+
+def finite_or_null(value: Any) -> Any:
+    """NaN/inf (gen PPL when every sample is empty) become null, so metrics.json is strict JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: finite_or_null(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite_or_null(v) for v in value]
+    return value
+
+
+def run(args: argparse.Namespace) -> int:
+    samples = read_jsonl(args.samples)
+    refs = read_jsonl(args.refs) if args.refs else None
+    judge = None if args.judge.lower() == "none" else args.judge
+    metrics = score_samples(
+        samples,
+        judge=judge,
+        refs=refs,
+        protocol=args.protocol,
+        batch_size=args.batch_size,
+        bootstrap=args.bootstrap,
+        seed=args.seed,
+    )
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(finite_or_null(metrics), indent=2, allow_nan=False) + "\n")
+    os.replace(tmp, out)
+    print(summary(metrics))
+    print(f"wrote {out}")
+    return 0

