@@ -146,6 +146,7 @@ def _delegate(module: str) -> tuple[Callable, Callable]:
 
 
 COMMANDS: dict[str, tuple[str, Callable, Callable]] = {
+    "demo": ("watch the shipped CPU model write verses out of noise", *_delegate("elflow.demo")),
     "sample": ("generate samples into a JSONL file", *_delegate("elflow.generate")),
     "score": (
         "score samples: generative perplexity, entropy, BLEU, ROUGE",
