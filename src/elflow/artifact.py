@@ -99,27 +99,9 @@ class ArtifactConfig:
         if version != FORMAT_VERSION:
             raise ELFError(f"unsupported elflow model format_version {version}; upgrade elflow")
         data.pop("run", None)  # a training checkpoint's full run config (see checkpoint.py)
-        model = from_dict(ModelConfig, data.pop("model", {}), "model")
-        sampler = from_dict(SamplerConfig, data.pop("sampler", {}), "sampler")
-        rest = from_dict(_ArtifactFields, data)
-        return cls(model=model, sampler=sampler, **to_dict(rest))
-
-
-@dataclass(frozen=True)
-class _ArtifactFields:
-    """The scalar fields of ArtifactConfig, for typed parsing."""
-
-    encoder: str = T5_SMALL
-    tokenizer: str = T5_SMALL
-    tokenizer_hash: str | None = None
-    latent_mean: float = 0.0
-    latent_std: float = 0.2
-    task: str = "unconditional"
-    max_input_length: int = 0
-    pad_with_eos: bool = False
-    noise_scale: float = 2.0
-    t_eps: float = 0.05
-    origin: str = ""
+        data["model"] = from_dict(ModelConfig, data.get("model", {}), "model")
+        data["sampler"] = from_dict(SamplerConfig, data.get("sampler", {}), "sampler")
+        return from_dict(cls, data)
 
 
 # Paper presets for the authors' checkpoints, which carry no config (ELF_SPEC §4, §5).

@@ -12,14 +12,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from elflow.errors import ELFError
+from elflow.errors import ELFError, require
 
 T = TypeVar("T")
-
-
-def _check(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ELFError(msg)
 
 
 @dataclass(frozen=True)
@@ -57,32 +52,32 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         for name in ("encoder_dim", "vocab_size", "max_length", "hidden_size", "depth"):
-            _check(
+            require(
                 getattr(self, name) > 0, f"model.{name} must be positive, got {getattr(self, name)}"
             )
-        _check(self.num_heads > 0, f"model.num_heads must be positive, got {self.num_heads}")
-        _check(
+        require(self.num_heads > 0, f"model.num_heads must be positive, got {self.num_heads}")
+        require(
             self.hidden_size % self.num_heads == 0,
             f"model.hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}",
         )
-        _check(self.head_dim % 2 == 0, f"model head_dim {self.head_dim} must be even for RoPE")
-        _check(
+        require(self.head_dim % 2 == 0, f"model head_dim {self.head_dim} must be even for RoPE")
+        require(
             self.bottleneck_dim > 0,
             f"model.bottleneck_dim must be positive, got {self.bottleneck_dim}",
         )
-        _check(self.mlp_ratio > 0, f"model.mlp_ratio must be positive, got {self.mlp_ratio}")
+        require(self.mlp_ratio > 0, f"model.mlp_ratio must be positive, got {self.mlp_ratio}")
         for name in ("num_time_tokens", "num_scale_tokens", "num_mode_tokens"):
-            _check(
+            require(
                 getattr(self, name) >= 0, f"model.{name} must be >= 0, got {getattr(self, name)}"
             )
-        _check(
+        require(
             self.num_time_tokens > 0, "model.num_time_tokens must be >= 1 (time must reach the net)"
         )
-        _check(
+        require(
             self.num_mode_tokens > 0, "model.num_mode_tokens must be >= 1 (decode mode needs them)"
         )
-        _check(0.0 <= self.dropout < 1.0, f"model.dropout must be in [0, 1), got {self.dropout}")
-        _check(self.rope_theta > 0, f"model.rope_theta must be positive, got {self.rope_theta}")
+        require(0.0 <= self.dropout < 1.0, f"model.dropout must be in [0, 1), got {self.dropout}")
+        require(self.rope_theta > 0, f"model.rope_theta must be positive, got {self.rope_theta}")
 
     @property
     def head_dim(self) -> int:
@@ -131,11 +126,11 @@ class ObjectiveConfig:
     def __post_init__(self) -> None:
         for name in ("decoder_prob", "self_cond_prob", "label_drop_prob"):
             v = getattr(self, name)
-            _check(0.0 <= v <= 1.0, f"objective.{name} must be in [0, 1], got {v}")
-        _check(0.0 < self.t_eps <= 1.0, f"objective.t_eps must be in (0, 1], got {self.t_eps}")
+            require(0.0 <= v <= 1.0, f"objective.{name} must be in [0, 1], got {v}")
+        require(0.0 < self.t_eps <= 1.0, f"objective.t_eps must be in (0, 1], got {self.t_eps}")
         for name in ("noise_scale", "decoder_noise_scale", "time_std", "decoder_std"):
-            _check(getattr(self, name) > 0, f"objective.{name} must be positive")
-        _check(
+            require(getattr(self, name) > 0, f"objective.{name} must be positive")
+        require(
             -1.0 < self.w_min <= self.w_max,
             f"objective needs -1 < w_min <= w_max, got w_min={self.w_min}, w_max={self.w_max}",
         )
@@ -163,19 +158,19 @@ class SamplerConfig:
     """Logit-normal time grid scale."""
 
     def __post_init__(self) -> None:
-        _check(self.steps >= 1, f"sampler.steps must be >= 1, got {self.steps}")
-        _check(
+        require(self.steps >= 1, f"sampler.steps must be >= 1, got {self.steps}")
+        require(
             self.sampler in SAMPLERS,
             f"sampler.sampler must be one of {SAMPLERS}, got {self.sampler!r}",
         )
-        _check(
+        require(
             self.time_grid in TIME_GRIDS,
             f"sampler.time_grid must be one of {TIME_GRIDS}, got {self.time_grid!r}",
         )
-        _check(self.gamma >= 0, f"sampler.gamma must be >= 0, got {self.gamma}")
-        _check(self.w > -1.0, f"sampler.w must be > -1, got {self.w}")
-        _check(self.cfg >= 0, f"sampler.cfg must be >= 0, got {self.cfg}")
-        _check(self.time_std > 0, f"sampler.time_std must be positive, got {self.time_std}")
+        require(self.gamma >= 0, f"sampler.gamma must be >= 0, got {self.gamma}")
+        require(self.w > -1.0, f"sampler.w must be > -1, got {self.w}")
+        require(self.cfg >= 0, f"sampler.cfg must be >= 0, got {self.cfg}")
+        require(self.time_std > 0, f"sampler.time_std must be positive, got {self.time_std}")
 
 
 SAMPLERS = ("ode", "sde", "heun")

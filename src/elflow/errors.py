@@ -15,6 +15,12 @@ class ELFError(ValueError):
     """A problem the user can fix; the message is one line and says how."""
 
 
+def require(cond: bool, message: str) -> None:
+    """Raise :class:`ELFError` with ``message`` unless ``cond`` (config validation)."""
+    if not cond:
+        raise ELFError(message)
+
+
 def check_finite(tensor: Tensor, what: str) -> None:
     """Raise :class:`ELFError` if ``tensor`` holds NaN or inf (one host sync: use at API edges)."""
     if not bool(torch.isfinite(tensor).all()):

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from elflow.errors import ELFError
+from elflow.errors import ELFError, require
 
 
 def _newton_schulz(
@@ -80,11 +80,6 @@ NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_EPS = 1e-7
 
 
-def _check(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ELFError(msg)
-
-
 @dataclass(frozen=True)
 class OptimConfig:
     """Optimiser and lr schedule (ELF_SPEC §3); defaults are the paper's values."""
@@ -122,38 +117,38 @@ class OptimConfig:
     """Clip the global gradient norm to this value (0 disables clipping)."""
 
     def __post_init__(self) -> None:
-        _check(
+        require(
             self.optimizer in ("muon", "adamw"),
             f"optim.optimizer must be 'muon' or 'adamw', got {self.optimizer!r}",
         )
-        _check(
+        require(
             self.schedule in ("constant", "cosine"),
             f"optim.schedule must be 'constant' or 'cosine', got {self.schedule!r}",
         )
         for name in ("blr", "lr", "eps", "weight_decay", "clip_grad_norm"):
             value = getattr(self, name)
-            _check(math.isfinite(value) and value >= 0, f"optim.{name} must be >= 0, got {value}")
-        _check(self.eps > 0, f"optim.eps must be positive, got {self.eps}")
-        _check(
+            require(math.isfinite(value) and value >= 0, f"optim.{name} must be >= 0, got {value}")
+        require(self.eps > 0, f"optim.eps must be positive, got {self.eps}")
+        require(
             self.lr > 0 or self.blr > 0,
             "optim.blr and optim.lr are both 0: set blr (scaled by batch) or lr (absolute)",
         )
-        _check(self.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
-        _check(
+        require(self.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
+        require(
             0.0 <= self.min_lr_ratio <= 1.0,
             f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}",
         )
         for name in ("beta1", "beta2", "muon_momentum"):
             value = getattr(self, name)
-            _check(0.0 <= value < 1.0, f"optim.{name} must be in [0, 1), got {value}")
-        _check(
+            require(0.0 <= value < 1.0, f"optim.{name} must be in [0, 1), got {value}")
+        require(
             self.muon_ns_dtype in ("bfloat16", "float32"),
             f"optim.muon_ns_dtype must be 'bfloat16' or 'float32', got {self.muon_ns_dtype!r}",
         )
-        _check(
+        require(
             self.muon_ns_steps >= 1, f"optim.muon_ns_steps must be >= 1, got {self.muon_ns_steps}"
         )
-        _check(
+        require(
             self.muon_ns_steps < 100,
             f"optim.muon_ns_steps must be < 100 (5 is the paper's), got {self.muon_ns_steps}",
         )
@@ -161,7 +156,7 @@ class OptimConfig:
 
 def peak_lr(cfg: OptimConfig, global_batch: int) -> float:
     """The lr after warm-up: ``cfg.lr`` if set, else blr * global_batch / 256 (ELF_SPEC §3)."""
-    _check(global_batch > 0, f"global batch must be positive, got {global_batch}")
+    require(global_batch > 0, f"global batch must be positive, got {global_batch}")
     return cfg.lr if cfg.lr > 0 else cfg.blr * global_batch / 256
 
 

@@ -29,7 +29,7 @@ from elflow.config import (
     to_dict,
 )
 from elflow.data.config import DataConfig
-from elflow.errors import ELFError
+from elflow.errors import ELFError, require
 from elflow.optim import OptimConfig
 
 
@@ -101,29 +101,25 @@ class TrainConfig:
     """torch.compile the network (costs a one-off compile time)."""
 
     def __post_init__(self) -> None:
-        def check(cond: bool, msg: str) -> None:
-            if not cond:
-                raise ELFError(msg)
-
-        check(
+        require(
             self.global_batch > 0, f"train.global_batch must be positive, got {self.global_batch}"
         )
-        check(self.micro_batch >= 0, f"train.micro_batch must be >= 0, got {self.micro_batch}")
-        check(self.max_steps >= 0, f"train.max_steps must be >= 0, got {self.max_steps}")
-        check(self.epochs > 0, f"train.epochs must be positive, got {self.epochs}")
-        check(self.warmup_epochs >= 0, "train.warmup_epochs must be >= 0")
-        check(
+        require(self.micro_batch >= 0, f"train.micro_batch must be >= 0, got {self.micro_batch}")
+        require(self.max_steps >= 0, f"train.max_steps must be >= 0, got {self.max_steps}")
+        require(self.epochs > 0, f"train.epochs must be positive, got {self.epochs}")
+        require(self.warmup_epochs >= 0, "train.warmup_epochs must be >= 0")
+        require(
             0.0 <= self.ema_decay < 1.0, f"train.ema_decay must be in [0, 1), got {self.ema_decay}"
         )
-        check(self.precision in ("auto", "fp32", "bf16"), "train.precision: auto, fp32 or bf16")
-        check(self.parallel in ("ddp", "fsdp2"), "train.parallel must be 'ddp' or 'fsdp2'")
-        check(
+        require(self.precision in ("auto", "fp32", "bf16"), "train.precision: auto, fp32 or bf16")
+        require(self.parallel in ("ddp", "fsdp2"), "train.parallel must be 'ddp' or 'fsdp2'")
+        require(
             self.procedure in ("efficient", "reference"), "train.procedure: efficient or reference"
         )
-        check(self.device in ("auto", "cpu", "cuda"), "train.device must be auto, cpu or cuda")
+        require(self.device in ("auto", "cpu", "cuda"), "train.device must be auto, cpu or cuda")
         for name in ("log_every", "save_every", "keep_last"):
-            check(getattr(self, name) > 0, f"train.{name} must be positive")
-        check(self.sample_every >= 0 and self.num_samples >= 0, "train.sample_* must be >= 0")
+            require(getattr(self, name) > 0, f"train.{name} must be positive")
+        require(self.sample_every >= 0 and self.num_samples >= 0, "train.sample_* must be >= 0")
 
 
 @dataclass(frozen=True)

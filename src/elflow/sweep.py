@@ -314,19 +314,3 @@ def run(args: argparse.Namespace) -> int:
         if info.distributed:
             teardown()
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m elflow.sweep``: the same command before it is wired into ``elflow``."""
-    parser = argparse.ArgumentParser(prog="elflow sweep", description="sample and score a grid")
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        return run(args)
-    except ELFError as e:
-        print(f"elflow: error: {e}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

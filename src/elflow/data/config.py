@@ -10,15 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from elflow.errors import ELFError
+from elflow.errors import require
 
 FORMATS = ("auto", "text", "jsonl", "pairs", "hf", "pretokenized", "prepared")
 LATENT_CACHE_DTYPES = ("float16", "bfloat16", "float32")
-
-
-def _check(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ELFError(msg)
 
 
 @dataclass(frozen=True)
@@ -60,28 +55,30 @@ class DataConfig:
     """Documents per batched call of the (fast) tokenizer."""
 
     def __post_init__(self) -> None:
-        _check(self.format in FORMATS, f"data.format must be one of {FORMATS}, got {self.format!r}")
-        _check(
+        require(
+            self.format in FORMATS, f"data.format must be one of {FORMATS}, got {self.format!r}"
+        )
+        require(
             self.doc_per in ("line", "file"),
             f"data.doc_per must be 'line' or 'file', got {self.doc_per!r}",
         )
-        _check(
+        require(
             self.overlong in ("truncate", "error"),
             f"data.overlong must be 'truncate' or 'error', got {self.overlong!r}",
         )
-        _check(
+        require(
             self.latent_cache_dtype in LATENT_CACHE_DTYPES,
             f"data.latent_cache_dtype must be one of {LATENT_CACHE_DTYPES}, "
             f"got {self.latent_cache_dtype!r}",
         )
-        _check(self.max_rows >= 0, f"data.max_rows must be >= 0 (0 = all), got {self.max_rows}")
-        _check(
+        require(self.max_rows >= 0, f"data.max_rows must be >= 0 (0 = all), got {self.max_rows}")
+        require(
             self.tokenize_batch_size > 0,
             f"data.tokenize_batch_size must be positive, got {self.tokenize_batch_size}",
         )
         for name in ("text_field", "source_field", "target_field", "hf_split", "hf_valid_split"):
-            _check(bool(getattr(self, name)), f"data.{name} must not be empty")
-        _check(
+            require(bool(getattr(self, name)), f"data.{name} must not be empty")
+        require(
             self.source_field != self.target_field,
             f"data.source_field and data.target_field are both {self.source_field!r}; "
             "name two different fields",
