@@ -172,7 +172,7 @@ def elf_loss(
     forward = TrainForward(model) if isinstance(model, ELF) else model
     elf = forward_network(forward)
     nograd_rows = torch.ones_like(sc) if reference else sc
-    x_hat_u = _nograd_pass(forward, z_t, x_cond_only, t, w, nograd_rows, with_head=reference)
+    x_hat_u = nograd_prediction(forward, z_t, x_cond_only, t, w, nograd_rows, with_head=reference)
     sc_half = torch.where(cond3, x, x_hat_u)  # the self-conditioning input (condition reset)
 
     # 2) Trained pass: denoiser rows [z_t, SC half or Z0] at t; decoder rows [z_dec, 0] at t = 1.
@@ -186,13 +186,15 @@ def elf_loss(
     # 3) SC-CFG target: v* + (1 - 1/w)(v_cond - v_u) on self-conditioned rows, v* elsewhere.
     num_nograd = int(nograd_rows.sum()) if not reference else B
     if reference:
-        x_hat_c = _nograd_pass(forward, z_t, sc_half, t, w, torch.ones_like(sc), with_head=True)
+        x_hat_c = nograd_prediction(
+            forward, z_t, sc_half, t, w, torch.ones_like(sc), with_head=True
+        )
         num_nograd += B
     elif elf.cfg.dropout == 0.0 or not elf.training:
         # Same input as the trained pass for these rows, so the same output: reuse it.
         x_hat_c = x_pred.detach()
     else:
-        x_hat_c = _nograd_pass(forward, z_t, sc_half, t, w, sc)
+        x_hat_c = nograd_prediction(forward, z_t, sc_half, t, w, sc)
         num_nograd += int(sc.sum())
     v_star = velocity(x, z_t, t, cfg.t_eps)
     guidance = (1.0 - 1.0 / w)[:, None, None] * (
@@ -209,10 +211,10 @@ def elf_loss(
     l2_sum = torch.where(den_mask > 0, l2_tok * den_mask, 0.0).sum()
     ids = batch.input_ids.long()
     if reference:
-        ce_tok = _token_ce(logits, ids)  # (B, L)
+        ce_tok = token_cross_entropy(logits, ids)  # (B, L)
         dec_mask = mask * dec.float()[:, None]
     else:
-        ce_tok = _token_ce(logits, ids[dec])  # (B_dec, L)
+        ce_tok = token_cross_entropy(logits, ids[dec])  # (B_dec, L)
         dec_mask = mask[dec]
     ce_sum = (ce_tok * dec_mask).sum()
     dec_count = dec_mask.sum()
@@ -228,7 +230,7 @@ def elf_loss(
     )
 
 
-def _token_ce(logits: Tensor, ids: Tensor) -> Tensor:
+def token_cross_entropy(logits: Tensor, ids: Tensor) -> Tensor:
     """Per-token cross-entropy with the log-softmax in fp32: (..., L, V), (..., L) -> (..., L)."""
     V = logits.shape[-1]
     ce = F.cross_entropy(logits.float().reshape(-1, V), ids.reshape(-1), reduction="none")
@@ -236,7 +238,7 @@ def _token_ce(logits: Tensor, ids: Tensor) -> Tensor:
 
 
 @torch.no_grad()
-def _nograd_pass(
+def nograd_prediction(
     forward: nn.Module,
     z: Tensor,
     sc_half: Tensor,
