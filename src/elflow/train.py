@@ -15,7 +15,8 @@ import contextlib
 import json
 import math
 import time
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -107,8 +108,21 @@ def resolve_resume(out: Path, resume: str | None) -> Path | None:
     return found
 
 
-def train(cfg: RunConfig, out: str | Path, resume: str | None = None) -> Path:
-    """Train (or resume) a run into ``out``; returns the last checkpoint folder."""
+def train(
+    cfg: RunConfig,
+    out: str | Path,
+    resume: str | None = None,
+    *,
+    objective_factory: Callable[[RunConfig, DistInfo], Any] | None = None,
+    init_state: dict[str, Tensor] | None = None,
+) -> Path:
+    """Train (or resume) a run into ``out``; returns the last checkpoint folder.
+
+    Args:
+        objective_factory: builds the loss (default :class:`ELFObjective`); distillation passes
+            its own (see ``distill_train.py``).
+        init_state: initial weights for a fresh run (ignored when resuming).
+    """
     out = Path(out)
     info = setup(cfg.train.device)
     resume_from = resolve_resume(out, resume)
@@ -173,6 +187,10 @@ def train(cfg: RunConfig, out: str | Path, resume: str | None = None) -> Path:
         optim_cfg = replace(optim_cfg, warmup_steps=round(cfg.train.warmup_epochs * N / G))
 
     model = build_model(model_cfg, info.device)
+    if init_state is not None and resume_from is None:
+        from elflow.official import load_state_dict_strict
+
+        load_state_dict_strict(model, {k: v.to(info.device) for k, v in init_state.items()})
     start_step = 0
     rank_state = None
     if resume_from is not None:
@@ -210,7 +228,10 @@ def train(cfg: RunConfig, out: str | Path, resume: str | None = None) -> Path:
         )
     progress = _progress(info, start_step, total_steps)
     autocast = _autocast(cfg, info.device)
-    ctx = _StepContext(cfg, info, dataset, order, cache, encoder, wrapped, micro, accum, autocast)
+    objective = objective_factory(cfg, info) if objective_factory else ELFObjective(cfg)
+    ctx = _StepContext(
+        cfg, info, dataset, order, cache, encoder, wrapped, micro, accum, autocast, objective
+    )
     last_ckpt = resume_from
     t_last, tokens_since = time.perf_counter(), 0
     sums: dict[str, float] = {}
@@ -258,13 +279,48 @@ def train(cfg: RunConfig, out: str | Path, resume: str | None = None) -> Path:
     return last_ckpt if last_ckpt is not None else out
 
 
+@dataclass
+class StepLoss:
+    """One micro-batch's contribution: a differentiable sum and logging sums."""
+
+    numerator: Tensor
+    """Summed loss of this micro-batch; the step loss is its total over the global batch / D."""
+    stats: Tensor
+    """(4,) float64: l2 sum, ce sum, l2 count, ce count (for the logged l2 and ce means)."""
+
+
+class ELFObjective:
+    """The ELF training loss (§3), normalised by the global batch's loss-mask total."""
+
+    def __init__(self, cfg: RunConfig) -> None:
+        self.cfg = cfg
+
+    def denominator(self, batch: Batch) -> float:
+        return _mask_total(batch, self.cfg.objective.pad_with_eos)
+
+    def __call__(self, forward, batch: Batch, positions: np.ndarray) -> StepLoss:
+        cfg = self.cfg
+        L, E = batch.x.shape[1], batch.x.shape[2]
+        draws = sample_draws_keyed(
+            positions.tolist(), L, E, cfg.objective, cfg.train.seed, batch.x.device
+        )
+        out = elf_loss(forward, batch, draws, cfg.objective, cfg.train.procedure)
+        den_rows = ~draws.decoder_active.bool().to(batch.x.device)
+        l2_tokens, ce_tokens = _branch_tokens(batch, den_rows, cfg.objective.pad_with_eos)
+        stats = torch.stack([out.l2_sum.detach(), out.ce_sum.detach(), l2_tokens, ce_tokens])
+        return StepLoss(out.l2_sum + out.ce_sum, stats.double())
+
+
 class _StepContext:
     """Builds the micro-batches of one optimizer step and back-propagates them."""
 
-    def __init__(self, cfg, info, dataset, order, cache, encoder, wrapped, micro, accum, autocast):
+    def __init__(
+        self, cfg, info, dataset, order, cache, encoder, wrapped, micro, accum, autocast, objective
+    ):
         self.cfg, self.info, self.dataset, self.order = cfg, info, dataset, order
         self.cache, self.encoder, self.wrapped = cache, encoder, wrapped
         self.micro, self.accum, self.autocast = micro, accum, autocast
+        self.objective = objective
 
     def batch(self, positions: np.ndarray) -> Batch:
         cfg, dev = self.cfg, self.info.device
@@ -292,32 +348,21 @@ class _StepContext:
         for k in range(self.accum):
             pos = rank_positions(step, G, W, info.rank, self.micro, k)
             parts.append((pos, self.batch(pos)))
-        # D: the loss-mask total of the whole global batch (spec §10 "Distributed equality").
-        local = sum(_mask_total(b, cfg.objective.pad_with_eos) for _, b in parts)
+        # D: the objective's normaliser over the whole global batch (ELF: the loss-mask total;
+        # distillation: the row count), all-reduced (spec §10 "Distributed equality").
+        local = sum(self.objective.denominator(b) for _, b in parts)
         denom = all_reduce_sum(torch.tensor([float(local)], device=info.device)).item()
         stats = torch.zeros(4, device=info.device, dtype=torch.float64)
         for k, (pos, batch) in enumerate(parts):
-            draws = sample_draws_keyed(
-                pos.tolist(),
-                batch.x.shape[1],
-                batch.x.shape[2],
-                cfg.objective,
-                cfg.train.seed,
-                info.device,
-            )
             sync = contextlib.nullcontext()
             if k < self.accum - 1 and hasattr(self.wrapped, "no_sync"):
                 sync = self.wrapped.no_sync()
             with sync:
                 with self.autocast:
-                    out = elf_loss(self.wrapped, batch, draws, cfg.objective, cfg.train.procedure)
+                    out = self.objective(self.wrapped, batch, pos)
                 # DDP/FSDP2 average gradients over processes: scale by W to get the sum.
-                ((out.l2_sum + out.ce_sum) * (W / max(denom, 1.0))).backward()
-            den_rows = (~draws.decoder_active.bool()).to(batch.x.device)
-            l2_tokens, ce_tokens = _branch_tokens(batch, den_rows, cfg.objective.pad_with_eos)
-            stats += torch.stack(
-                [out.l2_sum.detach(), out.ce_sum.detach(), l2_tokens, ce_tokens]
-            ).double()
+                (out.numerator * (W / max(denom, 1.0))).backward()
+            stats += out.stats
         stats = all_reduce_sum(stats).tolist()
         return {
             "loss": (stats[0] + stats[1]) / max(denom, 1.0),
