@@ -158,6 +158,10 @@ COMMANDS: dict[str, tuple[str, Callable, Callable]] = {
         *_delegate("elflow.data.cli"),
     ),
     "train": ("train or resume an ELF model", _add_train, _run_train),
+    "distill": (
+        "progressive distillation into few-step students",
+        *_delegate("elflow.distill_train"),
+    ),
     "generate": ("generate text and print it", _add_generate, _run_generate),
     "import": ("convert an authors' checkpoint to an elflow model", _add_import, _run_import),
     "info": ("print a model's config and size", _add_info, _run_info),

@@ -1,0 +1,173 @@
+"""``elflow distill``: progressive distillation rounds through the ordinary trainer (spec §8).
+
+Each round (student steps N / teacher sub-steps K, default 16/4, 8/8, 4/16, 2/32, 1/64) is a
+resumable training run in ``OUT/round-<k>-<N>x<K>/`` with its own checkpoints, fresh optimizer and
+EMA. Round 1 starts from the teacher, round k + 1 from round k's EMA weights. The teacher (the
+original model's EMA weights, the same in every round) is frozen, never wrapped in DDP/FSDP2, and
+its weights hash is checked unchanged after every round. A finished round (its last checkpoint at
+``train.max_steps``) is skipped when the command is run again, so an interrupted curriculum
+resumes mid-round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from elflow import checkpoint as ckpt_io
+from elflow.artifact import EMA_WEIGHTS, load_model
+from elflow.config import SamplerConfig
+from elflow.distill import DistillConfig, distill_loss, parse_rounds, sample_distill_draws_keyed
+from elflow.errors import ELFError
+from elflow.model import ELF
+from elflow.objective import Batch
+from elflow.run_config import EncoderConfig, RunConfig, apply_overrides, preset
+from elflow.train import StepLoss, train
+
+
+def fewstep_sampler(steps: int) -> SamplerConfig:
+    """The distilled students' sampler (spec §5): SDE, gamma 1.5 & w 2.5 up to 8 steps, else 2/2."""
+    gamma, w = (1.5, 2.5) if steps <= 8 else (2.0, 2.0)
+    return SamplerConfig(steps=steps, sampler="sde", gamma=gamma, w=w)
+
+
+def weights_hash(model: torch.nn.Module) -> str:
+    h = hashlib.sha256()
+    for key, value in sorted(model.state_dict().items()):
+        h.update(key.encode())
+        h.update(value.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+class DistillObjective:
+    """Spec §8's loss: the mean over rows of each row's masked token mean (normaliser: rows)."""
+
+    def __init__(self, cfg: RunConfig, teacher: ELF, distill: DistillConfig) -> None:
+        self.cfg, self.teacher, self.distill = cfg, teacher, distill
+
+    def denominator(self, batch: Batch) -> float:
+        return float(batch.x.shape[0])
+
+    def __call__(self, forward, batch: Batch, positions: np.ndarray) -> StepLoss:
+        L, E = batch.x.shape[1], batch.x.shape[2]
+        draws = sample_distill_draws_keyed(
+            positions.tolist(),
+            L,
+            E,
+            self.cfg.objective,
+            self.distill.teacher_substeps,
+            self.cfg.train.seed,
+            batch.x.device,
+        )
+        out = distill_loss(forward, self.teacher, batch, draws, self.distill)
+        dec = draws.decoder_active.bool().to(batch.x.device)
+        rows = out.row_loss.detach()
+        stats = torch.stack(
+            [rows[~dec].sum(), rows[dec].sum(), (~dec).sum().to(rows), dec.sum().to(rows)]
+        )
+        return StepLoss(out.row_sum, stats.double())
+
+
+def load_teacher(source: str, device: torch.device | str) -> tuple[ELF, object]:
+    teacher, config = load_model(source, device=device)
+    teacher.eval().requires_grad_(False)
+    return teacher, config
+
+
+def distill(
+    teacher_source: str, cfg: RunConfig, out: str | Path, rounds: str, teacher_steps: int = 64
+) -> Path:
+    """Run (or resume) the curriculum; returns the last round's last checkpoint."""
+    from elflow.distributed import setup
+
+    out = Path(out)
+    plan = parse_rounds(rounds, teacher_steps)
+    info = setup(cfg.train.device)
+    teacher, tcfg = load_teacher(teacher_source, info.device)
+    # The student is the teacher's architecture, encoder, tokenizer and normalisation.
+    cfg = replace(
+        cfg,
+        model=tcfg.model,
+        encoder=EncoderConfig(
+            name=tcfg.encoder,
+            tokenizer=tcfg.tokenizer,
+            latent_mean=tcfg.latent_mean,
+            latent_std=tcfg.latent_std,
+        ),
+        task=tcfg.task,
+        max_input_length=tcfg.max_input_length,
+    )
+    reference_hash = weights_hash(teacher)
+    init = {k: v.detach().clone() for k, v in teacher.state_dict().items()}
+    last = out
+    for k, (n_student, n_sub) in enumerate(plan, start=1):
+        round_dir = out / f"round-{k}-{n_student}x{n_sub}"
+        round_cfg = replace(cfg, sampler=fewstep_sampler(n_student))
+        spec = DistillConfig(
+            student_steps=n_student,
+            teacher_substeps=n_sub,
+            teacher_steps=teacher_steps,
+            objective=cfg.objective,
+        )
+        done = ckpt_io.find_checkpoint(round_dir) if round_dir.exists() else None
+        if done is None or ckpt_io.read_state(done)["step"] < round_cfg.train.max_steps:
+            last = train(
+                round_cfg,
+                round_dir,
+                resume="auto",
+                objective_factory=lambda c, i, s=spec: DistillObjective(c, teacher, s),
+                init_state=init,
+            )
+        else:
+            last = done
+        if weights_hash(teacher) != reference_hash:
+            raise ELFError(f"the teacher's weights changed during round {k}; this is a bug")
+        init = ckpt_io.load_weights(last, EMA_WEIGHTS)
+        if info.is_main:
+            (round_dir / "round.json").write_text(
+                json.dumps(
+                    {
+                        "round": k,
+                        "student_steps": n_student,
+                        "teacher_substeps": n_sub,
+                        "teacher": str(teacher_source),
+                        "teacher_sha256": reference_hash,
+                    }
+                )
+                + "\n"
+            )
+    return last
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--teacher", required=True, help="any model source (elflow or authors')")
+    p.add_argument("--out", required=True, help="folder for the rounds")
+    p.add_argument("--preset", default="bible-tiny", help="data/optim/train settings to start from")
+    p.add_argument("--config", help="YAML or JSON overrides")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument(
+        "--rounds",
+        default="16/4,8/8,4/16,2/32,1/64",
+        help="student steps / teacher sub-steps per round",
+    )
+    p.add_argument("--teacher-steps", type=int, default=64, help="N x K of every round (0: any)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from elflow.distributed import teardown
+
+    cfg = apply_overrides(preset(args.preset), args.config, args.set)
+    if cfg.train.max_steps <= 0:
+        raise ELFError("set the steps per round with --set train.max_steps=N")
+    try:
+        last = distill(args.teacher, cfg, args.out, args.rounds, args.teacher_steps or None)
+    finally:
+        teardown()
+    print(f"done: {last}")
+    return 0

@@ -1,0 +1,97 @@
+"""`elflow distill`: rounds through the trainer, initialisation chain, frozen teacher, resume."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from elflow import load_model
+from elflow.__main__ import main
+
+from .test_train import assert_same, assets, error_lines, run_config, weights  # noqa: F401
+
+
+@pytest.fixture(scope="module")
+def teacher(tmp_path_factory, assets):  # noqa: F811
+    root = tmp_path_factory.mktemp("teacher")
+    cfg = root / "cfg.json"
+    cfg.write_text(json.dumps(run_config(assets, train={"max_steps": 3})))
+    argv = ["train", "--preset", "bible-tiny", "--out", str(root / "run"), "--config", str(cfg)]
+    assert main(argv) == 0
+    return root / "run" / "checkpoint-3"
+
+
+def distill_cli(tmp: Path, out: Path, assets: Path, teacher: Path, rounds: str, **train) -> int:  # noqa: F811
+    cfg = run_config(assets, train={"max_steps": 2, **train})
+    path = tmp / f"distill-{out.name}.json"
+    path.write_text(json.dumps(cfg))
+    return main(
+        [
+            "distill",
+            "--teacher",
+            str(teacher),
+            "--out",
+            str(out),
+            "--config",
+            str(path),
+            "--rounds",
+            rounds,
+            "--teacher-steps",
+            "4",
+        ]
+    )
+
+
+def test_rounds_chain_and_teacher_is_frozen(tmp_path, assets, teacher):  # noqa: F811
+    before = (teacher / "ema.safetensors").read_bytes()
+    out = tmp_path / "pd"
+    # One step per round at lr 0 (first warm-up step): each round's weights equal its init.
+    cfg = run_config(assets, train={"max_steps": 1}, optim={"warmup_steps": 1000})
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(cfg))
+    argv = [
+        "distill",
+        "--teacher",
+        str(teacher),
+        "--out",
+        str(out),
+        "--config",
+        str(path),
+        "--rounds",
+        "2/2,1/4",
+        "--teacher-steps",
+        "4",
+    ]
+    assert main(argv) == 0
+    r1, r2 = out / "round-1-2x2" / "checkpoint-1", out / "round-2-1x4" / "checkpoint-1"
+    assert_same(weights(r1), weights(teacher, "ema.safetensors"))  # round 1 starts at the teacher
+    assert_same(weights(r2), weights(r1, "ema.safetensors"))  # round 2 at round 1's EMA
+    assert (teacher / "ema.safetensors").read_bytes() == before
+    record = json.loads((out / "round-2-1x4" / "round.json").read_text())
+    assert record["student_steps"] == 1 and len(record["teacher_sha256"]) == 64
+    _, config = load_model(out / "round-2-1x4")
+    assert (config.sampler.steps, config.sampler.sampler, config.sampler.w) == (1, "sde", 2.5)
+
+
+def test_distillation_learns_and_resumes_mid_round_bitwise(tmp_path, assets, teacher):  # noqa: F811
+    assert distill_cli(tmp_path, tmp_path / "full", assets, teacher, "2/2", max_steps=4) == 0
+    assert distill_cli(tmp_path, tmp_path / "part", assets, teacher, "2/2", max_steps=2) == 0
+    assert distill_cli(tmp_path, tmp_path / "part", assets, teacher, "2/2", max_steps=4) == 0
+    for name in ("model.safetensors", "ema.safetensors"):
+        assert_same(
+            weights(tmp_path / "full" / "round-1-2x2" / "checkpoint-4", name),
+            weights(tmp_path / "part" / "round-1-2x2" / "checkpoint-4", name),
+        )
+    lines = (tmp_path / "full" / "round-1-2x2" / "metrics.jsonl").read_text().splitlines()
+    assert all(json.loads(x)["loss"] > 0 for x in lines)
+    # Running a finished curriculum again does nothing.
+    assert distill_cli(tmp_path, tmp_path / "full", assets, teacher, "2/2", max_steps=4) == 0
+
+
+def test_bad_rounds_and_teacher(tmp_path, assets, teacher, capsys):  # noqa: F811
+    assert distill_cli(tmp_path, tmp_path / "a", assets, teacher, "3/3") == 2
+    assert distill_cli(tmp_path, tmp_path / "b", assets, tmp_path / "no-teacher", "2/2") == 2
+    errs = error_lines(capsys.readouterr().err)
+    assert len(errs) == 2 and "does not exist" in errs[1]
