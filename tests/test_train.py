@@ -362,3 +362,31 @@ def test_resume_from_another_architecture_is_an_error(tmp_path, assets, capsys):
         from elflow.train import resolve_resume
 
         resolve_resume(tmp_path / "run", str(tmp_path / "nothing-here"))
+
+
+def test_fresh_run_into_another_runs_folder_is_refused(tmp_path, assets, capsys):
+    assert train_cli(tmp_path, tmp_path / "run", run_config(assets, train={"max_steps": 3})) == 0
+    assert train_cli(tmp_path, tmp_path / "run", run_config(assets), "--resume", "never") == 2
+    errs = error_lines(capsys.readouterr().err)
+    assert len(errs) == 1 and "already holds checkpoints" in errs[0]
+    assert [p.name for p in (tmp_path / "run").glob("checkpoint-*")] == ["checkpoint-3"]
+
+
+def test_resume_with_another_batch_or_seed_is_refused(tmp_path, assets, capsys):
+    assert train_cli(tmp_path, tmp_path / "run", run_config(assets, train={"max_steps": 3})) == 0
+    other = run_config(assets, train={"global_batch": 16})
+    assert train_cli(tmp_path, tmp_path / "run", other) == 2
+    assert "train.global_batch was 8, now 16" in error_lines(capsys.readouterr().err)[0]
+
+
+def test_prune_never_deletes_later_checkpoints(tmp_path):
+    from elflow.checkpoint import _prune
+
+    for step in (2, 4, 6, 100):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+    _prune(tmp_path, keep_last=2, current=6)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "checkpoint-100",
+        "checkpoint-4",
+        "checkpoint-6",
+    ]

@@ -66,8 +66,8 @@ def rng_state() -> dict[str, Any]:
         "python": random.getstate(),
         "numpy": _numpy_state_to_torch(np.random.get_state()),
     }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if torch.cuda.is_available():  # this process's device only (others may differ on resume)
+        state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
@@ -93,7 +93,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
     np.random.set_state(_numpy_state_from_torch(state["numpy"]))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state(state["cuda"])
 
 
 def save_checkpoint(
@@ -123,15 +123,15 @@ def save_checkpoint(
             if tmp.exists():
                 shutil.rmtree(tmp)
             tmp.mkdir()
-        except OSError as e:
-            error = str(e)
+        except Exception as e:
+            error = str(e).splitlines()[0] if str(e) else type(e).__name__
     error = broadcast_object(error)
     if error is None:
         try:
             payload = {**_to_local(rank_state), "rng": rng_state()}
             torch.save(payload, tmp / rank_file(info.rank))
-        except OSError as e:
-            error = str(e)
+        except Exception as e:  # OSError, or torch's RuntimeError on a full disk
+            error = str(e).splitlines()[0] if str(e) else type(e).__name__
     barrier()
     errors = _gather_errors(error)
     if not errors and info.is_main:
@@ -144,9 +144,9 @@ def save_checkpoint(
             if final.exists():
                 shutil.rmtree(final)
             tmp.rename(final)
-            _prune(out_dir, keep_last)
-        except OSError as e:
-            errors = [str(e)]
+            _prune(out_dir, keep_last, step)
+        except Exception as e:  # OSError, or safetensors' own error type
+            errors = [str(e).splitlines()[0] if str(e) else type(e).__name__]
     errors = broadcast_object(errors if info.is_main else None)
     if errors:
         if info.is_main:
@@ -170,11 +170,14 @@ def _gather_errors(error: str | None) -> list[str]:
     return [e for e in box if e]
 
 
-def _prune(out_dir: Path, keep_last: int) -> None:
+def _prune(out_dir: Path, keep_last: int, current: int) -> None:
+    """Keep the ``keep_last`` newest checkpoints up to ``current``; never touch later ones."""
     steps = sorted(
-        int(p.name.split("-", 1)[1])
+        s
         for p in out_dir.glob("checkpoint-*")
         if p.is_dir() and p.name.split("-", 1)[1].isdigit()
+        for s in [int(p.name.split("-", 1)[1])]
+        if s <= current
     )
     for step in steps[:-keep_last]:
         shutil.rmtree(out_dir / f"checkpoint-{step}", ignore_errors=True)

@@ -21,13 +21,19 @@ import numpy as np
 import torch
 
 from elflow import checkpoint as ckpt_io
-from elflow.artifact import EMA_WEIGHTS, load_model
-from elflow.config import SamplerConfig
+from elflow.artifact import CONFIG, EMA_WEIGHTS, load_model, resolve_source
+from elflow.config import ObjectiveConfig, SamplerConfig
 from elflow.distill import DistillConfig, distill_loss, parse_rounds, sample_distill_draws_keyed
 from elflow.errors import ELFError
 from elflow.model import ELF
 from elflow.objective import Batch
-from elflow.run_config import EncoderConfig, RunConfig, apply_overrides, preset
+from elflow.run_config import (
+    EncoderConfig,
+    RunConfig,
+    apply_overrides,
+    preset,
+    run_config_from_dict,
+)
 from elflow.train import StepLoss, train
 
 
@@ -74,6 +80,23 @@ class DistillObjective:
         return StepLoss(out.row_sum, stats.double())
 
 
+def teacher_objective(source: str, tcfg, fallback: ObjectiveConfig) -> ObjectiveConfig:
+    """The objective the teacher was trained with: its run config when it is an elflow training
+    checkpoint, else ``fallback`` with the teacher's padding policy, noise scale and t_eps (and
+    the paper's seq2seq decoder noise and label drop for conditional teachers)."""
+    resolved = resolve_source(source)
+    if resolved.kind == "elflow":
+        run = json.loads((resolved.path / CONFIG).read_text()).get("run")
+        if run is not None:
+            return run_config_from_dict(run).objective
+    objective = replace(
+        fallback, pad_with_eos=tcfg.pad_with_eos, noise_scale=tcfg.noise_scale, t_eps=tcfg.t_eps
+    )
+    if tcfg.conditional:
+        objective = replace(objective, decoder_noise_scale=1.0, label_drop_prob=0.1)
+    return objective
+
+
 def load_teacher(source: str, device: torch.device | str) -> tuple[ELF, object]:
     teacher, config = load_model(source, device=device)
     teacher.eval().requires_grad_(False)
@@ -90,9 +113,10 @@ def distill(
     plan = parse_rounds(rounds, teacher_steps)
     info = setup(cfg.train.device)
     teacher, tcfg = load_teacher(teacher_source, info.device)
-    # The student is the teacher's architecture, encoder, tokenizer and normalisation.
+    # The student is the teacher's architecture, encoder, tokenizer, normalisation and objective.
     cfg = replace(
         cfg,
+        objective=teacher_objective(teacher_source, tcfg, cfg.objective),
         model=tcfg.model,
         encoder=EncoderConfig(
             name=tcfg.encoder,
@@ -108,7 +132,8 @@ def distill(
     last = out
     for k, (n_student, n_sub) in enumerate(plan, start=1):
         round_dir = out / f"round-{k}-{n_student}x{n_sub}"
-        round_cfg = replace(cfg, sampler=fewstep_sampler(n_student))
+        sampler = replace(fewstep_sampler(n_student), cfg=tcfg.sampler.cfg)
+        round_cfg = replace(cfg, sampler=sampler)
         spec = DistillConfig(
             student_steps=n_student,
             teacher_substeps=n_sub,

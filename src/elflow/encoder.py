@@ -121,6 +121,7 @@ class FrozenEncoder(nn.Module):
                 f"use one of {_MASKABLE_ATTN}"
             )
         self.model = model
+        self.name: str | None = None
         self.latent_mean = float(latent_mean)
         self.latent_std = float(latent_std)
         self.model.requires_grad_(False)
@@ -144,6 +145,7 @@ class FrozenEncoder(nn.Module):
                 f"attn_implementation {attn_implementation!r} cannot take the 4-D encoder mask; "
                 f"use one of {_MASKABLE_ATTN}"
             )
+        original_name = name_or_path
         name_or_path = resolve_pretrained(name_or_path)
         expanded = os.path.expanduser(name_or_path)
         if not os.path.isdir(expanded) and _looks_like_path(name_or_path):
@@ -186,7 +188,9 @@ class FrozenEncoder(nn.Module):
                 f"cannot load encoder weights from '{name_or_path}' ({reason}); "
                 "check the folder has the model weights"
             ) from e
-        return cls(model, latent_mean=latent_mean, latent_std=latent_std)
+        encoder = cls(model, latent_mean=latent_mean, latent_std=latent_std)
+        encoder.name = original_name  # recorded next to measured statistics (e.g. latent_std)
+        return encoder
 
     def train(self, mode: bool = True) -> FrozenEncoder:
         # A parent's .train() must not switch on the encoder's dropout.

@@ -121,7 +121,9 @@ class ELFPipeline:
         cfg = self.config
         if not cfg.conditional:
             raise ELFError("this model is unconditional: call generate(n=...) without sources")
-        ids = tokenize(self.tokenizer, list(sources), max_length=cfg.max_input_length)
+        # Slice like the training rows (tokens.build_conditional_row), not HF truncation, which
+        # would keep the EOS and so encode over-long sources differently than in training.
+        ids = [row[: cfg.max_input_length] for row in tokenize(self.tokenizer, list(sources))]
         L, B = cfg.model.max_length, len(ids)
         input_ids = torch.full((B, L), self.tokens.pad_id, dtype=torch.long)
         cond_mask = torch.zeros(B, L, dtype=torch.long)
@@ -154,9 +156,11 @@ class ELFPipeline:
             raise ELFError("pass n >= 1 (unconditional) or a non-empty list of sources")
         if cfg.conditional and sources is None:
             raise ELFError("this model is conditional: pass sources=[...]")
-        L = length or cfg.model.max_length
+        L = cfg.model.max_length if length is None else length
         if cfg.conditional:
             L = cfg.model.max_length
+        if L < 1:
+            raise ELFError(f"length must be >= 1, got {L}")
         if L > cfg.model.max_length:
             raise ELFError(f"length {L} exceeds the model's max_length {cfg.model.max_length}")
         texts: list[str] = []

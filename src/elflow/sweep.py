@@ -209,7 +209,10 @@ def plot_frontier(path: Path, rows: list[dict], reference: dict | None = None) -
 
 def _write_json(path: Path, obj: dict) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
+    from elflow.evaluation.cli import finite_or_null
+
+    text = json.dumps(finite_or_null(obj), indent=2, allow_nan=False)
+    tmp.write_text(text + "\n", encoding="utf-8")
     os.replace(tmp, path)
 
 

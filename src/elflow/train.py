@@ -126,15 +126,15 @@ def train(
     out = Path(out)
     info = setup(cfg.train.device)
     resume_from = resolve_resume(out, resume)
+    existing = ckpt_io.find_checkpoint(out) if out.is_dir() else None
+    if existing is not None and (resume_from is None or resume_from.parent != out):
+        # Another run's checkpoints would be mixed with (and pruned by) this one's.
+        raise ELFError(
+            f"--out {out} already holds checkpoints ({existing.name}) of another run; resume it "
+            "(--resume auto) or choose a new --out"
+        )
     if resume_from is not None:
-        saved = run_config_from_dict(ckpt_io.read_run_config(resume_from))
-        if saved.model != replace(
-            cfg.model, encoder_dim=saved.model.encoder_dim, vocab_size=saved.model.vocab_size
-        ):
-            raise ELFError(
-                f"cannot resume {resume_from}: it holds another architecture "
-                f"({saved.model}); use a new --out or the same model settings"
-            )
+        _check_resumable(cfg, resume_from)
     torch.manual_seed(cfg.train.seed)
     from transformers.utils import logging as hf_logging
 
@@ -175,7 +175,7 @@ def train(
 
     G, W = cfg.train.global_batch, info.world_size
     micro = cfg.train.micro_batch or G // W
-    if G % (W * micro):
+    if micro < 1 or G % (W * micro):
         raise ELFError(
             f"train.global_batch {G} is not divisible by world_size {W} x micro_batch {micro}"
         )
@@ -311,6 +311,25 @@ class ELFObjective:
         return StepLoss(out.l2_sum + out.ce_sum, stats.double())
 
 
+def _check_resumable(cfg: RunConfig, ckpt: Path) -> None:
+    """A resume must continue the same run: architecture, global batch and seed."""
+    saved = run_config_from_dict(ckpt_io.read_run_config(ckpt))
+    if saved.model != replace(
+        cfg.model, encoder_dim=saved.model.encoder_dim, vocab_size=saved.model.vocab_size
+    ):
+        raise ELFError(
+            f"cannot resume {ckpt}: it holds another architecture ({saved.model}); "
+            "use a new --out or the same model settings"
+        )
+    for key in ("global_batch", "seed"):
+        old, new = getattr(saved.train, key), getattr(cfg.train, key)
+        if old != new:
+            raise ELFError(
+                f"cannot resume {ckpt}: train.{key} was {old}, now {new}; the data order and "
+                f"draws depend on it — set train.{key}={old} or use a new --out"
+            )
+
+
 class _StepContext:
     """Builds the micro-batches of one optimizer step and back-propagates them."""
 
@@ -398,6 +417,8 @@ def _prepared_latent_std(cfg: RunConfig) -> float:
     if not (path / "meta.json").is_file():
         return 0.0
     meta = read_meta(path)
+    if meta.get("latent_std_encoder") != cfg.encoder.name:
+        return 0.0
     return float(meta.get("latent_std") or 0.0)
 
 

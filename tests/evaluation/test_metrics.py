@@ -28,8 +28,8 @@ TEXTS = [
 
 def reference_sample(model, ids, eos, *, first_scored, score_eos, max_len):
     """(NLL, count, truncated) of one sample by an explicit loop: spec §6 written out longhand."""
-    budget = max_len - int(score_eos) - int(first_scored)
-    seq = [eos] * first_scored + ids[:budget] + [eos] * score_eos
+    budget = max_len - int(first_scored)
+    seq = [eos] * first_scored + ids[:budget] + [eos] * (score_eos and len(ids) < budget)
     with torch.no_grad():
         logp = torch.log_softmax(model(torch.tensor([seq])).logits[0].double(), dim=-1)
     nll, count, seen_eos = 0.0, 0, False
@@ -95,12 +95,13 @@ def test_eos_inside_text_scored_once(judge):
     assert res.nll[0] == pytest.approx(nll[0], rel=1e-5)
 
 
-def test_truncation_keeps_room_for_eos():
+def test_truncated_samples_have_no_eos_slot():
     judge = tiny_judge(n_positions=8)
     texts = ["a b c d e f g h a b", "a b c", "a b c d e f g"]  # 10, 3 and 7 tokens
     res = gen_ppl(texts, judge)
     assert res.num_truncated == 1
-    assert list(res.counts) == [7, 3, 7]  # 7 text tokens kept (+EOS = 8 positions), first unscored
+    # 8 text tokens kept and no end-of-text slot; 3 + slot; 7 + slot; the first never scored.
+    assert list(res.counts) == [7, 3, 7]
     nll, _, truncated = reference(judge, texts)
     assert truncated == 1
     np.testing.assert_allclose(res.nll, nll, rtol=1e-5)

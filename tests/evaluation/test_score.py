@@ -141,3 +141,11 @@ def test_all_empty_samples_write_null(tmp_path, judge):
     clean = score_cli.finite_or_null(m)
     assert clean["gen_ppl"] is None and clean["gen_ppl_ci"] == [None, None]
     json.dumps(clean, allow_nan=False)
+
+
+def test_conditional_samples_align_on_source_id():
+    from elflow.evaluation.score import align_refs
+
+    samples = [{"id": 0, "source_id": "b", "text": "x"}, {"id": 1, "source_id": "a", "text": "y"}]
+    refs = [{"id": "a", "text": "ref a"}, {"id": "b", "text": "ref b"}]
+    assert align_refs(samples, refs) == ["ref b", "ref a"]

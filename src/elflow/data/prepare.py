@@ -94,6 +94,7 @@ def prepare(
         }
         if encoder is not None:
             meta["latent_std"] = measure_rows_latent_std(rows, encoder)
+            meta["latent_std_encoder"] = getattr(encoder, "name", None)
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
         del rows, target, source  # release the memmaps before the rename
         if out.exists():

@@ -77,9 +77,9 @@ def gen_ppl(
     """Generative perplexity of `texts` under `judge` (an :class:`~elflow.evaluation.judge.Judge`).
 
     Paper protocol (spec §6), the defaults: retokenise with the judge's tokenizer (no BOS/EOS),
-    truncate to the judge's context minus the end-of-text slot (counted in `num_truncated`), append
-    the end-of-text id, and score every non-end-of-text token after the first plus the first
-    end-of-text slot; pad with end-of-text under an attention mask; corpus-level exp(ΣNLL/Σtokens);
+    truncate to the judge's context (counted in `num_truncated`), append the end-of-text id when it
+    still fits, and score every non-end-of-text token after the first plus that end-of-text slot;
+    pad with end-of-text under an attention mask; corpus-level exp(ΣNLL/Σtokens);
     the judge in fp32. `first_token_scored=True` prepends the end-of-text id as context so the first
     token is scored too; `score_eos=False` drops the end-of-text slot; `dtype="bf16"` scores with a
     bf16 copy of the judge (the PyTorch port's protocol); `aggregate="sample"` averages per-sample
@@ -95,11 +95,14 @@ def gen_ppl(
     kept = [t for t in texts if not is_empty(t)]
     ids = _encode(judge.tokenizer, kept)
     lengths = np.array([len(x) for x in ids], dtype=np.int64)
-    budget = judge.max_length - int(score_eos) - int(first_token_scored)
-    if budget < 1:
+    budget = judge.max_length - int(first_token_scored)
+    if budget < 2:
         raise ELFError(f"judge context {judge.max_length} is too short to score anything")
+    # A text cut at the context has no end-of-text slot inside it (spec §6: truncate to the
+    # context; the slot after the text is scored only when it exists).
     seqs = [
-        [eos] * first_token_scored + x[:budget] + [eos] * score_eos for x in ids
+        [eos] * first_token_scored + x[:budget] + [eos] * (score_eos and len(x) < budget)
+        for x in ids
     ]  # each ≤ max_length
     num_truncated = int(np.sum(lengths > budget))
 

@@ -87,20 +87,25 @@ def _texts(rows: list[dict[str, Any]], what: str) -> list[str]:
 
 
 def align_refs(samples: list[dict[str, Any]], refs: list[dict[str, Any]]) -> list[str]:
-    """Reference texts in sample order: by `id` when every row on both sides has one, else order."""
-    if all("id" in r for r in samples) and all("id" in r for r in refs):
+    """Reference texts in sample order: by id when every row on both sides has one, else order.
+
+    A conditional sample's own `id` is its row number; the id of the source line it came from is
+    `source_id` (written by `elflow sample`), which is what references are matched on.
+    """
+    key = "source_id" if samples and all("source_id" in s for s in samples) else "id"
+    if all(key in r for r in samples) and all("id" in r for r in refs):
         by_id: dict[Any, str] = {}
         for r in refs:
             if r["id"] in by_id:
                 raise ELFError(f"reference id {r['id']!r} appears twice; ids must be unique")
             by_id[r["id"]] = r["text"]
-        missing = [s["id"] for s in samples if s["id"] not in by_id]
+        missing = [s[key] for s in samples if s[key] not in by_id]
         if missing:
             raise ELFError(
                 f"{len(missing)} sample ids have no reference (first: {missing[0]!r}); "
                 "check that --refs matches --samples"
             )
-        return [by_id[s["id"]] for s in samples]
+        return [by_id[s[key]] for s in samples]
     if len(samples) != len(refs):
         raise ELFError(
             f"{len(samples)} samples but {len(refs)} references; without ids on both sides they "
