@@ -56,6 +56,7 @@ def test_cpu_presets_use_offline_encoder_and_short_run_ema():
     assert cfg.encoder.name == "minilm" and cfg.encoder.latent_std == 0.0  # measured
     assert cfg.train.ema_warmup and cfg.train.ema_decay < 0.9999
     assert cfg.data.latent_cache and cfg.data.path.endswith("train.jsonl.gz")
+    assert cfg.objective.pad_with_eos  # learns where a verse ends
     assert preset("de-en-tiny").task == "conditional"
     assert preset("summ-tiny").max_input_length == 96
 

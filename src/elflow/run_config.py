@@ -350,7 +350,12 @@ def bible_tiny() -> RunConfig:
         packing=False,
         latent_cache=True,
     )
-    return _cpu(elf_small(max_length=64), data, "bible-tiny")
+    # NOTE: rows are padded with EOS ([SEP]) and the padding is trained on, as the paper does for
+    # its seq2seq tasks, so the model learns where a verse ends. With [PAD] padding masked out of
+    # the loss, samples never ended (mean length 62 of 64 after 3000 steps).
+    return _cpu(
+        elf_small(max_length=64), data, "bible-tiny", objective=ObjectiveConfig(pad_with_eos=True)
+    )
 
 
 def de_en_tiny() -> RunConfig:
