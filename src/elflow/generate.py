@@ -154,6 +154,32 @@ def _gather(obj: Any, info: DistInfo) -> list[Any]:
     return box if info.is_main else []
 
 
+def sample_from_args(
+    pipe: ELFPipeline,
+    scfg: SamplerConfig,
+    args: argparse.Namespace,
+    sources: Sequence[dict] | None,
+    info: DistInfo,
+    **extra,
+) -> SampleResult:
+    """:func:`sample_records` with the options shared by ``elflow sample`` and ``elflow sweep``."""
+    return sample_records(
+        pipe,
+        scfg,
+        n=16 if args.num_samples is None else args.num_samples,
+        sources=sources,
+        source_field=args.source_field,
+        seed=args.seed,
+        batch_size=args.batch_size,
+        length=args.length,
+        bf16=args.bf16,
+        model=str(args.checkpoint),
+        ema=not args.no_ema,
+        info=info,
+        **extra,
+    )
+
+
 def sample_records(
     pipe: ELFPipeline,
     scfg: SamplerConfig,
@@ -348,21 +374,14 @@ def run(args: argparse.Namespace) -> int:
             w=args.w,
             cfg=args.cfg,
         )
-        result = sample_records(
+        result = sample_from_args(
             pipe,
             scfg,
-            n=16 if args.num_samples is None else args.num_samples,
-            sources=sources,
-            source_field=args.source_field,
-            seed=args.seed,
-            batch_size=args.batch_size,
-            length=args.length,
-            bf16=args.bf16,
+            args,
+            sources,
+            info,
             trajectory=args.trajectory is not None,
             save_tokens=args.save_tokens,
-            model=str(args.checkpoint),
-            ema=not args.no_ema,
-            info=info,
             progress=True,
         )
         if info.is_main:

@@ -28,7 +28,7 @@ from elflow.generate import (
     load_pipeline,
     read_sources,
     resolve_sampler,
-    sample_records,
+    sample_from_args,
     write_jsonl,
 )
 
@@ -271,20 +271,7 @@ def run(args: argparse.Namespace) -> int:
                 w=cell.w,
                 cfg=args.cfg,
             )
-            result = sample_records(
-                pipe,
-                scfg,
-                n=16 if args.num_samples is None else args.num_samples,
-                sources=sources,
-                source_field=args.source_field,
-                seed=args.seed,
-                batch_size=args.batch_size,
-                length=args.length,
-                bf16=args.bf16,
-                model=str(args.checkpoint),
-                ema=not args.no_ema,
-                info=info,
-            )
+            result = sample_from_args(pipe, scfg, args, sources, info)
             if not info.is_main:
                 continue
             write_jsonl(out / "samples" / f"{cell.name}.jsonl", result.records)
