@@ -128,14 +128,19 @@ def main() -> None:
         )
 
     add("real valid verses", real)
+    torch.manual_seed(args.seed)  # the untrained row's random init
     untrained = ELFPipeline(
         build_model(pipe.config.model).eval(), pipe.config, pipe.tokenizer, pipe.encoder
     )
     t0 = time.perf_counter()
     add(
         "untrained (32-step SDE)",
-        untrained.generate(args.num, seed=args.seed, steps=32, sampler="sde"),
+        untrained.generate(
+            args.num, seed=args.seed, steps=32, sampler="sde", batch_size=args.batch_size
+        ),
         time.perf_counter() - t0,
+        sampler="sde",
+        steps=32,
     )
     for sampler in args.samplers.split(","):
         for steps in (int(s) for s in args.steps.split(",")):
@@ -170,7 +175,7 @@ def main() -> None:
 def _export(args: argparse.Namespace, pipe: ELFPipeline, rows: list[dict]) -> None:
     real = rows[0]
     default = pipe.config.sampler  # the demo's sampler: the paper's 32-step SDE
-    shipped = [r for r in rows if r.get("sampler") == "sde" and r.get("steps") == 32]
+    shipped = [r for r in rows if r["row"] == "model sde 32 steps"]
     if not shipped:
         raise SystemExit(
             "--export needs the 32-step SDE row: keep 32 in --steps, sde in --samplers"

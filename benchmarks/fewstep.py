@@ -2,7 +2,8 @@
 
 Usage:
     python benchmarks/fewstep.py --teacher runs/bible-tiny \
-        --student 4-step=runs/pd/round-1-4x8 --student 2-step=runs/pd/round-2-2x16 \
+        --student 4-step=runs/bible-tiny-pd/round-1-4x8 \
+        --student 2-step=runs/bible-tiny-pd/round-2-2x16 \
         --steps 1,2,4,8 --num 256 --out fewstep.json
 
 Every model samples with the same few-step sampler (SDE, gamma 1.5, w 2.5 by default: the students'
@@ -43,8 +44,8 @@ def main() -> None:
     models = {"teacher": args.teacher}
     for spec in args.student:
         name, _, path = spec.partition("=")
-        if not path:
-            p.error(f"--student {spec!r}: expected NAME=PATH")
+        if not path or name == "teacher" or name in models:
+            p.error(f"--student {spec!r}: expected NAME=PATH with a new NAME other than 'teacher'")
         models[name] = path
     steps = [int(s) for s in args.steps.split(",")]
     judge = load_judge(args.judge)

@@ -101,3 +101,9 @@ def test_demo_with_the_shipped_model(tmp_path, capsys):
     assert main(["demo", "-n", "2", "--no-animate", "--html", str(html)]) == 0
     out = capsys.readouterr().out
     assert "2 samples in" in out and "step 32/32" in html.read_text()
+
+
+def test_demo_with_a_missing_model_is_one_line(tmp_path, capsys):
+    assert main(["demo", "--model", str(tmp_path / "absent"), "-n", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "no such model folder, run or checkpoint" in err and err.count("\n") == 1

@@ -57,16 +57,17 @@ def export_demo(
 
 
 def _model_dir(path: str | None) -> Path:
-    folder = Path(path) if path else DEMO_DIR
-    if not (folder / WEIGHTS).is_file() or not (folder / CONFIG).is_file():
-        if path is None:
-            raise ELFError(
-                "this installation ships no demo model yet; train one with "
-                "`elflow train --preset bible-tiny --out runs/bible-tiny` and run "
-                "`elflow demo --model runs/bible-tiny`"
-            )
-        raise ELFError(f"--model {folder}: not an elflow model folder (config.json + weights)")
-    return folder
+    if path is not None:  # any model source: ELFPipeline.from_pretrained resolves runs too
+        if not Path(path).exists():
+            raise ELFError(f"--model {path}: no such model folder, run or checkpoint")
+        return Path(path)
+    if not (DEMO_DIR / WEIGHTS).is_file() or not (DEMO_DIR / CONFIG).is_file():
+        raise ELFError(
+            "this installation ships no demo model; train one with "
+            "`elflow train --preset bible-tiny --out runs/bible-tiny` and run "
+            "`elflow demo --model runs/bible-tiny`"
+        )
+    return DEMO_DIR
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
