@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
-import time
 from pathlib import Path
 
 import numpy as np
@@ -29,11 +28,12 @@ import torch
 
 from elflow import checkpoint as ckpt_io
 from elflow.demo import export_demo
-from elflow.evaluation import load_judge, score_samples
+from elflow.evaluation import load_judge
 from elflow.evaluation.copying import copies, ngram_set
 from elflow.model import build_model
 from elflow.pipeline import ELFPipeline
 from elflow.run_config import shared_data
+from quality import score, timed_generate
 
 
 def read_texts(path: str) -> list[str]:
@@ -115,7 +115,7 @@ def main() -> None:
     rows = []
 
     def add(name: str, texts: list[str], seconds: float = 0.0, **settings) -> None:
-        m = score_samples([{"text": t} for t in texts], judge=judge, bootstrap=1000, seed=0)
+        m = score(texts, judge)
         m["copy_share"] = float(copies(texts, train_grams, 8).mean())
         rows.append(
             {"row": name, **settings, "seconds": seconds, **m, "examples": texts[: args.show]}
@@ -132,34 +132,25 @@ def main() -> None:
     untrained = ELFPipeline(
         build_model(pipe.config.model).eval(), pipe.config, pipe.tokenizer, pipe.encoder
     )
-    t0 = time.perf_counter()
     add(
         "untrained (32-step SDE)",
-        untrained.generate(
-            args.num, seed=args.seed, steps=32, sampler="sde", batch_size=args.batch_size
+        *timed_generate(
+            untrained, args.num, seed=args.seed, steps=32, sampler="sde", batch_size=args.batch_size
         ),
-        time.perf_counter() - t0,
         sampler="sde",
         steps=32,
     )
     for sampler in args.samplers.split(","):
         for steps in (int(s) for s in args.steps.split(",")):
-            t0 = time.perf_counter()
-            with torch.no_grad():
-                texts = pipe.generate(
-                    args.num,
-                    seed=args.seed,
-                    steps=steps,
-                    sampler=sampler,
-                    batch_size=args.batch_size,
-                )
-            add(
-                f"model {sampler} {steps} steps",
-                texts,
-                time.perf_counter() - t0,
-                sampler=sampler,
+            texts, seconds = timed_generate(
+                pipe,
+                args.num,
+                seed=args.seed,
                 steps=steps,
+                sampler=sampler,
+                batch_size=args.batch_size,
             )
+            add(f"model {sampler} {steps} steps", texts, seconds, sampler=sampler, steps=steps)
     record = {"model": args.model, "num": args.num, "judge": args.judge, "rows": rows}
     Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
     print(markdown(rows))

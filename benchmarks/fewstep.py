@@ -17,13 +17,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
-import torch
-
-from elflow.evaluation import load_judge, score_samples
+from elflow.evaluation import load_judge
 from elflow.pipeline import ELFPipeline
+from quality import score, timed_generate
 
 
 def main() -> None:
@@ -53,19 +51,17 @@ def main() -> None:
     for name, path in models.items():
         pipe = ELFPipeline.from_pretrained(path)
         for n in steps:
-            t0 = time.perf_counter()
-            with torch.no_grad():
-                texts = pipe.generate(
-                    args.num,
-                    seed=args.seed,
-                    steps=n,
-                    sampler=args.sampler,
-                    gamma=args.gamma if args.sampler == "sde" else None,
-                    w=args.w,
-                    batch_size=args.batch_size,
-                )
-            seconds = time.perf_counter() - t0
-            m = score_samples([{"text": t} for t in texts], judge=judge, bootstrap=1000, seed=0)
+            texts, seconds = timed_generate(
+                pipe,
+                args.num,
+                seed=args.seed,
+                steps=n,
+                sampler=args.sampler,
+                gamma=args.gamma if args.sampler == "sde" else None,
+                w=args.w,
+                batch_size=args.batch_size,
+            )
+            m = score(texts, judge)
             rows.append(
                 {
                     "model": name,

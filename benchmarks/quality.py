@@ -1,0 +1,25 @@
+"""Shared by the quality tables (demo_quality.py, fewstep.py): timed sampling and one scoring setup.
+
+Every row of both tables is scored the same way: ``elflow score``'s paper protocol (fp32) with
+1000 seeded bootstrap resamples for the 95% intervals.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from elflow.evaluation import score_samples
+from elflow.pipeline import ELFPipeline
+
+
+def timed_generate(pipe: ELFPipeline, n: int, **kwargs: Any) -> tuple[list[str], float]:
+    """``pipe.generate(n, **kwargs)`` and its wall time in seconds."""
+    t0 = time.perf_counter()
+    texts = pipe.generate(n, **kwargs)
+    return texts, time.perf_counter() - t0
+
+
+def score(texts: list[str], judge: Any) -> dict[str, Any]:
+    """Paper-protocol metrics of ``texts`` with bootstrap 95% intervals (1000 resamples, seed 0)."""
+    return score_samples([{"text": t} for t in texts], judge=judge, bootstrap=1000, seed=0)
