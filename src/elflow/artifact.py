@@ -178,14 +178,19 @@ def save_model(
     return folder
 
 
-def latest_run_checkpoint(folder: Path) -> Path | None:
-    """The ``checkpoint-<step>`` subfolder with the largest step (numeric order)."""
-    found = [
+def run_checkpoints(folder: Path) -> list[tuple[int, Path]]:
+    """Every ``checkpoint-<step>`` subfolder of a run as (step, path), in numeric step order."""
+    return sorted(
         (int(m.group(1)), p)
         for p in folder.iterdir()
-        if p.is_dir() and (m := _RUN_CKPT_RE.match(p.name)) and (p / CONFIG).is_file()
-    ]
-    return max(found)[1] if found else None
+        if p.is_dir() and (m := _RUN_CKPT_RE.match(p.name))
+    )
+
+
+def latest_run_checkpoint(folder: Path) -> Path | None:
+    """The complete ``checkpoint-<step>`` subfolder with the largest step (numeric order)."""
+    found = [p for _, p in run_checkpoints(folder) if (p / CONFIG).is_file()]
+    return found[-1] if found else None
 
 
 @dataclass(frozen=True)

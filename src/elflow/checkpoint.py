@@ -22,7 +22,14 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from elflow.artifact import CONFIG, EMA_WEIGHTS, WEIGHTS, ArtifactConfig, latest_run_checkpoint
+from elflow.artifact import (
+    CONFIG,
+    EMA_WEIGHTS,
+    WEIGHTS,
+    ArtifactConfig,
+    latest_run_checkpoint,
+    run_checkpoints,
+)
 from elflow.distributed import DistInfo, barrier, broadcast_object
 from elflow.errors import ELFError
 
@@ -172,15 +179,9 @@ def _gather_errors(error: str | None) -> list[str]:
 
 def _prune(out_dir: Path, keep_last: int, current: int) -> None:
     """Keep the ``keep_last`` newest checkpoints up to ``current``; never touch later ones."""
-    steps = sorted(
-        s
-        for p in out_dir.glob("checkpoint-*")
-        if p.is_dir() and p.name.split("-", 1)[1].isdigit()
-        for s in [int(p.name.split("-", 1)[1])]
-        if s <= current
-    )
-    for step in steps[:-keep_last]:
-        shutil.rmtree(out_dir / f"checkpoint-{step}", ignore_errors=True)
+    older = [path for step, path in run_checkpoints(out_dir) if step <= current]
+    for path in older[:-keep_last]:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def find_checkpoint(path: Path) -> Path | None:
