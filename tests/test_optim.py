@@ -51,6 +51,8 @@ def _steps(model, opt, cfg: OptimConfig, steps: range) -> None:
         {"optimizer": "sgd"},
         {"schedule": "linear"},
         {"min_lr_ratio": 1.5},
+        {"schedule": "wsd"},
+        {"decay_steps": -1},
         {"warmup_steps": -1},
         {"muon_ns_steps": 0},
         {"muon_ns_dtype": "float16"},
@@ -71,6 +73,19 @@ def test_learning_rate_scales_with_batch_and_warms_up_linearly():
     assert learning_rate(OptimConfig(lr=5e-4), 0, 10, 512) == 5e-4  # absolute lr wins
     with pytest.raises(ELFError, match="batch"):
         learning_rate(cfg, 0, 10, 0)
+
+
+def test_wsd_schedule_holds_the_peak_then_decays_linearly():
+    cfg = OptimConfig(lr=1.0, warmup_steps=10, schedule="wsd", decay_steps=100, min_lr_ratio=0.0)
+    assert learning_rate(cfg, 5, 1000, 256) == pytest.approx(0.5)  # warm-up unchanged
+    assert learning_rate(cfg, 10, 1000, 256) == pytest.approx(1.0)
+    assert learning_rate(cfg, 900, 1000, 256) == pytest.approx(1.0)  # decay starts here
+    assert learning_rate(cfg, 950, 1000, 256) == pytest.approx(0.5)
+    assert learning_rate(cfg, 999, 1000, 256) == pytest.approx(0.01)
+    assert learning_rate(cfg, 1000, 1000, 256) == pytest.approx(0.0)
+    # A decay longer than the run starts right after warm-up.
+    assert learning_rate(cfg, 10, 60, 256) == pytest.approx(1.0)
+    assert learning_rate(cfg, 35, 60, 256) == pytest.approx(0.5)
 
 
 def test_cosine_schedule_endpoints():

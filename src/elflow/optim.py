@@ -93,9 +93,13 @@ class OptimConfig:
     warmup_steps: int = 0
     """Optimizer steps of linear warm-up from lr 0."""
     schedule: str = "constant"
-    """After warm-up: constant (the paper's) or cosine (decays to min_lr_ratio * lr)."""
+    """After warm-up: constant (the paper's), cosine (decays to min_lr_ratio * lr over the run) or
+    wsd (warm-up, stable, decay: constant, then linear to min_lr_ratio * lr over the last
+    ``decay_steps``)."""
     min_lr_ratio: float = 0.0
-    """Floor of the cosine schedule as a fraction of the peak lr."""
+    """Floor of the cosine and wsd schedules as a fraction of the peak lr."""
+    decay_steps: int = 0
+    """Length of the wsd schedule's final linear decay, in optimizer steps."""
     beta1: float = 0.9
     """Adam first-moment decay."""
     beta2: float = 0.999
@@ -122,8 +126,13 @@ class OptimConfig:
             f"optim.optimizer must be 'muon' or 'adamw', got {self.optimizer!r}",
         )
         require(
-            self.schedule in ("constant", "cosine"),
-            f"optim.schedule must be 'constant' or 'cosine', got {self.schedule!r}",
+            self.schedule in ("constant", "cosine", "wsd"),
+            f"optim.schedule must be 'constant', 'cosine' or 'wsd', got {self.schedule!r}",
+        )
+        require(self.decay_steps >= 0, f"optim.decay_steps must be >= 0, got {self.decay_steps}")
+        require(
+            self.schedule != "wsd" or self.decay_steps > 0,
+            "optim.schedule=wsd needs optim.decay_steps > 0 (the length of the final decay)",
         )
         for name in ("blr", "lr", "eps", "weight_decay", "clip_grad_norm"):
             value = getattr(self, name)
@@ -163,17 +172,23 @@ def peak_lr(cfg: OptimConfig, global_batch: int) -> float:
 def learning_rate(cfg: OptimConfig, step: int, total_steps: int, global_batch: int) -> float:
     """The lr for the optimizer step with 0-based index ``step``.
 
-    Linear warm-up from 0 (step 0 has lr 0, step ``warmup_steps`` reaches the peak), then constant
-    or cosine from the peak down to ``min_lr_ratio * peak`` at ``total_steps``.
+    Linear warm-up from 0 (step 0 has lr 0, step ``warmup_steps`` reaches the peak), then constant,
+    cosine from the peak down to ``min_lr_ratio * peak`` at ``total_steps``, or (wsd) constant
+    until ``total_steps - decay_steps`` and linear down to ``min_lr_ratio * peak`` at
+    ``total_steps``. The schedule depends only on the step, so a resumed run follows it exactly.
     """
     peak = peak_lr(cfg, global_batch)
     if step < cfg.warmup_steps:
         return peak * step / cfg.warmup_steps
     if cfg.schedule == "constant":
         return peak
+    floor = cfg.min_lr_ratio * peak
+    if cfg.schedule == "wsd":
+        start = max(cfg.warmup_steps, total_steps - cfg.decay_steps)
+        progress = min(1.0, max(0, step - start) / max(1, total_steps - start))
+        return peak + (floor - peak) * progress
     span = max(1, total_steps - cfg.warmup_steps)
     progress = min(1.0, (step - cfg.warmup_steps) / span)
-    floor = cfg.min_lr_ratio * peak
     return floor + (peak - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 

@@ -353,8 +353,15 @@ def bible_tiny() -> RunConfig:
     # NOTE: rows are padded with EOS ([SEP]) and the padding is trained on, as the paper does for
     # its seq2seq tasks, so the model learns where a verse ends. With [PAD] padding masked out of
     # the loss, samples never ended (mean length 62 of 64 after 3000 steps).
-    return _cpu(
+    cfg = _cpu(
         elf_small(max_length=64), data, "bible-tiny", objective=ObjectiveConfig(pad_with_eos=True)
+    )
+    # 7000 steps (12.5 epochs): the lr holds at 2e-3 for 5000, then decays linearly to 0 over the
+    # last 2000 (the demo model's run; README "The demo model").
+    return replace(
+        cfg,
+        optim=replace(cfg.optim, schedule="wsd", decay_steps=2000),
+        train=replace(cfg.train, max_steps=7000),
     )
 
 
