@@ -24,7 +24,8 @@ def teacher(tmp_path_factory, assets):  # noqa: F811
 
 
 def distill_cli(tmp: Path, out: Path, assets: Path, teacher: Path, rounds: str, **train) -> int:  # noqa: F811
-    cfg = run_config(assets, train={"max_steps": 2, **train})
+    # ema 0.1: a 2-step round's EMA must not be mostly its starting weights (0.9 ** 2 is refused).
+    cfg = run_config(assets, train={"max_steps": 2, "ema_decay": 0.1, **train})
     path = tmp / f"distill-{out.name}.json"
     path.write_text(json.dumps(cfg))
     return main(
@@ -48,7 +49,7 @@ def test_rounds_chain_and_teacher_is_frozen(tmp_path, assets, teacher):  # noqa:
     before = (teacher / "ema.safetensors").read_bytes()
     out = tmp_path / "pd"
     # One step per round at lr 0 (first warm-up step): each round's weights equal its init.
-    cfg = run_config(assets, train={"max_steps": 1}, optim={"warmup_steps": 1000})
+    cfg = run_config(assets, train={"max_steps": 1, "ema_decay": 0.1}, optim={"warmup_steps": 1000})
     path = tmp_path / "c.json"
     path.write_text(json.dumps(cfg))
     argv = [
@@ -93,5 +94,8 @@ def test_distillation_learns_and_resumes_mid_round_bitwise(tmp_path, assets, tea
 def test_bad_rounds_and_teacher(tmp_path, assets, teacher, capsys):  # noqa: F811
     assert distill_cli(tmp_path, tmp_path / "a", assets, teacher, "3/3") == 2
     assert distill_cli(tmp_path, tmp_path / "b", assets, tmp_path / "no-teacher", "2/2") == 2
+    assert distill_cli(tmp_path, tmp_path / "c", assets, teacher, "2/2", ema_decay=0.9) == 2
     errs = error_lines(capsys.readouterr().err)
-    assert len(errs) == 2 and "does not exist" in errs[1]
+    assert len(errs) == 3 and "does not exist" in errs[1]
+    assert "train.ema_decay=0.9 would keep 81%" in errs[2] and "ema_warmup=true" in errs[2]
+    assert not (tmp_path / "c").exists()

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from elflow.config import elf_tiny
-from elflow.ema import EMA
+from elflow.ema import EMA, initial_share
 from elflow.errors import ELFError
 from elflow.model import build_model
 
@@ -32,6 +32,19 @@ def test_ema_starts_as_a_copy_and_follows_the_decay():
     ema.update(model)
     assert ema.shadow["p"].item() == 3.0
     assert ema.num_updates == 2
+
+
+def test_initial_share_is_the_product_of_the_decays():
+    assert initial_share(0.5, False, 3) == pytest.approx(0.125)
+    assert initial_share(0.9999, False, 5000) == pytest.approx(0.6065, abs=1e-4)
+    assert initial_share(0.999, True, 1) == pytest.approx(0.1)
+    assert initial_share(0.999, True, 2) == pytest.approx(0.1 * 2 / 11)
+    ema = EMA(nn.Linear(1, 1, bias=False), 0.95, warmup=True)
+    expected = 1.0
+    for _ in range(300):
+        expected *= ema.current_decay()
+        ema.num_updates += 1
+    assert initial_share(0.95, True, 300) == pytest.approx(expected)
 
 
 def test_warmup_decay_schedule():

@@ -24,6 +24,7 @@ from elflow import checkpoint as ckpt_io
 from elflow.artifact import CONFIG, EMA_WEIGHTS, load_model, resolve_source
 from elflow.config import ObjectiveConfig, SamplerConfig
 from elflow.distill import DistillConfig, distill_loss, parse_rounds, sample_distill_draws_keyed
+from elflow.ema import initial_share
 from elflow.errors import ELFError
 from elflow.model import ELF
 from elflow.objective import Batch
@@ -35,6 +36,9 @@ from elflow.run_config import (
     run_config_from_dict,
 )
 from elflow.train import StepLoss, train
+
+MAX_EMA_INITIAL_SHARE = 0.5
+"""A round whose EMA would still be mostly its starting weights at the end is refused."""
 
 
 def fewstep_sampler(steps: int) -> SamplerConfig:
@@ -190,6 +194,14 @@ def run(args: argparse.Namespace) -> int:
     cfg = apply_overrides(preset(args.preset), args.config, args.set)
     if cfg.train.max_steps <= 0:
         raise ELFError("set the steps per round with --set train.max_steps=N")
+    t = cfg.train
+    share = initial_share(t.ema_decay, t.ema_warmup, t.max_steps)
+    if share > MAX_EMA_INITIAL_SHARE:
+        raise ELFError(
+            f"train.ema_decay={t.ema_decay} would keep {100 * share:.0f}% of each round's starting "
+            f"weights in the student saved after train.max_steps={t.max_steps}: set "
+            "train.ema_warmup=true or a lower train.ema_decay"
+        )
     try:
         last = distill(args.teacher, cfg, args.out, args.rounds, args.teacher_steps or None)
     finally:

@@ -18,6 +18,20 @@ from torch.distributed.tensor import DTensor
 from elflow.errors import ELFError
 
 
+def initial_share(decay: float, warmup: bool, steps: int) -> float:
+    """Weight the EMA still gives its starting weights after ``steps`` updates: the product of d_k.
+
+    E.g. 0.9999 keeps 0.9999^5000 ≈ 61% after 5k steps; with the warm-up it is ≈ 9 / (9 + steps)
+    until d_k reaches ``decay``.
+    """
+    share, k = 1.0, 0
+    if warmup:
+        while k < steps and (1 + k) / (10 + k) < decay:
+            share *= (1 + k) / (10 + k)
+            k += 1
+    return share * decay ** (steps - k)
+
+
 class EMA:
     """fp32 shadow copies of a model's named parameters.
 
