@@ -72,7 +72,12 @@ def run_config(assets: Path, **sections) -> dict:
             "latent_cache": False,
         },
         "encoder": {"name": str(assets / "encoder"), "tokenizer": "minilm", "latent_std": 0.5},
-        "optim": {"lr": 3e-3, "warmup_steps": 2, "muon_ns_dtype": "float32"},
+        "optim": {
+            "lr": 3e-3,
+            "warmup_steps": 2,
+            "muon_ns_dtype": "float32",
+            "schedule": "constant",
+        },
         "train": {
             "global_batch": 8,
             "max_steps": 6,
