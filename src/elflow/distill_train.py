@@ -113,6 +113,14 @@ def distill(
     """Run (or resume) the curriculum; returns the last round's last checkpoint."""
     from elflow.distributed import setup
 
+    t = cfg.train
+    share = initial_share(t.ema_decay, t.ema_warmup, t.max_steps)
+    if share > MAX_EMA_INITIAL_SHARE:
+        raise ELFError(
+            f"train.ema_decay={t.ema_decay} would keep {100 * share:.0f}% of each round's starting "
+            f"weights in the student saved after train.max_steps={t.max_steps}: set "
+            "train.ema_warmup=true or a lower train.ema_decay"
+        )
     out = Path(out)
     plan = parse_rounds(rounds, teacher_steps)
     info = setup(cfg.train.device)
@@ -194,14 +202,6 @@ def run(args: argparse.Namespace) -> int:
     cfg = apply_overrides(preset(args.preset), args.config, args.set)
     if cfg.train.max_steps <= 0:
         raise ELFError("set the steps per round with --set train.max_steps=N")
-    t = cfg.train
-    share = initial_share(t.ema_decay, t.ema_warmup, t.max_steps)
-    if share > MAX_EMA_INITIAL_SHARE:
-        raise ELFError(
-            f"train.ema_decay={t.ema_decay} would keep {100 * share:.0f}% of each round's starting "
-            f"weights in the student saved after train.max_steps={t.max_steps}: set "
-            "train.ema_warmup=true or a lower train.ema_decay"
-        )
     try:
         last = distill(args.teacher, cfg, args.out, args.rounds, args.teacher_steps or None)
     finally:

@@ -18,6 +18,15 @@ from torch.distributed.tensor import DTensor
 from elflow.errors import ELFError
 
 
+def decay_at(decay: float, warmup: bool, k: int) -> float:
+    """The decay of the k-th update (k from 0): ``decay``, or with warm-up
+    min(decay, (1 + k)/(10 + k)), so the EMA follows the weights closely early on instead of
+    staying near the initialisation (after 5k steps a plain 0.9999 EMA still holds
+    0.9999^5000 ≈ 61% of it, ELF_SPEC §10).
+    """
+    return min(decay, (1 + k) / (10 + k)) if warmup else decay
+
+
 def initial_share(decay: float, warmup: bool, steps: int) -> float:
     """Weight the EMA still gives its starting weights after ``steps`` updates: the product of d_k.
 
@@ -25,10 +34,9 @@ def initial_share(decay: float, warmup: bool, steps: int) -> float:
     until d_k reaches ``decay``.
     """
     share, k = 1.0, 0
-    if warmup:
-        while k < steps and (1 + k) / (10 + k) < decay:
-            share *= (1 + k) / (10 + k)
-            k += 1
+    while k < steps and decay_at(decay, warmup, k) < decay:
+        share *= decay_at(decay, warmup, k)
+        k += 1
     return share * decay ** (steps - k)
 
 
@@ -52,16 +60,8 @@ class EMA:
             }
 
     def current_decay(self) -> float:
-        """The decay the next :meth:`update` uses.
-
-        With warm-up, d_k = min(decay, (1 + k)/(10 + k)) for the k-th update (k from 0): the EMA
-        follows the weights closely early on instead of staying near the random initialisation
-        (after 5k steps a plain 0.9999 EMA still holds 0.9999^5000 ≈ 61% of it, ELF_SPEC §10).
-        """
-        if not self.warmup:
-            return self.decay
-        k = self.num_updates
-        return min(self.decay, (1 + k) / (10 + k))
+        """The decay the next :meth:`update` uses (:func:`decay_at`)."""
+        return decay_at(self.decay, self.warmup, self.num_updates)
 
     @torch.no_grad()
     def update(self, model: nn.Module) -> None:
