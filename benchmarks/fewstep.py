@@ -30,9 +30,15 @@ def main() -> None:
     p.add_argument("--student", action="append", default=[], help="NAME=PATH (repeatable)")
     p.add_argument("--steps", default="1,2,4,8")
     p.add_argument("--num", type=int, default=256)
-    p.add_argument("--sampler", default="sde", choices=["sde", "ode"])
-    p.add_argument("--gamma", type=float, default=1.5, help="SDE only")
-    p.add_argument("--w", type=float, default=2.5)
+    p.add_argument("--sampler", default="sde", help="sde, ode or both: sde,ode")
+    p.add_argument("--gamma", default="1.5", help="SDE noise level(s), comma-separated: 0.5,1.5,3")
+    p.add_argument(
+        "--entropy-tol",
+        type=float,
+        default=0.05,
+        help="entropy gap under which a student and a teacher cell count as matched",
+    )
+    p.add_argument("--w", default="2.5", help="self-conditioning CFG scale(s), comma-separated")
     p.add_argument("--judge", default="smollm2-135m")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-size", type=int, default=64)
@@ -46,40 +52,93 @@ def main() -> None:
             p.error(f"--student {spec!r}: expected NAME=PATH with a new NAME other than 'teacher'")
         models[name] = path
     steps = [int(s) for s in args.steps.split(",")]
+    settings = []
+    for w in (float(v) for v in args.w.split(",")):
+        for sampler in args.sampler.split(","):
+            if sampler == "ode":
+                settings.append(("ode", None, w))
+            elif sampler == "sde":
+                settings += [("sde", float(g), w) for g in args.gamma.split(",")]
+            else:
+                p.error(f"--sampler {sampler!r}: expected sde, ode or sde,ode")
     judge = load_judge(args.judge)
     rows = []
     for name, path in models.items():
         pipe = ELFPipeline.from_pretrained(path)
         for n in steps:
-            texts, seconds = timed_generate(
-                pipe,
-                args.num,
-                seed=args.seed,
-                steps=n,
-                sampler=args.sampler,
-                gamma=args.gamma if args.sampler == "sde" else None,
-                w=args.w,
-                batch_size=args.batch_size,
-            )
-            m = score(texts, judge)
-            rows.append(
-                {
-                    "model": name,
-                    "path": path,
-                    "steps": n,
-                    "seconds": seconds,
-                    **m,
-                    "examples": texts[:3],
-                }
-            )
-            print(
-                f"{name:<10} {n} steps: gen PPL {m['gen_ppl']:8.2f} [{m['gen_ppl_ci'][0]:.1f}, "
-                f"{m['gen_ppl_ci'][1]:.1f}]  entropy {m['entropy']:.3f}  ({seconds:.0f} s)",
-                flush=True,
-            )
+            for sampler, gamma, w in settings:
+                texts, seconds = timed_generate(
+                    pipe,
+                    args.num,
+                    seed=args.seed,
+                    steps=n,
+                    sampler=sampler,
+                    gamma=gamma,
+                    w=w,
+                    batch_size=args.batch_size,
+                )
+                m = score(texts, judge)
+                rows.append(
+                    {
+                        "model": name,
+                        "path": path,
+                        "steps": n,
+                        "sampler": sampler,
+                        "gamma": gamma,
+                        "w": w,
+                        "seconds": seconds,
+                        **m,
+                        "examples": texts[:3],
+                    }
+                )
+                print(
+                    f"{name:<10} {n} steps {label(rows[-1]):<14}: gen PPL {m['gen_ppl']:8.2f} "
+                    f"[{m['gen_ppl_ci'][0]:.1f}, {m['gen_ppl_ci'][1]:.1f}]  "
+                    f"entropy {m['entropy']:.3f}  ({seconds:.0f} s)",
+                    flush=True,
+                )
     Path(args.out).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2) + "\n")
-    print(markdown(rows, list(models), steps))
+    if len(settings) == 1:
+        print(markdown(rows, list(models), steps))
+    print(matched(rows, args.entropy_tol))
     print(f"wrote {args.out}")
+
+
+def label(r: dict) -> str:
+    """A row's sampler setting, e.g. 'SDE γ1.5 w2.5'."""
+    return ("ODE" if r["sampler"] == "ode" else f"SDE γ{r['gamma']:g}") + f" w{r['w']:g}"
+
+
+def cell(r: dict) -> str:
+    lo, hi = r["gen_ppl_ci"]
+    return f"{r['gen_ppl']:.1f} ({lo:.1f}–{hi:.1f}), {r['entropy']:.2f}"
+
+
+def matched(rows: list[dict], tol: float) -> str:
+    """Entropy-matched comparisons: every student cell against each teacher cell at the same step
+    count whose entropy is within ``tol`` (any sampler setting). "beats" when the student's whole
+    gen-PPL interval lies below the teacher's, "loses" when above, else "overlaps"."""
+    head = "| steps | student (setting) | PPL (CI), ent. | teacher (setting) | PPL (CI), ent. | |"
+    lines = [head, "|---|---|---|---|---|---|"]
+    for s in rows:
+        if s["model"] == "teacher":
+            continue
+        for t in rows:
+            if t["model"] != "teacher" or t["steps"] != s["steps"]:
+                continue
+            if abs(t["entropy"] - s["entropy"]) > tol:
+                continue
+            if s["gen_ppl_ci"][1] < t["gen_ppl_ci"][0]:
+                verdict = "beats"
+            elif s["gen_ppl_ci"][0] > t["gen_ppl_ci"][1]:
+                verdict = "loses"
+            else:
+                verdict = "overlaps"
+            lines.append(
+                f"| {s['steps']} | {s['model']} ({label(s)}) | {cell(s)} | "
+                f"teacher ({label(t)}) | {cell(t)} | {verdict} |"
+            )
+    return "\n".join(lines)
 
 
 def markdown(rows: list[dict], names: list[str], steps: list[int]) -> str:
