@@ -119,6 +119,7 @@ def test_settings_on_every_line(uncond_dir, tmp_path):
         assert (rec["sampler"], rec["steps"], rec["w"], rec["seed"]) == ("heun", 4, 2.0, 0)
         assert rec["nfe"] == rec["nfe_rows"] == 7 and rec["gamma"] is None and rec["cfg"] is None
         assert rec["model"] == str(uncond_dir) and rec["ema"] is True and rec["dtype"] == "fp32"
+        assert (rec["time_grid"], rec["time_mean"], rec["time_std"]) == ("logit_normal", -1.5, 0.8)
     few = sample(uncond_dir, tmp_path / "f.jsonl", "--num-samples", "1", "--preset", "fewstep")
     assert (few[0]["sampler"], few[0]["steps"], few[0]["gamma"], few[0]["w"]) == (
         "sde",
@@ -126,6 +127,34 @@ def test_settings_on_every_line(uncond_dir, tmp_path):
         1.5,
         2.5,
     )
+
+
+def test_time_grid_options(uncond_dir, tmp_path, monkeypatch):
+    import elflow.sampling
+
+    seen = []
+    real = elflow.sampling.logit_normal_grid
+
+    def spy(normal, mean, std):
+        seen.append((mean, std))
+        return real(normal, mean, std)
+
+    monkeypatch.setattr(elflow.sampling, "logit_normal_grid", spy)
+    args = ["--num-samples", "4", "--save-tokens"]
+    late = sample(uncond_dir, tmp_path / "late.jsonl", *args, "--time-mean", "0.5")
+    assert (late[0]["time_mean"], late[0]["time_std"]) == (0.5, 0.8)
+    assert seen == [(0.5, 0.8)]
+    uni = sample(uncond_dir, tmp_path / "uni.jsonl", *args, "--time-grid", "uniform")
+    assert (uni[0]["time_grid"], uni[0]["time_mean"], uni[0]["time_std"]) == ("uniform", None, None)
+    assert seen == [(0.5, 0.8)]  # the uniform grid draws no logit-normal times
+    # the Python API takes the same options and gives the same samples
+    from elflow.pipeline import ELFPipeline
+
+    pipe = ELFPipeline.from_pretrained(uncond_dir)
+    assert pipe.generate(4, time_mean=0.5, time_std=0.3) == pipe.generate_full(
+        4, time_mean=0.5, time_std=0.3
+    ).texts
+    assert seen[-1] == (0.5, 0.3)
 
 
 class CallCounter:
@@ -211,6 +240,9 @@ def test_bad_input_is_one_line(uncond_dir, cond_dir, tmp_path, capsys):
     )
     assert "conditional" in _one_line_error(
         capsys, ["--checkpoint", str(uncond_dir), *out, "--cfg", "2"]
+    )
+    assert "time_std" in _one_line_error(
+        capsys, ["--checkpoint", str(uncond_dir), *out, "--time-std", "0"]
     )
     cfg = elf_tiny(encoder_dim=8, vocab_size=100, max_length=8)
     model = tmp_path / "small_vocab"

@@ -17,7 +17,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +80,9 @@ def resolve_sampler(
     gamma: float | None = None,
     w: float | None = None,
     cfg: float | None = None,
+    time_grid: str | None = None,
+    time_mean: float | None = None,
+    time_std: float | None = None,
 ) -> SamplerConfig:
     """The model's sampler defaults, then the preset, then the explicit (non-None) options."""
     if steps is not None and steps < 1:
@@ -93,7 +96,16 @@ def resolve_sampler(
         raise ELFError(f"unknown preset {preset!r}; use 'model' or 'fewstep'")
     if cfg is not None and cfg != 1.0 and not pipe.config.conditional:
         raise ELFError("--cfg (classifier-free guidance) applies to conditional models only")
-    given = {"steps": steps, "sampler": sampler, "gamma": gamma, "w": w, "cfg": cfg}
+    given = {
+        "steps": steps,
+        "sampler": sampler,
+        "gamma": gamma,
+        "w": w,
+        "cfg": cfg,
+        "time_grid": time_grid,
+        "time_mean": time_mean,
+        "time_std": time_std,
+    }
     return replace(base, **{k: v for k, v in given.items() if v is not None})
 
 
@@ -125,6 +137,8 @@ def settings_record(
         "w": scfg.w,
         "cfg": scfg.cfg if pipe.config.conditional else None,
         "time_grid": scfg.time_grid,
+        "time_mean": scfg.time_mean if scfg.time_grid == "logit_normal" else None,
+        "time_std": scfg.time_std if scfg.time_grid == "logit_normal" else None,
         "seed": seed,
         "length": L or pipe.config.model.max_length,
         "dtype": "bf16" if bf16 else "fp32",
@@ -216,7 +230,7 @@ def sample_records(
     settings = settings_record(
         pipe, scfg, seed=seed, length=length, bf16=bf16, model=model, ema=ema
     )
-    overrides = {k: getattr(scfg, k) for k in ("steps", "sampler", "gamma", "w", "cfg")}
+    overrides = {f.name: getattr(scfg, f.name) for f in fields(scfg)}  # the whole sampler config
     mine = shard(total, info)
     rows: list[tuple[int, str, list[int], list[str]]] = []
     bar = _progress(total, progress and info.is_main)
@@ -340,6 +354,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gamma", type=float, help="SDE noise re-injection rate")
     p.add_argument("--w", type=float, help="self-conditioning CFG scale")
     p.add_argument("--cfg", type=float, help="classifier-free guidance (conditional models)")
+    p.add_argument("--time-grid", choices=["logit_normal", "uniform"], help="sampling time grid")
+    p.add_argument("--time-mean", type=float, help="logit-normal time grid location (default -1.5)")
+    p.add_argument("--time-std", type=float, help="logit-normal time grid scale (default 0.8)")
     p.add_argument(
         "--preset",
         choices=["model", "fewstep"],
@@ -373,6 +390,9 @@ def run(args: argparse.Namespace) -> int:
             gamma=args.gamma,
             w=args.w,
             cfg=args.cfg,
+            time_grid=args.time_grid,
+            time_mean=args.time_mean,
+            time_std=args.time_std,
         )
         result = sample_from_args(
             pipe,

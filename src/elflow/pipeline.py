@@ -201,6 +201,9 @@ class ELFPipeline:
         gamma: float | None = None,
         w: float | None = None,
         cfg: float | None = None,
+        time_grid: str | None = None,
+        time_mean: float | None = None,
+        time_std: float | None = None,
         seed: int = 0,
         batch_size: int = 32,
         length: int | None = None,
@@ -208,7 +211,7 @@ class ELFPipeline:
         """Generate ``n`` texts (unconditional) or one text per source (conditional).
 
         Unset sampler arguments take the model's defaults (e.g. ELF-B: 32-step SDE, gamma 1.5,
-        w 3; conditional: 64-step ODE, cfg 2, w 1).
+        w 3, logit-normal(-1.5, 0.8) time grid; conditional: 64-step ODE, cfg 2, w 1).
         """
         return self.generate_full(
             n,
@@ -221,6 +224,9 @@ class ELFPipeline:
             gamma=gamma,
             w=w,
             cfg=cfg,
+            time_grid=time_grid,
+            time_mean=time_mean,
+            time_std=time_std,
         ).texts
 
     def _strip_source(self, tokens: Tensor, cond_mask: Tensor | None) -> Tensor:
