@@ -151,9 +151,10 @@ def test_time_grid_options(uncond_dir, tmp_path, monkeypatch):
     from elflow.pipeline import ELFPipeline
 
     pipe = ELFPipeline.from_pretrained(uncond_dir)
-    assert pipe.generate(4, time_mean=0.5, time_std=0.3) == pipe.generate_full(
-        4, time_mean=0.5, time_std=0.3
-    ).texts
+    assert (
+        pipe.generate(4, time_mean=0.5, time_std=0.3)
+        == pipe.generate_full(4, time_mean=0.5, time_std=0.3).texts
+    )
     assert seen[-1] == (0.5, 0.3)
 
 
