@@ -109,7 +109,7 @@ def label(r: dict) -> str:
     return ("ODE" if r["sampler"] == "ode" else f"SDE γ{r['gamma']:g}") + f" w{r['w']:g}"
 
 
-def cell(r: dict) -> str:
+def ppl_entropy(r: dict) -> str:
     lo, hi = r["gen_ppl_ci"]
     return f"{r['gen_ppl']:.1f} ({lo:.1f}–{hi:.1f}), {r['entropy']:.2f}"
 
@@ -135,8 +135,8 @@ def matched(rows: list[dict], tol: float) -> str:
             else:
                 verdict = "overlaps"
             lines.append(
-                f"| {s['steps']} | {s['model']} ({label(s)}) | {cell(s)} | "
-                f"teacher ({label(t)}) | {cell(t)} | {verdict} |"
+                f"| {s['steps']} | {s['model']} ({label(s)}) | {ppl_entropy(s)} | "
+                f"teacher ({label(t)}) | {ppl_entropy(t)} | {verdict} |"
             )
     return "\n".join(lines)
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from elflow.encoder import FrozenEncoder
+from elflow.flow import interpolate
 from elflow.pipeline import ELFPipeline
 from elflow.run_config import shared_data
 from elflow.tokens import build_unconditional_row, tokenize
@@ -43,8 +44,9 @@ def main() -> None:
     )
     with gzip.open(Path(args.valid), "rt") as f:
         texts = [json.loads(line)["text"] for line in islice(f, args.num)]
-    L, eos = cfg.model.max_length, pipe.tokens.eos_id
-    rows = [build_unconditional_row(ids, L, eos) for ids in tokenize(pipe.tokenizer, texts)]
+    L = cfg.model.max_length
+    pad = pipe.tokens.eos_id if cfg.pad_with_eos else pipe.tokens.pad_id  # as elflow train pads
+    rows = [build_unconditional_row(ids, L, pad) for ids in tokenize(pipe.tokenizer, texts)]
     ids = torch.tensor([r[0] for r in rows])
     mask = torch.tensor([r[1] for r in rows])
     gen = torch.Generator().manual_seed(args.seed)
@@ -58,9 +60,8 @@ def main() -> None:
     with torch.no_grad():
         x = enc(ids, mask)
         for t in (float(v) for v in args.times.split(",")):
-            noise = torch.randn(x.shape, generator=gen)
-            z = t * x + (1 - t) * cfg.noise_scale * noise
             tt = torch.full((B,), t)
+            z = interpolate(x, torch.randn(x.shape, generator=gen), tt, cfg.noise_scale)
 
             def f(sc: torch.Tensor, w: float, z: torch.Tensor = z, tt: torch.Tensor = tt):
                 return model(torch.cat([z, sc], -1), tt, torch.full((B,), w), 0.0)[0].float()
