@@ -200,6 +200,25 @@ def test_measure_latent_std(enc):
         measure_latent_std(enc, [])
 
 
+@pytest.mark.parametrize("kind", ["t5", "bert"])
+def test_layer_selects_a_block_output(kind):
+    hf = _tiny_hf(kind, "eager").eval()
+    ids, am, cm = _batch()
+    mask = encoder_attention_mask(am, cm)
+    with torch.no_grad():
+        states = hf(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states
+    last = FrozenEncoder(hf, latent_std=0.5)
+    assert last.layer == 0
+    block1 = FrozenEncoder(hf, latent_std=0.5, layer=1)
+    torch.testing.assert_close(block1(ids, am, cm), states[1] / 0.5)
+    assert _max_diff(block1(ids, am, cm), last(ids, am, cm)) > 1e-3
+    # Layer 2 of 2: the top of the stack (for T5, after its final layer norm, as the output).
+    top = FrozenEncoder(hf, latent_std=0.5, layer=2).encode_raw(ids, am, cm)
+    torch.testing.assert_close(top, states[2])
+    with pytest.raises(ELFError, match="layer 3 is out of range for a 2-layer encoder"):
+        FrozenEncoder(hf, layer=3)
+
+
 def test_rejects_mask_dropping_attention():
     model = _tiny_hf("bert", "sdpa")
     model.config._attn_implementation = "flash_attention_2"
@@ -227,6 +246,8 @@ def test_from_pretrained_bert_folder(minilm_path):
     ids = torch.tensor([tok("a cat sat on the mat")["input_ids"]])
     out = enc(ids, torch.ones_like(ids))
     assert out.shape == (1, ids.shape[1], 384) and torch.isfinite(out).all()
+    mid = FrozenEncoder.from_pretrained(minilm_path, layer=4)
+    assert mid.layer == 4 and _max_diff(mid(ids, torch.ones_like(ids)), out) > 1e-2
 
 
 def test_from_pretrained_t5_folder(tmp_path):

@@ -285,6 +285,56 @@ def test_interrupted_save_keeps_previous_checkpoint(tmp_path, assets, monkeypatc
     assert (run / "checkpoint-6").is_dir() and not list(run.glob(".tmp-*"))
 
 
+def test_sigterm_saves_the_finished_step_and_resumes_exactly(tmp_path, assets, monkeypatch, capsys):
+    import signal
+
+    import elflow.train as train_mod
+
+    cfg = run_config(assets)
+    assert train_cli(tmp_path, tmp_path / "full", cfg) == 0
+    real = train_mod.elf_loss
+    calls = {"n": 0}
+
+    def signalled(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 4:  # during step 4 (save_every 3): a scheduler's SIGTERM
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(train_mod, "elf_loss", signalled)
+    run = tmp_path / "run"
+    assert train_cli(tmp_path, run, cfg) == 128 + signal.SIGTERM
+    errs = error_lines(capsys.readouterr().err)
+    assert len(errs) == 1, errs
+    assert f"stopped by SIGTERM after step 4; saved {run / 'checkpoint-4'}" in errs[0]
+    assert "run the same command to resume" in errs[0]
+    assert sorted(p.name for p in run.glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-4"]
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # handlers are put back
+    monkeypatch.setattr(train_mod, "elf_loss", real)
+    assert train_cli(tmp_path, run, cfg) == 0  # resumes from checkpoint-4
+    for name in ("model.safetensors", "ema.safetensors"):
+        assert_same(
+            weights(tmp_path / "full" / "checkpoint-6", name), weights(run / "checkpoint-6", name)
+        )
+
+
+def test_stop_signal_leaves_an_ignored_sigint_ignored():
+    import signal
+
+    from elflow.train import _StopSignal
+
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # as under `nohup ... &`
+    try:
+        stop = _StopSignal()
+        stop.install()
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+        assert signal.getsignal(signal.SIGTERM) == stop._handle
+        stop.restore()
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def test_full_disk_is_one_line_error_and_keeps_previous(tmp_path, assets, monkeypatch, capsys):
     import elflow.checkpoint as ckpt_io
 

@@ -187,7 +187,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return COMMANDS[args.command][2](args)
     except ELFError as e:
         print(f"elflow: error: {e}", file=sys.stderr)
-        return 2
+        return getattr(e, "exit_code", 2)
     except FileNotFoundError as e:
         print(f"elflow: error: {Path(e.filename or '')} does not exist", file=sys.stderr)
         return 2

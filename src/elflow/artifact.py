@@ -49,6 +49,8 @@ class ArtifactConfig:
     """Sampler defaults for this model."""
     encoder: str = T5_SMALL
     """Hub id or local folder of the frozen encoder."""
+    encoder_layer: int = 0
+    """0 = the encoder's output; k = the output of its block k."""
     tokenizer: str = T5_SMALL
     """Hub id or local folder of the tokenizer (a ``tokenizer/`` subfolder of the model wins)."""
     tokenizer_hash: str | None = None

@@ -103,6 +103,15 @@ def _looks_like_path(name: str) -> bool:
     )
 
 
+def _num_layers(config) -> int:
+    """Blocks in an encoder stack (BERT-like ``num_hidden_layers``, T5 ``num_layers``)."""
+    for key in ("num_hidden_layers", "num_layers", "n_layers"):
+        n = getattr(config, key, None)
+        if isinstance(n, int):
+            return n
+    return 0
+
+
 def _offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in {"1", "true", "yes", "on"}
 
@@ -110,10 +119,22 @@ def _offline() -> bool:
 class FrozenEncoder(nn.Module):
     """A pretrained encoder held fixed: no gradients, always in eval mode."""
 
-    def __init__(self, model: nn.Module, latent_mean: float = 0.0, latent_std: float = 0.2):
+    def __init__(
+        self,
+        model: nn.Module,
+        latent_mean: float = 0.0,
+        latent_std: float = 0.2,
+        layer: int = 0,
+    ):
         super().__init__()
         if latent_std <= 0:
             raise ELFError(f"latent_std must be positive, got {latent_std}; measure it or use 0.2")
+        num_layers = _num_layers(model.config)
+        if not 0 <= layer <= num_layers:
+            raise ELFError(
+                f"encoder layer {layer} is out of range for a {num_layers}-layer encoder; "
+                f"use 0 (its output) or 1..{num_layers}"
+            )
         attn = getattr(model.config, "_attn_implementation", None)
         if attn not in _MASKABLE_ATTN:
             raise ELFError(
@@ -124,6 +145,8 @@ class FrozenEncoder(nn.Module):
         self.name: str | None = None
         self.latent_mean = float(latent_mean)
         self.latent_std = float(latent_std)
+        self.layer = int(layer)
+        """0: the encoder's output (last_hidden_state); k > 0: the output of its block k."""
         self.model.requires_grad_(False)
         self.model.eval()
 
@@ -136,6 +159,7 @@ class FrozenEncoder(nn.Module):
         latent_std: float = 0.2,
         attn_implementation: str | None = None,
         dtype: torch.dtype | None = None,
+        layer: int = 0,
     ) -> FrozenEncoder:
         """Load a local folder or a Hub id; T5-family configs load only the encoder stack."""
         from transformers import AutoConfig, AutoModel, T5EncoderModel
@@ -188,7 +212,7 @@ class FrozenEncoder(nn.Module):
                 f"cannot load encoder weights from '{name_or_path}' ({reason}); "
                 "check the folder has the model weights"
             ) from e
-        encoder = cls(model, latent_mean=latent_mean, latent_std=latent_std)
+        encoder = cls(model, latent_mean=latent_mean, latent_std=latent_std, layer=layer)
         encoder.name = original_name  # recorded next to measured statistics (e.g. latent_std)
         return encoder
 
@@ -213,11 +237,14 @@ class FrozenEncoder(nn.Module):
         cond_mask: Tensor | None = None,
         label_drop: Tensor | None = None,
     ) -> Tensor:
-        """Unnormalised last hidden states in fp32: (B, L) ids -> (B, L, E)."""
+        """Unnormalised hidden states (of ``layer``) in fp32: (B, L) ids -> (B, L, E)."""
         assert input_ids.shape == attention_mask.shape, (input_ids.shape, attention_mask.shape)
         mask = encoder_attention_mask(attention_mask, cond_mask, label_drop, dtype=self.dtype)
-        out = self.model(input_ids=input_ids, attention_mask=mask)
-        return out.last_hidden_state.float()  # (B, L, E)
+        if self.layer == 0:
+            out = self.model(input_ids=input_ids, attention_mask=mask)
+            return out.last_hidden_state.float()  # (B, L, E)
+        out = self.model(input_ids=input_ids, attention_mask=mask, output_hidden_states=True)
+        return out.hidden_states[self.layer].float()  # (B, L, E); [0] is the embeddings
 
     @torch.no_grad()
     def forward(

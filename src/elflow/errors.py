@@ -15,6 +15,14 @@ class ELFError(ValueError):
     """A problem the user can fix; the message is one line and says how."""
 
 
+class Interrupted(ELFError):
+    """A run stopped by SIGINT/SIGTERM after saving; ``exit_code`` is 128 + the signal number."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
 def require(cond: bool, message: str) -> None:
     """Raise :class:`ELFError` with ``message`` unless ``cond`` (config validation)."""
     if not cond:

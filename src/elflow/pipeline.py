@@ -108,7 +108,10 @@ class ELFPipeline:
             tokenizer = load_tokenizer(local if local and local.is_dir() else config.tokenizer)
         if encoder is None and config.conditional:
             encoder = FrozenEncoder.from_pretrained(
-                config.encoder, latent_mean=config.latent_mean, latent_std=config.latent_std
+                config.encoder,
+                latent_mean=config.latent_mean,
+                latent_std=config.latent_std,
+                layer=config.encoder_layer,
             ).to(device)
         return cls(model, config, tokenizer, encoder)
 

@@ -45,10 +45,14 @@ class EncoderConfig:
     """Latents are (h - latent_mean) / latent_std."""
     latent_std: float = 0.2
     """0.2 for T5-small (the paper's); 0 = measure it on the training data at start-up."""
+    layer: int = 0
+    """0 = the encoder's output (the paper's); k = the output of its block k (see README)."""
 
     def __post_init__(self) -> None:
         if self.latent_std < 0:
             raise ELFError(f"encoder.latent_std must be >= 0 (0 = measure), got {self.latent_std}")
+        if self.layer < 0:
+            raise ELFError(f"encoder.layer must be >= 0 (0 = the output), got {self.layer}")
 
     @property
     def tokenizer_name(self) -> str:

@@ -14,6 +14,8 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import signal
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -32,7 +34,7 @@ from elflow.data.rows import build_dataset, read_meta
 from elflow.distributed import DistInfo, all_reduce_sum, parallelize, setup
 from elflow.ema import EMA
 from elflow.encoder import FrozenEncoder, measure_latent_std
-from elflow.errors import ELFError
+from elflow.errors import ELFError, Interrupted
 from elflow.model import ELF, build_model, count_parameters
 from elflow.objective import Batch, TrainForward, elf_loss, sample_draws_keyed
 from elflow.optim import build_optimizer, learning_rate, set_lr
@@ -147,7 +149,10 @@ def train(
     if len(dataset) == 0:
         raise ELFError(f"training data {cfg.data.path!r} yields no rows")
     encoder = FrozenEncoder.from_pretrained(
-        cfg.encoder.name, latent_mean=cfg.encoder.latent_mean, latent_std=1.0
+        cfg.encoder.name,
+        latent_mean=cfg.encoder.latent_mean,
+        latent_std=1.0,
+        layer=cfg.encoder.layer,
     ).to(info.device)
     latent_std = (
         cfg.encoder.latent_std
@@ -161,6 +166,7 @@ def train(
         model=model_cfg,
         sampler=cfg.sampler,
         encoder=cfg.encoder.name,
+        encoder_layer=cfg.encoder.layer,
         tokenizer=cfg.encoder.tokenizer_name,
         tokenizer_hash=vocab_hash(tokenizer),
         latent_mean=cfg.encoder.latent_mean,
@@ -235,8 +241,10 @@ def train(
     last_ckpt = resume_from
     t_last, tokens_since = time.perf_counter(), 0
     sums: dict[str, float] = {}
-    step = start_step
+    step, saved_step = start_step, start_step
+    stop = _StopSignal()
     try:
+        stop.install()
         for step in range(start_step, total_steps):
             lr = learning_rate(optim_cfg, step, total_steps, G)
             set_lr(optimizer, lr)
@@ -269,14 +277,81 @@ def train(
                 t_last, tokens_since, sums = now, 0, {}
             if done % cfg.train.save_every == 0 or done == total_steps:
                 last_ckpt = _save(out, done, model, ema, optimizer, artifact, cfg, info, N, G)
+                saved_step = done
+            if stop.agreed(info):
+                if saved_step != done:
+                    last_ckpt = _save(out, done, model, ema, optimizer, artifact, cfg, info, N, G)
+                raise Interrupted(
+                    f"stopped by {stop.name} after step {done}; saved {last_ckpt}; "
+                    "run the same command to resume",
+                    stop.exit_code,
+                )
             if cfg.train.sample_every and done % cfg.train.sample_every == 0:
                 _sample_and_print(
                     out, done, model_cfg, ema, artifact, cfg, tokenizer, dataset, encoder, info
                 )
     finally:
+        stop.restore()
         progress.close()
         logger.close()
     return last_ckpt if last_ckpt is not None else out
+
+
+class _StopSignal:
+    """SIGINT/SIGTERM during training: finish the step, save a checkpoint, then stop.
+
+    A second signal stops at once (KeyboardInterrupt; the last checkpoint stays intact). A signal
+    the process ignores (SIGINT under ``nohup ... &``) stays ignored. With N processes the ranks
+    agree each step (one max all-reduce), so all of them save the same step.
+    """
+
+    _SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.number = 0
+        self._previous: dict[int, Any] = {}
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.number).name if self.number > 0 else "a signal on another rank"
+
+    @property
+    def exit_code(self) -> int:
+        """128 + the signal number, the shell's convention (SIGTERM's when another rank got it)."""
+        return 128 + (self.number if self.number > 0 else int(signal.SIGTERM))
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in self._SIGNALS:
+            current = signal.getsignal(sig)
+            if current in (signal.SIG_DFL, signal.default_int_handler):
+                self._previous[sig] = signal.signal(sig, self._handle)
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.number:
+            raise KeyboardInterrupt
+        self.number = signum
+        print(
+            f"\nelflow train: {signal.Signals(signum).name}: saving after this step "
+            "(send it again to stop now)",
+            flush=True,
+        )
+
+    def agreed(self, info: DistInfo) -> bool:
+        """Whether any process was signalled (every rank gets the same answer)."""
+        if info.world_size == 1:
+            return self.number != 0
+        flag = torch.tensor([float(self.number != 0)], device=info.device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        if flag.item() and not self.number:
+            self.number = -1
+        return bool(flag.item())
 
 
 @dataclass
@@ -417,7 +492,9 @@ def _prepared_latent_std(cfg: RunConfig) -> float:
     if not (path / "meta.json").is_file():
         return 0.0
     meta = read_meta(path)
-    if meta.get("latent_std_encoder") != cfg.encoder.name:
+    if meta.get("latent_std_encoder") != cfg.encoder.name or cfg.encoder.layer != meta.get(
+        "latent_std_layer", 0
+    ):
         return 0.0
     return float(meta.get("latent_std") or 0.0)
 
