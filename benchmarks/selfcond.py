@@ -40,7 +40,10 @@ def main() -> None:
     pipe = ELFPipeline.from_pretrained(args.model)
     cfg, model = pipe.config, pipe.model
     enc = FrozenEncoder.from_pretrained(
-        cfg.encoder, latent_mean=cfg.latent_mean, latent_std=cfg.latent_std
+        cfg.encoder,
+        latent_mean=cfg.latent_mean,
+        latent_std=cfg.latent_std,
+        layer=cfg.encoder_layer,
     )
     with gzip.open(Path(args.valid), "rt") as f:
         texts = [json.loads(line)["text"] for line in islice(f, args.num)]
