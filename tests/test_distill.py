@@ -99,3 +99,17 @@ def test_bad_rounds_and_teacher(tmp_path, assets, teacher, capsys):  # noqa: F81
     assert len(errs) == 3 and "does not exist" in errs[1]
     assert "train.ema_decay=0.9 would keep 81%" in errs[2] and "ema_warmup=true" in errs[2]
     assert not (tmp_path / "c").exists()
+
+
+def test_student_keeps_the_teachers_encoder_layer(tmp_path, assets):  # noqa: F811
+    cfg = tmp_path / "t.json"
+    cfg.write_text(json.dumps(run_config(assets, train={"max_steps": 2}, encoder={"layer": 1})))
+    run = tmp_path / "teacher"
+    assert main(["train", "--preset", "bible-tiny", "--out", str(run), "--config", str(cfg)]) == 0
+    assert load_model(run)[1].encoder_layer == 1
+    assert distill_cli(tmp_path, tmp_path / "pd", assets, run, "2/2", max_steps=1) == 0
+    student = tmp_path / "pd" / "round-1-2x2"
+    _, config = load_model(student)
+    assert config.encoder_layer == 1
+    saved = json.loads((student / "checkpoint-1" / "config.json").read_text())
+    assert saved["run"]["encoder"]["layer"] == 1

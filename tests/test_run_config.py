@@ -61,6 +61,16 @@ def test_cpu_presets_use_offline_encoder_and_short_run_ema():
     assert preset("summ-tiny").max_input_length == 96
 
 
+def test_encoder_layer_needs_its_own_latent_std():
+    assert apply_overrides(preset("bible-tiny"), None, ["encoder.layer=4"]).encoder.layer == 4
+    with pytest.raises(ELFError, match=r"set encoder\.latent_std=0 to measure it"):
+        apply_overrides(preset("owt-b"), None, ["encoder.layer=3"])
+    cfg = apply_overrides(preset("owt-b"), None, ["encoder.layer=3", "encoder.latent_std=0"])
+    assert cfg.encoder.layer == 3
+    with pytest.raises(ELFError, match=r"encoder\.layer must be >= 0"):
+        apply_overrides(preset("bible-tiny"), None, ["encoder.layer=-1"])
+
+
 def test_overrides_from_set_and_yaml(tmp_path):
     yaml_file = tmp_path / "cfg.yaml"
     yaml_file.write_text("train:\n  global_batch: 32\nmodel:\n  depth: 3\n")

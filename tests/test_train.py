@@ -306,8 +306,8 @@ def test_sigterm_saves_the_finished_step_and_resumes_exactly(tmp_path, assets, m
     assert train_cli(tmp_path, run, cfg) == 128 + signal.SIGTERM
     errs = error_lines(capsys.readouterr().err)
     assert len(errs) == 1, errs
-    assert f"stopped by SIGTERM after step 4; saved {run / 'checkpoint-4'}" in errs[0]
-    assert "run the same command to resume" in errs[0]
+    assert f"stopped by SIGTERM after step 4 of 6; saved {run / 'checkpoint-4'}" in errs[0]
+    assert "run the same command (with --resume auto, the default) to continue" in errs[0]
     assert sorted(p.name for p in run.glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-4"]
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # handlers are put back
     monkeypatch.setattr(train_mod, "elf_loss", real)
@@ -432,6 +432,26 @@ def test_resume_with_another_batch_or_seed_is_refused(tmp_path, assets, capsys):
     other = run_config(assets, train={"global_batch": 16})
     assert train_cli(tmp_path, tmp_path / "run", other) == 2
     assert "train.global_batch was 8, now 16" in error_lines(capsys.readouterr().err)[0]
+
+
+def test_resume_with_another_encoder_layer_is_refused(tmp_path, assets, capsys):
+    assert train_cli(tmp_path, tmp_path / "run", run_config(assets, train={"max_steps": 3})) == 0
+    other = run_config(assets, encoder={"layer": 1})
+    assert train_cli(tmp_path, tmp_path / "run", other) == 2
+    assert "layer 0, now" in error_lines(capsys.readouterr().err)[0]
+
+
+def test_stop_signal_repeats():
+    import signal
+
+    from elflow.train import _StopSignal
+
+    stop = _StopSignal()
+    stop._handle(signal.SIGTERM, None)
+    stop._handle(signal.SIGTERM, None)  # launchers often send it twice: still a clean stop
+    assert stop.number == signal.SIGTERM and stop.exit_code == 143
+    with pytest.raises(KeyboardInterrupt):  # Ctrl-C again: stop at once
+        stop._handle(signal.SIGINT, None)
 
 
 def test_prune_never_deletes_later_checkpoints(tmp_path):

@@ -88,7 +88,10 @@ class ArtifactConfig:
         return self.task == "conditional"
 
     def to_json(self) -> dict[str, Any]:
-        return {"format": FORMAT, "format_version": FORMAT_VERSION, **to_dict(self)}
+        data = to_dict(self)
+        if not self.encoder_layer:  # the default: keep configs loadable by earlier elflow
+            del data["encoder_layer"]
+        return {"format": FORMAT, "format_version": FORMAT_VERSION, **data}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ArtifactConfig:

@@ -135,6 +135,7 @@ def distill(
             tokenizer=tcfg.tokenizer,
             latent_mean=tcfg.latent_mean,
             latent_std=tcfg.latent_std,
+            layer=tcfg.encoder_layer,
         ),
         task=tcfg.task,
         max_input_length=tcfg.max_input_length,

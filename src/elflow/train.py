@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import signal
 import threading
 import time
@@ -278,17 +279,19 @@ def train(
             if done % cfg.train.save_every == 0 or done == total_steps:
                 last_ckpt = _save(out, done, model, ema, optimizer, artifact, cfg, info, N, G)
                 saved_step = done
-            if stop.agreed(info):
-                if saved_step != done:
-                    last_ckpt = _save(out, done, model, ema, optimizer, artifact, cfg, info, N, G)
-                raise Interrupted(
-                    f"stopped by {stop.name} after step {done}; saved {last_ckpt}; "
-                    "run the same command to resume",
-                    stop.exit_code,
-                )
             if cfg.train.sample_every and done % cfg.train.sample_every == 0:
                 _sample_and_print(
                     out, done, model_cfg, ema, artifact, cfg, tokenizer, dataset, encoder, info
+                )
+            if stop.agreed(info):  # after sampling too, so a signal there is not held a step
+                if saved_step != done:
+                    last_ckpt = _save(out, done, model, ema, optimizer, artifact, cfg, info, N, G)
+                    saved_step = done
+                raise Interrupted(
+                    f"stopped by {stop.name} after step {done} of {total_steps}; saved "
+                    f"{last_ckpt}; run the same command (with --resume auto, the default) to "
+                    "continue",
+                    stop.exit_code,
                 )
     finally:
         stop.restore()
@@ -300,9 +303,10 @@ def train(
 class _StopSignal:
     """SIGINT/SIGTERM during training: finish the step, save a checkpoint, then stop.
 
-    A second signal stops at once (KeyboardInterrupt; the last checkpoint stays intact). A signal
-    the process ignores (SIGINT under ``nohup ... &``) stays ignored. With N processes the ranks
-    agree each step (one max all-reduce), so all of them save the same step.
+    A second SIGINT (Ctrl-C twice) stops at once (KeyboardInterrupt; the last checkpoint stays
+    intact); a repeated SIGTERM is ignored, since launchers (Slurm, torchrun) often deliver it
+    twice. A signal the process ignores (SIGINT under ``nohup ... &``) stays ignored. With N
+    processes the ranks agree each step (one max all-reduce), so all of them save the same step.
     """
 
     _SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -335,13 +339,14 @@ class _StopSignal:
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.number:
-            raise KeyboardInterrupt
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            return
         self.number = signum
-        print(
-            f"\nelflow train: {signal.Signals(signum).name}: saving after this step "
-            "(send it again to stop now)",
-            flush=True,
-        )
+        # os.write, not print: a handler that prints while the main thread prints would fail.
+        name = signal.Signals(signum).name
+        again = " (Ctrl-C again stops at once)" if signum == signal.SIGINT else ""
+        os.write(2, f"\nelflow train: {name}: saving after this step{again}\n".encode())
 
     def agreed(self, info: DistInfo) -> bool:
         """Whether any process was signalled (every rank gets the same answer)."""
@@ -395,6 +400,12 @@ def _check_resumable(cfg: RunConfig, ckpt: Path) -> None:
         raise ELFError(
             f"cannot resume {ckpt}: it holds another architecture ({saved.model}); "
             "use a new --out or the same model settings"
+        )
+    if (saved.encoder.name, saved.encoder.layer) != (cfg.encoder.name, cfg.encoder.layer):
+        raise ELFError(
+            f"cannot resume {ckpt}: it was trained on encoder {saved.encoder.name!r} layer "
+            f"{saved.encoder.layer}, now {cfg.encoder.name!r} layer {cfg.encoder.layer}; "
+            "use the same encoder settings or a new --out"
         )
     for key in ("global_batch", "seed"):
         old, new = getattr(saved.train, key), getattr(cfg.train, key)
