@@ -29,7 +29,7 @@ from elflow.tokens import build_unconditional_row, token_spec, tokenize
 
 
 def encode_layers(enc, tokenizer, texts, L, pad_id, batch=64):
-    """(num_layers + 1, N, E) latents of the real tokens, and their (N,) ids."""
+    """(K + 1, N, E) latents of the N real tokens, their (N,) ids, (K + 1,) adjacent cosines."""
     rows = [build_unconditional_row(ids, L, pad_id) for ids in tokenize(tokenizer, texts)]
     ids = torch.tensor([r[0] for r in rows])
     mask = torch.tensor([r[1] for r in rows])

@@ -306,7 +306,7 @@ class _StopSignal:
     A second SIGINT (Ctrl-C twice) stops at once (KeyboardInterrupt; the last checkpoint stays
     intact); a repeated SIGTERM is ignored, since launchers (Slurm, torchrun) often deliver it
     twice. A signal the process ignores (SIGINT under ``nohup ... &``) stays ignored. With N
-    processes the ranks agree each step (one max all-reduce), so all of them save the same step.
+    processes the ranks agree each step (one all-reduce), so all of them save the same step.
     """
 
     _SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -352,11 +352,11 @@ class _StopSignal:
         """Whether any process was signalled (every rank gets the same answer)."""
         if info.world_size == 1:
             return self.number != 0
-        flag = torch.tensor([float(self.number != 0)], device=info.device)
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-        if flag.item() and not self.number:
+        signalled = all_reduce_sum(torch.tensor([float(self.number != 0)], device=info.device))
+        stop = bool(signalled.item())
+        if stop and not self.number:
             self.number = -1
-        return bool(flag.item())
+        return stop
 
 
 @dataclass
@@ -503,10 +503,8 @@ def _prepared_latent_std(cfg: RunConfig) -> float:
     if not (path / "meta.json").is_file():
         return 0.0
     meta = read_meta(path)
-    if meta.get("latent_std_encoder") != cfg.encoder.name or cfg.encoder.layer != meta.get(
-        "latent_std_layer", 0
-    ):
-        return 0.0
+    if meta.get("latent_std_encoder") != cfg.encoder.name or cfg.encoder.layer:
+        return 0.0  # prepare measures the encoder's output only
     return float(meta.get("latent_std") or 0.0)
 
 
