@@ -465,3 +465,57 @@ def test_prune_never_deletes_later_checkpoints(tmp_path):
         "checkpoint-4",
         "checkpoint-6",
     ]
+
+
+def test_init_fine_tunes_in_the_init_models_architecture_and_resumes(tmp_path, assets, capsys):
+    assert train_cli(tmp_path, tmp_path / "base", run_config(assets, train={"max_steps": 3})) == 0
+    base = tmp_path / "base"
+    # Another architecture, length and latent_std in the config: all but max_length come from
+    # the init model. A vanishing lr leaves the first steps' weights at the init's EMA weights.
+    cfg = run_config(
+        assets,
+        model={"hidden_size": 48, "max_length": 16},
+        encoder={"latent_std": 0.9},
+        optim={"lr": 1e-12, "weight_decay": 0.0},
+        train={"max_steps": 2, "save_every": 2},
+    )
+    assert train_cli(tmp_path, tmp_path / "ft", cfg, "--init", str(base)) == 0
+    ckpt = tmp_path / "ft" / "checkpoint-2"
+    assert_same(weights(ckpt), weights(base / "checkpoint-3", "ema.safetensors"), atol=1e-6)
+    config = json.loads((ckpt / "config.json").read_text())
+    assert config["model"]["hidden_size"] == 32 and config["model"]["max_length"] == 16
+    assert config["latent_std"] == 0.5 and config["origin"].endswith(f"fine-tuned from {base}")
+    assert config["run"]["train"]["init"] == str(base)
+    # The same command with more steps resumes the fine-tuning run (not the init again).
+    cfg["train"]["max_steps"] = 3
+    assert train_cli(tmp_path, tmp_path / "ft", cfg, "--init", str(base)) == 0
+    assert json.loads((tmp_path / "ft" / "checkpoint-3" / "state.json").read_text())["step"] == 3
+
+
+def test_init_errors_are_one_line(tmp_path, assets, capsys):
+    assert train_cli(tmp_path, tmp_path / "base", run_config(assets, train={"max_steps": 1})) == 0
+    capsys.readouterr()
+    cfg = run_config(assets, train={"max_steps": 1})
+    base = str(tmp_path / "base")
+    assert train_cli(tmp_path, tmp_path / "a", cfg, "--init", base, "--set", "model.depth=3") == 2
+    assert "--set model.depth conflicts with fine-tuning" in error_lines(capsys.readouterr().err)[0]
+    assert train_cli(tmp_path, tmp_path / "b", cfg, "--init", str(tmp_path / "nope")) == 2
+    assert "does not exist" in error_lines(capsys.readouterr().err)[0]
+    # A model trained with another vocabulary than the tokenizer found here.
+    other = tmp_path / "other"
+    shutil.copytree(tmp_path / "base" / "checkpoint-1", other)
+    meta = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**meta, "tokenizer_hash": "0" * 64}))
+    assert train_cli(tmp_path, tmp_path / "c", cfg, "--init", str(other)) == 2
+    assert "another vocabulary" in error_lines(capsys.readouterr().err)[0]
+    assert not (tmp_path / "c").exists()
+    from elflow.distill_train import distill
+    from elflow.run_config import apply_overrides, preset
+
+    with pytest.raises(ELFError, match="no use in distillation"):
+        distill(
+            base,
+            apply_overrides(preset("bible-tiny"), sets=[f"train.init={base}"]),
+            tmp_path / "d",
+            "1/64",
+        )

@@ -112,13 +112,30 @@ def _add_train(p: argparse.ArgumentParser) -> None:
         default="auto",
         help="'auto' (latest checkpoint in --out, if any), 'never', or a checkpoint/run folder",
     )
+    p.add_argument(
+        "--init",
+        metavar="MODEL",
+        help="fine-tune: start from this model's weights (run, checkpoint, model folder, Hub id "
+        "or authors' checkpoint), in its architecture and latent space (= --set train.init=MODEL)",
+    )
     p.add_argument("--print-config", action="store_true", help="print the resolved config, exit")
 
 
 def _run_train(args: argparse.Namespace) -> int:
     from elflow.run_config import apply_overrides, preset, run_config_to_dict
 
-    cfg = apply_overrides(preset(args.preset), args.config, args.set)
+    sets = list(args.set) + ([f"train.init={args.init}"] if args.init else [])
+    cfg = apply_overrides(preset(args.preset), args.config, sets)
+    if cfg.train.init:
+        keys = [s.split("=", 1)[0].strip() for s in args.set]
+        fixed = [
+            k for k in keys if k.startswith(("model.", "encoder.")) and k != "model.max_length"
+        ]
+        if fixed:
+            raise ELFError(
+                f"--set {fixed[0]} conflicts with fine-tuning: the architecture and encoder come "
+                f"from {cfg.train.init!r} (only model.max_length may change); drop it"
+            )
     if args.print_config:
         print(json.dumps(run_config_to_dict(cfg), indent=2))
         return 0

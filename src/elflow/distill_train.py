@@ -114,6 +114,11 @@ def distill(
     from elflow.distributed import setup
 
     t = cfg.train
+    if t.init:
+        raise ELFError(
+            f"train.init={t.init!r} has no use in distillation: round 1 starts from --teacher; "
+            "drop the setting"
+        )
     share = initial_share(t.ema_decay, t.ema_warmup, t.max_steps)
     if share > MAX_EMA_INITIAL_SHARE:
         raise ELFError(

@@ -355,8 +355,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--w", type=float, help="self-conditioning CFG scale")
     p.add_argument("--cfg", type=float, help="classifier-free guidance (conditional models)")
     p.add_argument("--time-grid", choices=["logit_normal", "uniform"], help="sampling time grid")
-    p.add_argument("--time-mean", type=float, help="logit-normal time grid location (default -1.5)")
-    p.add_argument("--time-std", type=float, help="logit-normal time grid scale (default 0.8)")
+    p.add_argument(
+        "--time-mean", type=float, help="logit-normal time grid location (default: the model's)"
+    )
+    p.add_argument(
+        "--time-std", type=float, help="logit-normal time grid scale (default: the model's)"
+    )
     p.add_argument(
         "--preset",
         choices=["model", "fewstep"],

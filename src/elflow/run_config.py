@@ -108,6 +108,10 @@ class TrainConfig:
     """Log to Weights & Biases (needs the wandb package and its login)."""
     compile: bool = False
     """torch.compile the network (costs a one-off compile time)."""
+    init: str = ""
+    """Fine-tuning: a model source (run, checkpoint, model folder, Hub id, authors' checkpoint)
+    whose weights (EMA when present) start a fresh run. Its architecture (all but max_length),
+    encoder, tokenizer and latent normalisation replace this config's; a resume ignores them."""
 
     def __post_init__(self) -> None:
         require(

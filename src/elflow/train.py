@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from elflow import checkpoint as ckpt_io
-from elflow.artifact import ArtifactConfig
+from elflow.artifact import ArtifactConfig, load_resolved, resolve_source
 from elflow.data.latent_cache import LatentCache
 from elflow.data.order import StreamOrder, keyed_bernoulli, rank_positions
 from elflow.data.rows import build_dataset, read_meta
@@ -40,7 +40,7 @@ from elflow.model import ELF, build_model, count_parameters
 from elflow.objective import Batch, TrainForward, elf_loss, sample_draws_keyed
 from elflow.optim import build_optimizer, learning_rate, set_lr
 from elflow.pipeline import load_tokenizer
-from elflow.run_config import RunConfig, run_config_from_dict, run_config_to_dict
+from elflow.run_config import EncoderConfig, RunConfig, run_config_from_dict, run_config_to_dict
 from elflow.sampling import Condition, sample, sample_generators
 from elflow.tokens import detokenize, shift_out_source, token_spec, vocab_hash
 
@@ -124,9 +124,15 @@ def train(
     Args:
         objective_factory: builds the loss (default :class:`ELFObjective`); distillation passes
             its own (see ``distill_train.py``).
-        init_state: initial weights for a fresh run (ignored when resuming).
+        init_state: initial weights for a fresh run (ignored when resuming); ``train.init``
+            gives them from a model source instead (fine-tuning, see :func:`apply_init`).
     """
     out = Path(out)
+    init_source = None
+    if cfg.train.init:
+        if init_state is not None:
+            raise ELFError("train.init cannot be combined with init_state; give one of them")
+        cfg, init_state, init_source = apply_init(cfg)
     info = setup(cfg.train.device)
     resume_from = resolve_resume(out, resume)
     existing = ckpt_io.find_checkpoint(out) if out.is_dir() else None
@@ -143,6 +149,12 @@ def train(
 
     hf_logging.disable_progress_bar()
     tokenizer = load_tokenizer(cfg.encoder.tokenizer_name)
+    if init_source is not None and init_source.tokenizer_hash not in (None, vocab_hash(tokenizer)):
+        raise ELFError(
+            f"train.init {cfg.train.init!r} was trained with another vocabulary than tokenizer "
+            f"{cfg.encoder.tokenizer_name!r} here (sha256 {init_source.tokenizer_hash[:12]}... "
+            f"against {vocab_hash(tokenizer)[:12]}...); install or point to its tokenizer"
+        )
     spec = token_spec(tokenizer)
     pad_id = spec.eos_id if cfg.objective.pad_with_eos else spec.pad_id
     L = cfg.model.max_length
@@ -177,7 +189,8 @@ def train(
         pad_with_eos=cfg.objective.pad_with_eos,
         noise_scale=cfg.objective.noise_scale,
         t_eps=cfg.objective.t_eps,
-        origin=f"elflow train (preset {cfg.preset or 'custom'})",
+        origin=f"elflow train (preset {cfg.preset or 'custom'})"
+        + (f", fine-tuned from {cfg.train.init}" if cfg.train.init else ""),
     )
 
     G, W = cfg.train.global_batch, info.world_size
@@ -389,6 +402,27 @@ class ELFObjective:
         l2_tokens, ce_tokens = _branch_tokens(batch, den_rows, cfg.objective.pad_with_eos)
         stats = torch.stack([out.l2_sum.detach(), out.ce_sum.detach(), l2_tokens, ce_tokens])
         return StepLoss(out.l2_sum + out.ce_sum, stats.double())
+
+
+def apply_init(cfg: RunConfig) -> tuple[RunConfig, dict[str, Tensor], ArtifactConfig]:
+    """Fine-tuning: load ``cfg.train.init`` (EMA weights when present) and take its architecture
+    (all but max_length, which only bounds the rotary positions), encoder, encoder layer, tokenizer
+    and latent normalisation, since its weights only make sense in its own latent space. Data,
+    objective, optimiser, sampler and task stay ``cfg``'s (an unconditional model may be
+    fine-tuned on a conditional task)."""
+    resolved = resolve_source(cfg.train.init)
+    model, source = load_resolved(resolved, use_ema=True, device="cpu", task=None)
+    state = {k: v.detach().float() for k, v in model.state_dict().items()}
+    shipped = resolved.path / "tokenizer"  # a model folder's own vocabulary files win
+    encoder = EncoderConfig(
+        name=source.encoder,
+        tokenizer=str(shipped) if shipped.is_dir() else source.tokenizer,
+        latent_mean=source.latent_mean,
+        latent_std=source.latent_std,
+        layer=source.encoder_layer,
+    )
+    arch = replace(source.model, max_length=cfg.model.max_length)
+    return replace(cfg, model=arch, encoder=encoder), state, source
 
 
 def _check_resumable(cfg: RunConfig, ckpt: Path) -> None:
