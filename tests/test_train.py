@@ -490,6 +490,11 @@ def test_init_fine_tunes_in_the_init_models_architecture_and_resumes(tmp_path, a
     cfg["train"]["max_steps"] = 3
     assert train_cli(tmp_path, tmp_path / "ft", cfg, "--init", str(base)) == 0
     assert json.loads((tmp_path / "ft" / "checkpoint-3" / "state.json").read_text())["step"] == 3
+    # Resuming it without --init (or a plain run with one) is refused.
+    capsys.readouterr()
+    cfg["train"]["max_steps"] = 4
+    assert train_cli(tmp_path, tmp_path / "ft", cfg) == 2
+    assert "it was started from train.init" in error_lines(capsys.readouterr().err)[0]
 
 
 def test_init_errors_are_one_line(tmp_path, assets, capsys):

@@ -426,8 +426,13 @@ def apply_init(cfg: RunConfig) -> tuple[RunConfig, dict[str, Tensor], ArtifactCo
 
 
 def _check_resumable(cfg: RunConfig, ckpt: Path) -> None:
-    """A resume must continue the same run: architecture, global batch and seed."""
+    """A resume must continue the same run: init, architecture, encoder, global batch and seed."""
     saved = run_config_from_dict(ckpt_io.read_run_config(ckpt))
+    if saved.train.init != cfg.train.init:
+        raise ELFError(
+            f"cannot resume {ckpt}: it was started from train.init {saved.train.init or 'none'!r}, "
+            f"now {cfg.train.init or 'none'!r}; give the same --init or use a new --out"
+        )
     if saved.model != replace(
         cfg.model, encoder_dim=saved.model.encoder_dim, vocab_size=saved.model.vocab_size
     ):
