@@ -8,7 +8,8 @@ One full optimizer step = objective forward + backward (efficient or reference p
 global-norm clipping + Muon/Adam + EMA, on random latents of the preset's shape. Each
 (size, procedure, precision) runs in a fresh subprocess so that its peak RSS is its own.
 ``--cache`` also times the frozen MiniLM encoder on a batch of real verses (what the latent cache
-saves per step) against a cache lookup.
+saves per step) against a cache lookup. ``--matmul`` only prints fp32 and bf16 matmul GFLOP/s
+(is bf16 native on this CPU?).
 """
 
 from __future__ import annotations
@@ -33,9 +34,10 @@ SIZES = {
 def one(size: str, procedure: str, precision: str, steps: int, ns_dtype: str) -> dict:
     from elflow.config import ObjectiveConfig, model_preset
     from elflow.ema import EMA
+    from elflow.hardware import cpu_has_native_bf16
     from elflow.model import build_model
     from elflow.objective import Batch, elf_loss, sample_draws_keyed
-    from elflow.optim import OptimConfig, build_optimizer, set_lr
+    from elflow.optim import OptimConfig, build_optimizer, resolve_ns_dtype, set_lr
 
     preset, E, V, L, B = SIZES[size]
     torch.manual_seed(0)
@@ -76,11 +78,27 @@ def one(size: str, procedure: str, precision: str, steps: int, ns_dtype: str) ->
         "size": size,
         "procedure": procedure,
         "precision": precision,
-        "ns": ns_dtype,
+        "ns": resolve_ns_dtype(ns_dtype, torch.device("cpu")),
         "s_per_step": dt,
         "tokens_per_s": B * L / dt,
         "peak_rss_mb": peak_mb,
+        "cpu_native_bf16": cpu_has_native_bf16(),
     }
+
+
+def matmul_rates(n: int = 1024, reps: int = 3) -> dict:
+    """GFLOP/s of an n x n matmul in fp32 and in bf16 (emulated on CPUs without native bf16)."""
+    rates = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        a = torch.randn(n, n).to(dtype)
+        a @ a
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            a @ a
+        rates[str(dtype).removeprefix("torch.")] = (
+            2 * n**3 * reps / (time.perf_counter() - t0) / 1e9
+        )
+    return rates
 
 
 def cache_speedup(batches: int = 3) -> dict:
@@ -119,14 +137,27 @@ def main() -> None:
     p.add_argument("--only", help="run one size in this process (used by the driver)")
     p.add_argument("--procedure", default="efficient")
     p.add_argument("--precision", default="fp32")
-    p.add_argument("--ns", default="bfloat16", help="Muon Newton-Schulz dtype")
+    p.add_argument(
+        "--ns",
+        default="auto",
+        help="Muon Newton-Schulz dtype: auto (bf16 on native-bf16 CPUs), ...",
+    )
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--cache", action="store_true", help="also time encoder vs latent cache")
+    p.add_argument("--matmul", action="store_true", help="only print fp32/bf16 matmul GFLOP/s")
     args = p.parse_args()
+    if args.matmul:
+        print(json.dumps({"gflops_1024": matmul_rates()}))
+        return
     if args.only:
         print(json.dumps(one(args.only, args.procedure, args.precision, args.steps, args.ns)))
         return
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    from elflow.hardware import cpu_has_native_bf16
+
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"CPU native bf16: {'yes' if cpu_has_native_bf16() else 'no (bf16 is emulated)'}"
+    )
     print(
         f"{'size':<11} {'procedure':<10} {'prec':<5} {'NS':<9} {'s/step':>7} {'tok/s':>7} "
         f"{'peak RSS MB':>11}"
@@ -156,7 +187,7 @@ def main() -> None:
                 )
                 rows.append(r)
                 print(
-                    f"{size:<11} {procedure:<10} {precision:<5} {args.ns:<9} "
+                    f"{size:<11} {procedure:<10} {precision:<5} {r['ns']:<9} "
                     f"{r['s_per_step']:>7.2f} {r['tokens_per_s']:>7.0f} {r['peak_rss_mb']:>11.0f}",
                     flush=True,
                 )

@@ -193,10 +193,17 @@ def test_conditional_source_and_one_batched_cfg_call(cond_dir, tmp_path, monkeyp
     assert counters[0].rows == [2, 2, 2, 2]
 
 
-def test_bf16_runs_and_agreement_is_reported(uncond_dir, tmp_path):
+def test_bf16_runs_and_agreement_is_reported(uncond_dir, tmp_path, monkeypatch, capsys):
+    from elflow import hardware
+
     args = ["--num-samples", "4", "--steps", "3", "--save-tokens"]
     fp32 = sample(uncond_dir, tmp_path / "fp32.jsonl", *args)
+    monkeypatch.setenv(hardware.ENV, "0")  # a CPU that emulates bf16: warned, still correct
+    hardware.cpu_has_native_bf16.cache_clear()
+    capsys.readouterr()
     bf16 = sample(uncond_dir, tmp_path / "bf16.jsonl", *args, "--bf16")
+    hardware.cpu_has_native_bf16.cache_clear()
+    assert "--bf16 on a CPU that emulates bf16" in capsys.readouterr().err
     assert all(r["dtype"] == "bf16" for r in bf16)
     agree = token_agreement(fp32, bf16)
     print(f"bf16 vs fp32 token agreement (tiny random model): {100 * agree:.1f}%")

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from elflow.config import SamplerConfig
 from elflow.distributed import DistInfo, setup, teardown
 from elflow.errors import ELFError
+from elflow.hardware import fast_bf16
 from elflow.pipeline import ELFPipeline
 from elflow.sampling import nfe
 
@@ -153,7 +154,7 @@ def shard(n: int, info: DistInfo) -> range:
 
 
 def autocast(enabled: bool, device: torch.device) -> contextlib.AbstractContextManager:
-    """bf16 autocast around sampling (CUDA, or CPUs with AVX512-BF16/AMX), or nothing."""
+    """bf16 autocast around sampling (fast on CUDA and CPUs with native bf16), or nothing."""
     if not enabled:
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
@@ -177,6 +178,12 @@ def sample_from_args(
     **extra,
 ) -> SampleResult:
     """:func:`sample_records` with the options shared by ``elflow sample`` and ``elflow sweep``."""
+    if args.bf16 and not fast_bf16(pipe.device) and info.is_main:
+        print(
+            "elflow: warning: --bf16 on a CPU that emulates bf16 (no AVX-512 BF16/AMX/Arm "
+            "BF16) is many times slower than fp32 here; drop --bf16",
+            file=sys.stderr,
+        )
     return sample_records(
         pipe,
         scfg,

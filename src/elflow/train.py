@@ -16,6 +16,7 @@ import json
 import math
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -36,9 +37,10 @@ from elflow.distributed import DistInfo, all_reduce_sum, parallelize, setup
 from elflow.ema import EMA
 from elflow.encoder import FrozenEncoder, measure_latent_std
 from elflow.errors import ELFError, Interrupted
+from elflow.hardware import cpu_has_native_bf16, fast_bf16
 from elflow.model import ELF, build_model, count_parameters
 from elflow.objective import Batch, TrainForward, elf_loss, sample_draws_keyed
-from elflow.optim import build_optimizer, learning_rate, set_lr
+from elflow.optim import build_optimizer, learning_rate, resolve_ns_dtype, set_lr
 from elflow.pipeline import load_tokenizer
 from elflow.run_config import EncoderConfig, RunConfig, run_config_from_dict, run_config_to_dict
 from elflow.sampling import Condition, sample, sample_generators
@@ -47,13 +49,37 @@ from elflow.tokens import detokenize, shift_out_source, token_spec, vocab_hash
 LATENT_STD_ROWS = 256
 
 
+def use_bf16(precision: str, device: torch.device) -> bool:
+    """``train.precision`` on ``device``: 'auto' is bf16 autocast on CUDA and on CPUs with native
+    bf16 (``elflow.hardware``), fp32 elsewhere."""
+    return precision == "bf16" or (precision == "auto" and fast_bf16(device))
+
+
 def _autocast(cfg: RunConfig, device: torch.device):
-    bf16 = cfg.train.precision == "bf16" or (
-        cfg.train.precision == "auto" and device.type == "cuda"
-    )
-    if not bf16:
+    if not use_bf16(cfg.train.precision, device):
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+
+
+def _slow_bf16_warning(cfg: RunConfig, device: torch.device) -> str | None:
+    """A one-line warning when bf16 was asked for explicitly on a CPU that emulates it."""
+    if device.type != "cpu" or cpu_has_native_bf16():
+        return None
+    asked = [
+        name
+        for name, value in (
+            ("train.precision", cfg.train.precision),
+            ("optim.muon_ns_dtype", cfg.optim.muon_ns_dtype),
+        )
+        if value in ("bf16", "bfloat16")
+    ]
+    if not asked:
+        return None
+    return (
+        f"elflow train: warning: {' and '.join(asked)} set bf16, which this CPU emulates "
+        "(no AVX-512 BF16/AMX/Arm BF16): steps run several times slower than fp32; set "
+        f"{'=auto and '.join(asked)}=auto to use fp32 here"
+    )
 
 
 class _Logger:
@@ -243,9 +269,14 @@ def train(
         print(
             f"elflow train: {cfg.preset or 'custom'} | {n_params / 1e6:.2f}M params | {N} rows | "
             f"{W} process(es) x {micro} x {accum} accumulation = batch {G} | "
-            f"steps {start_step}->{total_steps} | latent_std {latent_std:.4f} | out {out}",
+            f"steps {start_step}->{total_steps} | latent_std {latent_std:.4f} | "
+            f"{'bf16' if use_bf16(cfg.train.precision, info.device) else 'fp32'}, Newton-Schulz "
+            f"{resolve_ns_dtype(optim_cfg.muon_ns_dtype, info.device)} | out {out}",
             flush=True,
         )
+        warning = _slow_bf16_warning(cfg, info.device)
+        if warning:
+            print(warning, file=sys.stderr, flush=True)
     progress = _progress(info, start_step, total_steps)
     autocast = _autocast(cfg, info.device)
     objective = objective_factory(cfg, info) if objective_factory else ELFObjective(cfg)

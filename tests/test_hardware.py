@@ -1,0 +1,68 @@
+"""Choosing bf16 only where the CPU computes it in hardware."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from elflow import hardware
+from elflow.optim import resolve_ns_dtype
+from elflow.run_config import apply_overrides, preset
+from elflow.train import _slow_bf16_warning, use_bf16
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+
+
+@pytest.mark.parametrize(
+    ("cpuinfo", "native"),
+    [
+        ("processor\t: 0\nflags\t\t: fpu sse avx2 avx512f avx512_bf16 avx512_vnni\n", True),
+        ("flags\t\t: fpu avx2 amx_bf16 amx_tile\n", True),
+        ("flags\t\t: fpu sse avx avx2 fma\nflags\t\t: fpu sse avx avx2 fma\n", False),
+        ("Features\t: fp asimd evtstrm aes sve bf16 i8mm\n", True),
+        ("Features\t: fp asimd evtstrm aes\n", False),
+        ("model name\t: bf16 in a name is not a flag\n", False),
+        ("", False),
+    ],
+)
+def test_native_bf16_is_read_from_cpu_flags(cpuinfo, native):
+    assert hardware.native_bf16_flags(cpuinfo) is native
+
+
+@pytest.fixture
+def cpu_bf16(monkeypatch):
+    """Set the detection's answer through its environment override."""
+
+    def set_native(native: bool) -> None:
+        monkeypatch.setenv(hardware.ENV, "1" if native else "0")
+        hardware.cpu_has_native_bf16.cache_clear()
+
+    yield set_native
+    hardware.cpu_has_native_bf16.cache_clear()
+
+
+def test_auto_precision_is_bf16_only_on_native_hardware(cpu_bf16):
+    cpu_bf16(False)
+    assert not use_bf16("auto", CPU) and use_bf16("auto", CUDA)
+    assert use_bf16("bf16", CPU) and not use_bf16("fp32", CUDA)
+    assert resolve_ns_dtype("auto", CPU) == "float32"
+    assert resolve_ns_dtype("bfloat16", CPU) == "bfloat16"
+    cpu_bf16(True)
+    assert use_bf16("auto", CPU)
+    assert resolve_ns_dtype("auto", CPU) == "bfloat16"
+    assert resolve_ns_dtype("auto", CUDA) == "float32"  # the reference's, on GPUs
+
+
+def test_cpu_presets_use_auto_and_explicit_bf16_on_emulating_cpu_warns(cpu_bf16):
+    cfg = preset("bible-tiny")
+    assert (cfg.train.precision, cfg.optim.muon_ns_dtype) == ("auto", "auto")
+    cpu_bf16(False)
+    assert _slow_bf16_warning(cfg, CPU) is None
+    forced = apply_overrides(cfg, sets=["train.precision=bf16", "optim.muon_ns_dtype=bfloat16"])
+    warning = _slow_bf16_warning(forced, CPU)
+    assert warning is not None and "\n" not in warning
+    assert "train.precision and optim.muon_ns_dtype set bf16" in warning
+    assert "train.precision=auto and optim.muon_ns_dtype=auto" in warning
+    assert _slow_bf16_warning(forced, CUDA) is None
+    cpu_bf16(True)
+    assert _slow_bf16_warning(forced, CPU) is None
