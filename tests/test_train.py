@@ -281,6 +281,7 @@ def test_interrupted_save_keeps_previous_checkpoint(tmp_path, assets, monkeypatc
     model, _ = load_model(run)  # the previous checkpoint loads
     assert model is not None
     monkeypatch.setattr(ckpt_io, "save_file", real_save)
+    (run / ".tmp-checkpoint-2").mkdir()  # left by an earlier save killed the same way
     assert train_cli(tmp_path, run, cfg) == 0  # and the run resumes from it
     assert (run / "checkpoint-6").is_dir() and not list(run.glob(".tmp-*"))
 

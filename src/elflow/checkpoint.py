@@ -178,10 +178,17 @@ def _gather_errors(error: str | None) -> list[str]:
 
 
 def _prune(out_dir: Path, keep_last: int, current: int) -> None:
-    """Keep the ``keep_last`` newest checkpoints up to ``current``; never touch later ones."""
+    """Keep the ``keep_last`` newest checkpoints up to ``current``; never touch later ones.
+
+    Temporary folders of saves up to ``current`` that a killed process left behind go too.
+    """
     older = [path for step, path in run_checkpoints(out_dir) if step <= current]
     for path in older[:-keep_last]:
         shutil.rmtree(path, ignore_errors=True)
+    for path in out_dir.glob(".tmp-checkpoint-*"):
+        step = path.name.removeprefix(".tmp-checkpoint-")
+        if step.isdigit() and int(step) <= current:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def find_checkpoint(path: Path) -> Path | None:
