@@ -155,7 +155,7 @@ def test_train_learns_and_writes_checkpoints(tmp_path, assets):
     assert len(pipe.generate(2, steps=3)) == 2
 
 
-def test_resume_is_bitwise_with_accumulation_and_latent_cache(tmp_path, assets):
+def test_resume_is_bitwise_with_accumulation_and_latent_cache(tmp_path, assets, capsys):
     cfg = run_config(
         assets,
         train={"micro_batch": 4},
@@ -168,7 +168,10 @@ def test_resume_is_bitwise_with_accumulation_and_latent_cache(tmp_path, assets):
         data={"latent_cache": True, "latent_cache_dtype": "float32"},
     )
     assert train_cli(tmp_path, tmp_path / "part", half) == 0
+    assert (tmp_path / "part" / "latent-cache.safetensors").is_file()
+    capsys.readouterr()
     assert train_cli(tmp_path, tmp_path / "part", cfg) == 0  # auto-resume from checkpoint-3
+    assert "latent cache loaded from" in capsys.readouterr().out  # not re-encoded
     for name in ("model.safetensors", "ema.safetensors"):
         assert_same(
             weights(tmp_path / "full" / "checkpoint-6", name),

@@ -26,11 +26,12 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from torch import Tensor
 
 from elflow import checkpoint as ckpt_io
 from elflow.artifact import ArtifactConfig, load_resolved, resolve_source
-from elflow.data.latent_cache import LatentCache
+from elflow.data.latent_cache import LatentCache, cache_key
 from elflow.data.order import StreamOrder, keyed_bernoulli, rank_positions
 from elflow.data.rows import build_dataset, read_meta
 from elflow.distributed import DistInfo, all_reduce_sum, parallelize, setup
@@ -257,9 +258,7 @@ def train(
         ckpt_io.restore_optimizer(optimizer, rank_state["optimizer"])
         ckpt_io.set_rng_state(rank_state["rng"])
 
-    cache = None
-    if cfg.data.latent_cache:
-        cache = LatentCache.build(dataset, encoder, dtype=cfg.data.latent_cache_dtype)
+    cache = _latent_cache(cfg, dataset, encoder, out, info) if cfg.data.latent_cache else None
     order = StreamOrder(N, cfg.train.seed)
     if info.is_main:
         out.mkdir(parents=True, exist_ok=True)
@@ -433,6 +432,42 @@ class ELFObjective:
         l2_tokens, ce_tokens = _branch_tokens(batch, den_rows, cfg.objective.pad_with_eos)
         stats = torch.stack([out.l2_sum.detach(), out.ce_sum.detach(), l2_tokens, ce_tokens])
         return StepLoss(out.l2_sum + out.ce_sum, stats.double())
+
+
+CACHE_FILE = "latent-cache.safetensors"
+
+
+def _latent_cache(
+    cfg: RunConfig, dataset, encoder: FrozenEncoder, out: Path, info: DistInfo
+) -> LatentCache:
+    """Load the run folder's latent cache when its key matches, else build it (and save it).
+
+    Every rank builds or loads its own copy; rank 0 writes the file. A failed write only costs
+    the next start its rebuild, so it is a warning, not an error.
+    """
+    dtype = cfg.data.latent_cache_dtype
+    path = out / CACHE_FILE
+    key = cache_key(dataset, encoder, dtype) if cfg.data.latent_cache_save else ""
+    cache = LatentCache.load(path, key) if key else None
+    if cache is not None:
+        if info.is_main:
+            print(f"elflow train: latent cache loaded from {path}", flush=True)
+        return cache
+    t0 = time.perf_counter()
+    cache = LatentCache.build(dataset, encoder, dtype=dtype)
+    if key and info.is_main:
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            cache.save(path, key)
+            saved = f"; saved to {path}"
+        except (OSError, SafetensorError) as e:
+            saved = f"; not saved ({str(e).splitlines()[0]})"
+        print(
+            f"elflow train: latent cache of {len(cache)} rows built in "
+            f"{time.perf_counter() - t0:.0f} s{saved}",
+            flush=True,
+        )
+    return cache
 
 
 def apply_init(cfg: RunConfig) -> tuple[RunConfig, dict[str, Tensor], ArtifactConfig]:

@@ -1,9 +1,12 @@
 """The latent cache returns what the encoder would, label-dropped conditional rows included."""
 
+from dataclasses import replace
+
 import numpy as np
 import torch
 
 from elflow.data import DataConfig, LatentCache, build_dataset
+from elflow.data.latent_cache import cache_key
 from tests.data.conftest import shared_rows, write_jsonl
 
 
@@ -41,3 +44,32 @@ def test_conditional_cache_with_label_drop(tokenizer, tiny_encoder, tmp_path):
     torch.testing.assert_close(got[1], kept[1])
     src = b["cond_mask"].bool()
     torch.testing.assert_close(got[0][src[0]], kept[0][src[0]])
+
+
+def test_saved_cache_loads_only_with_its_key(tokenizer, tiny_encoder, tmp_path):
+    path = write_jsonl(tmp_path / "p.jsonl", shared_rows("ddtp_de_en", 6))
+    cfg = DataConfig(path=str(path), source_field="de", target_field="en")
+    ds = build_dataset(cfg, tokenizer, max_length=32, max_input_length=16)
+    cache = LatentCache.build(ds, tiny_encoder, batch_size=4)
+    key = cache_key(ds, tiny_encoder, "float16")
+    file = tmp_path / "cache.safetensors"
+    cache.save(file, key)
+    assert [p.name for p in tmp_path.iterdir() if p.suffix == ".safetensors"] == [file.name]
+    loaded = LatentCache.load(file, key)
+    assert torch.equal(loaded.latents, cache.latents) and torch.equal(loaded.dropped, cache.dropped)
+    assert LatentCache.load(file, "another key") is None
+    assert LatentCache.load(tmp_path / "missing.safetensors", key) is None
+    # The key follows the rows, the storage dtype and the encoder's normalisation.
+    fewer = build_dataset(replace(cfg, max_rows=5), tokenizer, max_length=32, max_input_length=16)
+    assert cache_key(fewer, tiny_encoder, "float16") != key
+    assert cache_key(ds, tiny_encoder, "float32") != key
+    std = tiny_encoder.latent_std
+    try:
+        tiny_encoder.latent_std = 2 * std
+        assert cache_key(ds, tiny_encoder, "float16") != key
+    finally:
+        tiny_encoder.latent_std = std
+    assert cache_key(ds, tiny_encoder, "float16") == key
+    # A truncated file (a killed write of an older version) is a miss, not an error.
+    file.write_bytes(file.read_bytes()[:200])
+    assert LatentCache.load(file, key) is None

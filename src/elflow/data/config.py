@@ -49,6 +49,9 @@ class DataConfig:
     """Encode every row once and reuse the latents every epoch (small corpora: N*L*E values)."""
     latent_cache_dtype: str = "float16"
     """Storage dtype of the latent cache: float16 | bfloat16 | float32 (float32 is exact)."""
+    latent_cache_save: bool = True
+    """Keep the latent cache in the run folder (``latent-cache.safetensors``, N*L*E values on disk)
+    so a resumed run loads it instead of re-encoding every row."""
     max_rows: int = 0
     """Read at most this many documents (examples) from the source; 0 reads all."""
     tokenize_batch_size: int = 1024

@@ -9,12 +9,22 @@ Packing: packed rows are fixed slices of the token stream, so caching by row ind
 Label drop (spec §3 step 10a): a dropped conditional example's target latents are computed without
 the source, so conditional datasets also cache the source-blind encoding (encoder mask with
 label_drop = 1) of every row; `get` picks per example, and label drop stays exact (2x memory).
+
+Saved (``save``/``load``): training keeps the cache in its run folder, so a resumed run loads it in
+seconds instead of re-encoding every row. The file records a key (:func:`cache_key`: the rows, the
+encoder's weights, layer and normalisation, the storage dtype); a file with another key is rebuilt.
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
+from pathlib import Path
+
 import numpy as np
 import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from elflow.data.rows import RowDataset
@@ -22,6 +32,22 @@ from elflow.encoder import FrozenEncoder
 from elflow.errors import ELFError
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def cache_key(dataset: RowDataset, encoder: FrozenEncoder, dtype: str) -> str:
+    """sha256 of everything the cached latents depend on: every row's ids and masks, the encoder's
+    weights, layer and latent normalisation, and the storage dtype."""
+    h = hashlib.sha256()
+    h.update(repr((dtype, encoder.layer, encoder.latent_mean, encoder.latent_std)).encode())
+    h.update(repr((len(dataset), dataset.max_length, dataset.conditional)).encode())
+    rows = dataset.get_rows(np.arange(len(dataset)))
+    for name in sorted(rows):
+        h.update(name.encode())
+        h.update(np.ascontiguousarray(rows[name], dtype=np.int64).tobytes())
+    for name, tensor in encoder.model.state_dict().items():
+        h.update(name.encode())
+        h.update(tensor.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 class LatentCache:
@@ -68,6 +94,34 @@ class LatentCache:
                 x = encoder(batch["input_ids"], batch["attention_mask"], cond, blind)
                 dropped[s : s + len(idx)] = x.to("cpu", dtype)
         return cls(latents, dropped)
+
+    def save(self, path: str | Path, key: str) -> None:
+        """Write the cache to ``path`` atomically (a temporary file, then a rename)."""
+        path = Path(path)
+        tensors = {"latents": self.latents.contiguous()}
+        if self.dropped is not None:
+            tensors["dropped"] = self.dropped.contiguous()
+        tmp = path.with_name(f".tmp-{path.name}")
+        try:
+            save_file(tensors, str(tmp), {"key": key})
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    @classmethod
+    def load(cls, path: str | Path, key: str) -> LatentCache | None:
+        """The cache saved at ``path`` if it exists, is readable and has ``key``; else None."""
+        path = Path(path)
+        if not path.is_file():
+            return None
+        try:
+            with safe_open(str(path), "pt") as f:
+                if (f.metadata() or {}).get("key") != key:
+                    return None
+            tensors = load_file(str(path))
+            return cls(tensors["latents"], tensors.get("dropped"))
+        except (OSError, SafetensorError, KeyError, AssertionError):
+            return None
 
     def __len__(self) -> int:
         return self.latents.shape[0]
