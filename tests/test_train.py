@@ -471,43 +471,56 @@ def test_prune_never_deletes_later_checkpoints(tmp_path):
     ]
 
 
-def test_init_fine_tunes_in_the_init_models_architecture_and_resumes(tmp_path, assets, capsys):
+def ft_config(assets: Path, **sections) -> dict:
+    """A fine-tuning run's config: no model or encoder section (the init model gives them)."""
+    cfg = run_config(assets, **sections)
+    del cfg["model"], cfg["encoder"]
+    return cfg
+
+
+def test_init_fine_tunes_in_the_init_models_architecture_and_resumes(
+    tmp_path, assets, capsys, monkeypatch
+):
     assert train_cli(tmp_path, tmp_path / "base", run_config(assets, train={"max_steps": 3})) == 0
     base = tmp_path / "base"
-    # Another architecture, length and latent_std in the config: all but max_length come from
-    # the init model. A vanishing lr leaves the first steps' weights at the init's EMA weights.
-    cfg = run_config(
-        assets,
-        model={"hidden_size": 48, "max_length": 16},
-        encoder={"latent_std": 0.9},
-        optim={"lr": 1e-12, "weight_decay": 0.0},
-        train={"max_steps": 2, "save_every": 2},
+    # The preset's architecture, encoder and latent_std differ from the init's: the init's win,
+    # except max_length. A vanishing lr leaves the weights at the init's EMA weights.
+    cfg = ft_config(
+        assets, optim={"lr": 1e-12, "weight_decay": 0.0}, train={"max_steps": 2, "save_every": 2}
     )
-    assert train_cli(tmp_path, tmp_path / "ft", cfg, "--init", str(base)) == 0
+    monkeypatch.chdir(tmp_path)  # a relative --init is recorded as an absolute path
+    init = ["--init", "base", "--set", "model.max_length=16"]
+    assert train_cli(tmp_path, tmp_path / "ft", cfg, *init) == 0
     ckpt = tmp_path / "ft" / "checkpoint-2"
     assert_same(weights(ckpt), weights(base / "checkpoint-3", "ema.safetensors"), atol=1e-6)
     config = json.loads((ckpt / "config.json").read_text())
     assert config["model"]["hidden_size"] == 32 and config["model"]["max_length"] == 16
-    assert config["latent_std"] == 0.5 and config["origin"].endswith(f"fine-tuned from {base}")
+    assert config["encoder"] == str(assets / "encoder") and config["latent_std"] == 0.5
+    assert config["origin"].endswith(f"fine-tuned from {base}")
     assert config["run"]["train"]["init"] == str(base)
-    # The same command with more steps resumes the fine-tuning run (not the init again).
+    # The same command with more steps resumes the fine-tuning run; the init is not read again.
+    base.rename(tmp_path / "moved")
     cfg["train"]["max_steps"] = 3
-    assert train_cli(tmp_path, tmp_path / "ft", cfg, "--init", str(base)) == 0
+    assert train_cli(tmp_path, tmp_path / "ft", cfg, *init) == 0
     assert json.loads((tmp_path / "ft" / "checkpoint-3" / "state.json").read_text())["step"] == 3
-    # Resuming it without --init (or a plain run with one) is refused.
+    # Resuming it without --init is refused.
     capsys.readouterr()
     cfg["train"]["max_steps"] = 4
-    assert train_cli(tmp_path, tmp_path / "ft", cfg) == 2
+    assert train_cli(tmp_path, tmp_path / "ft", cfg, "--set", "model.max_length=16") == 2
     assert "it was started from train.init" in error_lines(capsys.readouterr().err)[0]
 
 
 def test_init_errors_are_one_line(tmp_path, assets, capsys):
     assert train_cli(tmp_path, tmp_path / "base", run_config(assets, train={"max_steps": 1})) == 0
     capsys.readouterr()
-    cfg = run_config(assets, train={"max_steps": 1})
+    cfg = ft_config(assets, train={"max_steps": 1})
     base = str(tmp_path / "base")
     assert train_cli(tmp_path, tmp_path / "a", cfg, "--init", base, "--set", "model.depth=3") == 2
-    assert "--set model.depth conflicts with fine-tuning" in error_lines(capsys.readouterr().err)[0]
+    assert "model.depth is set (by --set or --config)" in error_lines(capsys.readouterr().err)[0]
+    assert train_cli(tmp_path, tmp_path / "a", run_config(assets), "--init", base) == 2
+    assert "is set (by --set or --config)" in error_lines(capsys.readouterr().err)[0]
+    assert train_cli(tmp_path, tmp_path / "a", cfg, "--init", base, "--set", "train.init=x") == 2
+    assert "differ; give one" in error_lines(capsys.readouterr().err)[0]
     assert train_cli(tmp_path, tmp_path / "b", cfg, "--init", str(tmp_path / "nope")) == 2
     assert "does not exist" in error_lines(capsys.readouterr().err)[0]
     # A model trained with another vocabulary than the tokenizer found here.
@@ -518,6 +531,10 @@ def test_init_errors_are_one_line(tmp_path, assets, capsys):
     assert train_cli(tmp_path, tmp_path / "c", cfg, "--init", str(other)) == 2
     assert "another vocabulary" in error_lines(capsys.readouterr().err)[0]
     assert not (tmp_path / "c").exists()
+    # --print-config shows the architecture the run will have.
+    argv = ["train", "--preset", "bible-tiny", "--out", str(tmp_path / "p"), "--init", base]
+    assert main([*argv, "--print-config"]) == 0
+    assert json.loads(capsys.readouterr().out)["model"]["hidden_size"] == 32
     from elflow.distill_train import distill
     from elflow.run_config import apply_overrides, preset
 
@@ -528,3 +545,18 @@ def test_init_errors_are_one_line(tmp_path, assets, capsys):
             tmp_path / "d",
             "1/64",
         )
+
+
+def test_init_uses_the_model_folders_own_tokenizer(tmp_path, assets):
+    from elflow.pipeline import load_tokenizer
+
+    assert train_cli(tmp_path, tmp_path / "base", run_config(assets, train={"max_steps": 1})) == 0
+    model = tmp_path / "model"  # a model whose tokenizer name does not load here, with its files
+    shutil.copytree(tmp_path / "base" / "checkpoint-1", model)
+    meta = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**meta, "tokenizer": "no-such/tokenizer"}))
+    load_tokenizer("minilm").save_pretrained(model / "tokenizer")
+    cfg = ft_config(assets, train={"max_steps": 1})
+    assert train_cli(tmp_path, tmp_path / "ft", cfg, "--init", str(model)) == 0
+    config = json.loads((tmp_path / "ft" / "checkpoint-1" / "config.json").read_text())
+    assert config["tokenizer"] == str(model / "tokenizer")

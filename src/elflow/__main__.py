@@ -11,6 +11,7 @@ import importlib
 import json
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import fields, replace
 from pathlib import Path
 
 from elflow.errors import ELFError
@@ -124,23 +125,22 @@ def _add_train(p: argparse.ArgumentParser) -> None:
 def _run_train(args: argparse.Namespace) -> int:
     from elflow.run_config import apply_overrides, preset, run_config_to_dict
 
-    sets = list(args.set) + ([f"train.init={args.init}"] if args.init else [])
-    cfg = apply_overrides(preset(args.preset), args.config, sets)
+    base = preset(args.preset)
+    cfg = apply_overrides(base, args.config, args.set)
+    if args.init:
+        if cfg.train.init and cfg.train.init != args.init:
+            raise ELFError(f"--init {args.init} and train.init={cfg.train.init} differ; give one")
+        cfg = replace(cfg, train=replace(cfg.train, init=args.init))
+    from elflow.train import absolute_init, apply_init, train
+
+    cfg = absolute_init(cfg)
     if cfg.train.init:
-        keys = [s.split("=", 1)[0].strip() for s in args.set]
-        fixed = [
-            k for k in keys if k.startswith(("model.", "encoder.")) and k != "model.max_length"
-        ]
-        if fixed:
-            raise ELFError(
-                f"--set {fixed[0]} conflicts with fine-tuning: the architecture and encoder come "
-                f"from {cfg.train.init!r} (only model.max_length may change); drop it"
-            )
+        _check_no_architecture(cfg, base)
     if args.print_config:
-        print(json.dumps(run_config_to_dict(cfg), indent=2))
+        shown = apply_init(cfg)[0] if cfg.train.init else cfg
+        print(json.dumps(run_config_to_dict(shown), indent=2))
         return 0
     from elflow.distributed import teardown
-    from elflow.train import train
 
     try:
         last = train(cfg, args.out, resume=args.resume)
@@ -148,6 +148,21 @@ def _run_train(args: argparse.Namespace) -> int:
         teardown()
     print(f"done: {last}")
     return 0
+
+
+def _check_no_architecture(cfg, base) -> None:
+    """With train.init the model fixes the architecture and encoder: a --set or --config value
+    for them (other than model.max_length) would be silently replaced, so it is an error."""
+    for section in ("model", "encoder"):
+        mine, preset_value = getattr(cfg, section), getattr(base, section)
+        for f in fields(mine):
+            key = f"{section}.{f.name}"
+            if key != "model.max_length" and getattr(mine, f.name) != getattr(preset_value, f.name):
+                raise ELFError(
+                    f"{key} is set (by --set or --config), but a fine-tuning run takes the "
+                    f"architecture and encoder from {cfg.train.init!r} (only model.max_length may "
+                    "change); drop it"
+                )
 
 
 def _delegate(module: str) -> tuple[Callable, Callable]:

@@ -169,6 +169,16 @@ def _gather(obj: Any, info: DistInfo) -> list[Any]:
     return box if info.is_main else []
 
 
+_WARNED: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    """Print ``message`` to stderr the first time only (a sweep samples once per cell)."""
+    if message not in _WARNED:
+        _WARNED.add(message)
+        print(message, file=sys.stderr)
+
+
 def sample_from_args(
     pipe: ELFPipeline,
     scfg: SamplerConfig,
@@ -178,11 +188,10 @@ def sample_from_args(
     **extra,
 ) -> SampleResult:
     """:func:`sample_records` with the options shared by ``elflow sample`` and ``elflow sweep``."""
-    if args.bf16 and not fast_bf16(pipe.device) and info.is_main:
-        print(
+    if args.bf16 and pipe.device.type == "cpu" and not fast_bf16(pipe.device) and info.is_main:
+        _warn_once(
             "elflow: warning: --bf16 on a CPU that emulates bf16 (no AVX-512 BF16/AMX/Arm "
-            "BF16) is many times slower than fp32 here; drop --bf16",
-            file=sys.stderr,
+            "BF16) is many times slower than fp32 here; drop --bf16"
         )
     return sample_records(
         pipe,

@@ -111,7 +111,8 @@ class TrainConfig:
     init: str = ""
     """Fine-tuning: a model source (run, checkpoint, model folder, Hub id, authors' checkpoint)
     whose weights (EMA when present) start a fresh run. Its architecture (all but max_length),
-    encoder, tokenizer and latent normalisation replace this config's; a resume ignores them."""
+    encoder, tokenizer and latent normalisation replace this config's; a resume takes them from
+    its checkpoint (the init is not read again)."""
 
     def __post_init__(self) -> None:
         require(

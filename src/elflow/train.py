@@ -34,7 +34,7 @@ from elflow.artifact import ArtifactConfig, load_resolved, resolve_source
 from elflow.data.latent_cache import LatentCache, cache_key
 from elflow.data.order import StreamOrder, keyed_bernoulli, rank_positions
 from elflow.data.rows import build_dataset, read_meta
-from elflow.distributed import DistInfo, all_reduce_sum, parallelize, setup
+from elflow.distributed import DistInfo, all_reduce_sum, broadcast_object, parallelize, setup
 from elflow.ema import EMA
 from elflow.encoder import FrozenEncoder, measure_latent_std
 from elflow.errors import ELFError, Interrupted
@@ -56,8 +56,8 @@ def use_bf16(precision: str, device: torch.device) -> bool:
     return precision == "bf16" or (precision == "auto" and fast_bf16(device))
 
 
-def _autocast(cfg: RunConfig, device: torch.device):
-    if not use_bf16(cfg.train.precision, device):
+def _autocast(bf16: bool, device: torch.device):
+    if not bf16:
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
 
@@ -155,13 +155,16 @@ def train(
             gives them from a model source instead (fine-tuning, see :func:`apply_init`).
     """
     out = Path(out)
-    init_source = None
-    if cfg.train.init:
-        if init_state is not None:
-            raise ELFError("train.init cannot be combined with init_state; give one of them")
-        cfg, init_state, init_source = apply_init(cfg)
+    cfg = absolute_init(cfg)
+    if cfg.train.init and init_state is not None:
+        raise ELFError("train.init cannot be combined with init_state; give one of them")
     info = setup(cfg.train.device)
     resume_from = resolve_resume(out, resume)
+    init_source = None
+    if cfg.train.init and resume_from is None:
+        cfg, init_state, init_source = apply_init(cfg)
+    elif cfg.train.init:  # a resume needs only the settings the init gave, not the init itself
+        cfg = _init_settings_of(cfg, resume_from)
     existing = ckpt_io.find_checkpoint(out) if out.is_dir() else None
     if existing is not None and (resume_from is None or resume_from.parent != out):
         # Another run's checkpoints would be mixed with (and pruned by) this one's.
@@ -180,7 +183,8 @@ def train(
         raise ELFError(
             f"train.init {cfg.train.init!r} was trained with another vocabulary than tokenizer "
             f"{cfg.encoder.tokenizer_name!r} here (sha256 {init_source.tokenizer_hash[:12]}... "
-            f"against {vocab_hash(tokenizer)[:12]}...); install or point to its tokenizer"
+            f"against {vocab_hash(tokenizer)[:12]}...); install the tokenizer it was trained with "
+            "or put its files in the model's tokenizer/ folder"
         )
     spec = token_spec(tokenizer)
     pad_id = spec.eos_id if cfg.objective.pad_with_eos else spec.pad_id
@@ -232,12 +236,17 @@ def train(
     optim_cfg = cfg.optim
     if cfg.train.warmup_epochs > 0:
         optim_cfg = replace(optim_cfg, warmup_steps=round(cfg.train.warmup_epochs * N / G))
+    # 'auto' precisions are decided by rank 0, so ranks on differing CPUs cannot disagree.
+    bf16 = broadcast_object(use_bf16(cfg.train.precision, info.device))
+    ns_dtype = broadcast_object(resolve_ns_dtype(optim_cfg.muon_ns_dtype, info.device))
+    optim_cfg = replace(optim_cfg, muon_ns_dtype=ns_dtype)
 
     model = build_model(model_cfg, info.device)
     if init_state is not None and resume_from is None:
         from elflow.official import load_state_dict_strict
 
         load_state_dict_strict(model, {k: v.to(info.device) for k, v in init_state.items()})
+    init_state = None  # the copy is no longer needed (train.init loads a whole model)
     start_step = 0
     rank_state = None
     if resume_from is not None:
@@ -269,15 +278,14 @@ def train(
             f"elflow train: {cfg.preset or 'custom'} | {n_params / 1e6:.2f}M params | {N} rows | "
             f"{W} process(es) x {micro} x {accum} accumulation = batch {G} | "
             f"steps {start_step}->{total_steps} | latent_std {latent_std:.4f} | "
-            f"{'bf16' if use_bf16(cfg.train.precision, info.device) else 'fp32'}, Newton-Schulz "
-            f"{resolve_ns_dtype(optim_cfg.muon_ns_dtype, info.device)} | out {out}",
+            f"{'bf16' if bf16 else 'fp32'}, Newton-Schulz {ns_dtype} | out {out}",
             flush=True,
         )
         warning = _slow_bf16_warning(cfg, info.device)
         if warning:
             print(warning, file=sys.stderr, flush=True)
     progress = _progress(info, start_step, total_steps)
-    autocast = _autocast(cfg, info.device)
+    autocast = _autocast(bf16, info.device)
     objective = objective_factory(cfg, info) if objective_factory else ELFObjective(cfg)
     ctx = _StepContext(
         cfg, info, dataset, order, cache, encoder, wrapped, micro, accum, autocast, objective
@@ -479,10 +487,9 @@ def apply_init(cfg: RunConfig) -> tuple[RunConfig, dict[str, Tensor], ArtifactCo
     resolved = resolve_source(cfg.train.init)
     model, source = load_resolved(resolved, use_ema=True, device="cpu", task=None)
     state = {k: v.detach().float() for k, v in model.state_dict().items()}
-    shipped = resolved.path / "tokenizer"  # a model folder's own vocabulary files win
     encoder = EncoderConfig(
         name=source.encoder,
-        tokenizer=str(shipped) if shipped.is_dir() else source.tokenizer,
+        tokenizer=_init_tokenizer(source, resolved.path / "tokenizer"),
         latent_mean=source.latent_mean,
         latent_std=source.latent_std,
         layer=source.encoder_layer,
@@ -491,10 +498,48 @@ def apply_init(cfg: RunConfig) -> tuple[RunConfig, dict[str, Tensor], ArtifactCo
     return replace(cfg, model=arch, encoder=encoder), state, source
 
 
+def absolute_init(cfg: RunConfig) -> RunConfig:
+    """``train.init`` as an absolute path when it is a local one (a resume may start elsewhere)."""
+    path = Path(cfg.train.init).expanduser()
+    if not cfg.train.init or not path.exists():
+        return cfg
+    return replace(cfg, train=replace(cfg.train, init=str(path.resolve())))
+
+
+def same_init(a: str, b: str) -> bool:
+    """The same model source, also when one is a relative path (moved since) and one absolute."""
+    if a == b:
+        return True
+    return bool(a and b) and Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
+
+
+def _init_tokenizer(source: ArtifactConfig, shipped: Path) -> str:
+    """The tokenizer the init names when it loads here with the recorded vocabulary, else the
+    model folder's own ``tokenizer/`` files (by absolute path), else the name (checked later)."""
+    if not shipped.is_dir():
+        return source.tokenizer
+    try:
+        if source.tokenizer_hash in (None, vocab_hash(load_tokenizer(source.tokenizer))):
+            return source.tokenizer
+    except (ELFError, OSError, ValueError):
+        pass
+    return str(shipped.resolve())
+
+
+def _init_settings_of(cfg: RunConfig, ckpt: Path) -> RunConfig:
+    """The architecture and encoder a fine-tuning run resumed from ``ckpt`` was started with."""
+    saved = run_config_from_dict(ckpt_io.read_run_config(ckpt))
+    if not same_init(saved.train.init, cfg.train.init):
+        return cfg  # refused by _check_resumable
+    return replace(
+        cfg, model=replace(saved.model, max_length=cfg.model.max_length), encoder=saved.encoder
+    )
+
+
 def _check_resumable(cfg: RunConfig, ckpt: Path) -> None:
     """A resume must continue the same run: init, architecture, encoder, global batch and seed."""
     saved = run_config_from_dict(ckpt_io.read_run_config(ckpt))
-    if saved.train.init != cfg.train.init:
+    if not same_init(saved.train.init, cfg.train.init):
         raise ELFError(
             f"cannot resume {ckpt}: it was started from train.init {saved.train.init or 'none'!r}, "
             f"now {cfg.train.init or 'none'!r}; give the same --init or use a new --out"

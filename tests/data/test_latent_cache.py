@@ -63,12 +63,22 @@ def test_saved_cache_loads_only_with_its_key(tokenizer, tiny_encoder, tmp_path):
     fewer = build_dataset(replace(cfg, max_rows=5), tokenizer, max_length=32, max_input_length=16)
     assert cache_key(fewer, tiny_encoder, "float16") != key
     assert cache_key(ds, tiny_encoder, "float32") != key
-    std = tiny_encoder.latent_std
+    std, layer = tiny_encoder.latent_std, tiny_encoder.layer
     try:
         tiny_encoder.latent_std = 2 * std
         assert cache_key(ds, tiny_encoder, "float16") != key
+        tiny_encoder.latent_std, tiny_encoder.layer = std, layer + 1
+        assert cache_key(ds, tiny_encoder, "float16") != key
     finally:
-        tiny_encoder.latent_std = std
+        tiny_encoder.latent_std, tiny_encoder.layer = std, layer
+    with torch.no_grad():  # the encoder's weights
+        weight = next(tiny_encoder.model.parameters())
+        saved = weight.clone()
+        weight.add_(1.0)
+        try:
+            assert cache_key(ds, tiny_encoder, "float16") != key
+        finally:
+            weight.copy_(saved)
     assert cache_key(ds, tiny_encoder, "float16") == key
     # A truncated file (a killed write of an older version) is a miss, not an error.
     file.write_bytes(file.read_bytes()[:200])

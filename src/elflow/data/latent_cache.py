@@ -32,13 +32,17 @@ from elflow.encoder import FrozenEncoder
 from elflow.errors import ELFError
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+CACHE_FORMAT = 1
+"""Bump when the encoding itself changes (masks, layer selection): old cache files are rebuilt."""
 
 
 def cache_key(dataset: RowDataset, encoder: FrozenEncoder, dtype: str) -> str:
     """sha256 of everything the cached latents depend on: every row's ids and masks, the encoder's
-    weights, layer and latent normalisation, and the storage dtype."""
+    weights, config, layer and latent normalisation, the storage dtype and the cache format."""
     h = hashlib.sha256()
-    h.update(repr((dtype, encoder.layer, encoder.latent_mean, encoder.latent_std)).encode())
+    h.update(repr((CACHE_FORMAT, dtype, encoder.layer, encoder.latent_mean)).encode())
+    h.update(repr(encoder.latent_std).encode())
+    h.update(encoder.model.config.to_json_string(use_diff=False).encode())
     h.update(repr((len(dataset), dataset.max_length, dataset.conditional)).encode())
     rows = dataset.get_rows(np.arange(len(dataset)))
     for name in sorted(rows):
@@ -46,7 +50,7 @@ def cache_key(dataset: RowDataset, encoder: FrozenEncoder, dtype: str) -> str:
         h.update(np.ascontiguousarray(rows[name], dtype=np.int64).tobytes())
     for name, tensor in encoder.model.state_dict().items():
         h.update(name.encode())
-        h.update(tensor.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy())
     return h.hexdigest()
 
 
