@@ -277,8 +277,7 @@ def test_interrupted_save_keeps_previous_checkpoint(tmp_path, assets, monkeypatc
         return real_save(tensors, path, metadata)
 
     monkeypatch.setattr(ckpt_io, "save_file", dying_save)
-    with pytest.raises(KeyboardInterrupt):
-        train_cli(tmp_path, tmp_path / "run", cfg)
+    assert train_cli(tmp_path, tmp_path / "run", cfg) == 130  # one line, no traceback
     run = tmp_path / "run"
     assert [p.name for p in run.glob("checkpoint-*")] == ["checkpoint-3"]
     model, _ = load_model(run)  # the previous checkpoint loads

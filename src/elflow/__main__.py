@@ -223,6 +223,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except FileNotFoundError as e:
         print(f"elflow: error: {Path(e.filename or '')} does not exist", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # e.g. during a start-up encoding pass, or a second Ctrl-C
+        print(
+            "elflow: interrupted; files written before (checkpoints, caches) are kept",
+            file=sys.stderr,
+        )
+        return 130
 
 
 if __name__ == "__main__":
