@@ -482,8 +482,7 @@ def apply_init(cfg: RunConfig) -> tuple[RunConfig, dict[str, Tensor], ArtifactCo
     """Fine-tuning: load ``cfg.train.init`` (EMA weights when present) and take its architecture
     (all but max_length, which only bounds the rotary positions), encoder, encoder layer, tokenizer
     and latent normalisation, since its weights only make sense in its own latent space. Data,
-    objective, optimiser, sampler and task stay ``cfg``'s (an unconditional model may be
-    fine-tuned on a conditional task)."""
+    objective, optimiser, sampler and task stay ``cfg``'s."""
     resolved = resolve_source(cfg.train.init)
     model, source = load_resolved(resolved, use_ema=True, device="cpu", task=None)
     state = {k: v.detach().float() for k, v in model.state_dict().items()}
