@@ -131,9 +131,8 @@ def _run_train(args: argparse.Namespace) -> int:
         if cfg.train.init and cfg.train.init != args.init:
             raise ELFError(f"--init {args.init} and train.init={cfg.train.init} differ; give one")
         cfg = replace(cfg, train=replace(cfg.train, init=args.init))
-    from elflow.train import absolute_init, apply_init, train
+    from elflow.train import apply_init, train
 
-    cfg = absolute_init(cfg)
     if cfg.train.init:
         _check_no_architecture(cfg, base)
     if args.print_config:

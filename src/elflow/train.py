@@ -160,11 +160,6 @@ def train(
         raise ELFError("train.init cannot be combined with init_state; give one of them")
     info = setup(cfg.train.device)
     resume_from = resolve_resume(out, resume)
-    init_source = None
-    if cfg.train.init and resume_from is None:
-        cfg, init_state, init_source = apply_init(cfg)
-    elif cfg.train.init:  # a resume needs only the settings the init gave, not the init itself
-        cfg = _init_settings_of(cfg, resume_from)
     existing = ckpt_io.find_checkpoint(out) if out.is_dir() else None
     if existing is not None and (resume_from is None or resume_from.parent != out):
         # Another run's checkpoints would be mixed with (and pruned by) this one's.
@@ -172,6 +167,11 @@ def train(
             f"--out {out} already holds checkpoints ({existing.name}) of another run; resume it "
             "(--resume auto) or choose a new --out"
         )
+    init_source = None
+    if cfg.train.init and resume_from is None:
+        cfg, init_state, init_source = apply_init(cfg)
+    elif cfg.train.init:  # a resume needs only the settings the init gave, not the init itself
+        cfg = _init_settings_of(cfg, resume_from)
     if resume_from is not None:
         _check_resumable(cfg, resume_from)
     torch.manual_seed(cfg.train.seed)
@@ -179,11 +179,12 @@ def train(
 
     hf_logging.disable_progress_bar()
     tokenizer = load_tokenizer(cfg.encoder.tokenizer_name)
-    if init_source is not None and init_source.tokenizer_hash not in (None, vocab_hash(tokenizer)):
+    here = vocab_hash(tokenizer) if init_source is not None else None
+    if init_source is not None and init_source.tokenizer_hash not in (None, here):
         raise ELFError(
             f"train.init {cfg.train.init!r} was trained with another vocabulary than tokenizer "
             f"{cfg.encoder.tokenizer_name!r} here (sha256 {init_source.tokenizer_hash[:12]}... "
-            f"against {vocab_hash(tokenizer)[:12]}...); install the tokenizer it was trained with "
+            f"against {here[:12]}...); install the tokenizer it was trained with "
             "or put its files in the model's tokenizer/ folder"
         )
     spec = token_spec(tokenizer)

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import Tensor
 
 from elflow.data.rows import RowDataset
@@ -40,8 +40,8 @@ def cache_key(dataset: RowDataset, encoder: FrozenEncoder, dtype: str) -> str:
     """sha256 of everything the cached latents depend on: every row's ids and masks, the encoder's
     weights, config, layer and latent normalisation, the storage dtype and the cache format."""
     h = hashlib.sha256()
-    h.update(repr((CACHE_FORMAT, dtype, encoder.layer, encoder.latent_mean)).encode())
-    h.update(repr(encoder.latent_std).encode())
+    norm = (encoder.layer, encoder.latent_mean, encoder.latent_std)
+    h.update(repr((CACHE_FORMAT, dtype, *norm)).encode())
     h.update(encoder.model.config.to_json_string(use_diff=False).encode())
     h.update(repr((len(dataset), dataset.max_length, dataset.conditional)).encode())
     rows = dataset.get_rows(np.arange(len(dataset)))
@@ -119,10 +119,10 @@ class LatentCache:
         if not path.is_file():
             return None
         try:
-            with safe_open(str(path), "pt") as f:
+            with safe_open(str(path), "pt") as f:  # one read: the key, then the tensors
                 if (f.metadata() or {}).get("key") != key:
                     return None
-            tensors = load_file(str(path))
+                tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (not a dict)
             return cls(tensors["latents"], tensors.get("dropped"))
         except (OSError, SafetensorError, KeyError, AssertionError):
             return None
