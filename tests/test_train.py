@@ -89,6 +89,7 @@ def run_config(assets: Path, **sections) -> dict:
             "ema_decay": 0.9,
             "ema_warmup": False,
             "sample_every": 0,
+            "eval_every": 0,
         },
     }
     for name, values in sections.items():

@@ -102,6 +102,12 @@ class TrainConfig:
     """Steps between sample generations (0 = never)."""
     num_samples: int = 4
     """Samples generated at each sample_every."""
+    eval_every: int = 0
+    """Steps between held-out losses (0 = never; also after the last step): the EMA weights on
+    fixed rows of the validation split (when ``data.valid_path`` is set) and of the training
+    split, with fixed draws (``heldout.py``)."""
+    eval_rows: int = 256
+    """Rows of each split in the held-out loss."""
     tensorboard: bool = True
     """Write TensorBoard events when the tensorboard package is installed."""
     wandb: bool = False
@@ -134,6 +140,8 @@ class TrainConfig:
         for name in ("log_every", "save_every", "keep_last"):
             require(getattr(self, name) > 0, f"train.{name} must be positive")
         require(self.sample_every >= 0 and self.num_samples >= 0, "train.sample_* must be >= 0")
+        require(self.eval_every >= 0, f"train.eval_every must be >= 0, got {self.eval_every}")
+        require(self.eval_rows > 0, f"train.eval_rows must be positive, got {self.eval_rows}")
 
 
 @dataclass(frozen=True)
@@ -347,6 +355,7 @@ def _cpu(model: ModelConfig, data: DataConfig, name: str, **kw: Any) -> RunConfi
             save_every=500,
             log_every=20,
             sample_every=1000,
+            eval_every=500,
         ),
         encoder=EncoderConfig(name="minilm", latent_std=0.0),
         preset=name,

@@ -39,6 +39,7 @@ from elflow.ema import EMA
 from elflow.encoder import FrozenEncoder, measure_latent_std
 from elflow.errors import ELFError, Interrupted
 from elflow.hardware import cpu_has_native_bf16, fast_bf16
+from elflow.heldout import HeldOutSplit, fixed_rows, heldout_loss
 from elflow.model import ELF, build_model, count_parameters
 from elflow.objective import Batch, TrainForward, elf_loss, sample_draws_keyed
 from elflow.optim import build_optimizer, learning_rate, resolve_ns_dtype, set_lr
@@ -291,6 +292,12 @@ def train(
     ctx = _StepContext(
         cfg, info, dataset, order, cache, encoder, wrapped, micro, accum, autocast, objective
     )
+    heldout = None
+    if cfg.train.eval_every:
+        splits = _heldout_splits(cfg, tokenizer, pad_id, dataset, cache, encoder, info, micro)
+        with torch.random.fork_rng(devices=[]):  # the training stream's RNG is left untouched
+            eval_net = ELF(model_cfg).to(info.device).eval().requires_grad_(False)
+        heldout = (splits, eval_net)
     last_ckpt = resume_from
     t_last, tokens_since = time.perf_counter(), 0
     sums: dict[str, float] = {}
@@ -331,6 +338,18 @@ def train(
             if done % cfg.train.save_every == 0 or done == total_steps:
                 last_ckpt = _save(out, done, model, ema, optimizer, artifact, cfg, info, N, G)
                 saved_step = done
+            if heldout and (done % cfg.train.eval_every == 0 or done == total_steps):
+                scores = _heldout(*heldout, ema, objective, autocast, info)
+                logger.log(done, scores)
+                if info.is_main:
+                    progress.note(
+                        f"step {done}: held-out loss (EMA weights) "
+                        + ", ".join(
+                            f"{k.removesuffix('_loss')} {v:.4f}"
+                            for k, v in scores.items()
+                            if k.endswith("_loss")
+                        )
+                    )
             if cfg.train.sample_every and done % cfg.train.sample_every == 0:
                 _sample_and_print(
                     out, done, model_cfg, ema, artifact, cfg, tokenizer, dataset, encoder, info
@@ -578,23 +597,10 @@ class _StepContext:
         self.objective = objective
 
     def batch(self, positions: np.ndarray) -> Batch:
-        cfg, dev = self.cfg, self.info.device
         row_idx = self.order.rows(positions)
-        rows = self.dataset.get_rows(row_idx)
-        ids = torch.from_numpy(rows["input_ids"]).to(dev)
-        attn = torch.from_numpy(rows["attention_mask"]).to(dev)
-        cond = torch.from_numpy(rows["cond_mask"]).to(dev) if self.dataset.conditional else None
-        drop_np = None
-        if self.dataset.conditional and cfg.objective.label_drop_prob > 0:
-            drop_np = keyed_bernoulli(
-                positions, cfg.objective.label_drop_prob, cfg.train.seed, "label_drop"
-            )
-        drop = torch.from_numpy(drop_np).to(dev) if drop_np is not None else None
-        if self.cache is not None:
-            x = self.cache.get(row_idx, drop_np).to(dev)
-        else:
-            x = self.encoder(ids, attn, cond, drop)
-        return Batch(x=x, input_ids=ids, attention_mask=attn, cond_mask=cond, label_drop=drop)
+        return make_batch(
+            self.cfg, self.dataset, self.cache, self.encoder, self.info.device, row_idx, positions
+        )
 
     def accumulate(self, step: int) -> dict[str, float]:
         cfg, info = self.cfg, self.info
@@ -624,6 +630,67 @@ class _StepContext:
             "l2": stats[0] / max(stats[2], 1.0),
             "ce": stats[1] / max(stats[3], 1.0),
         }
+
+
+def make_batch(
+    cfg: RunConfig,
+    dataset,
+    cache: LatentCache | None,
+    encoder: FrozenEncoder,
+    device: torch.device,
+    row_idx: np.ndarray,
+    positions: np.ndarray,
+) -> Batch:
+    """The batch of dataset rows ``row_idx`` at stream ``positions`` (which key the label drop)."""
+    rows = dataset.get_rows(row_idx)
+    ids = torch.from_numpy(rows["input_ids"]).to(device)
+    attn = torch.from_numpy(rows["attention_mask"]).to(device)
+    cond = torch.from_numpy(rows["cond_mask"]).to(device) if dataset.conditional else None
+    drop_np = None
+    if dataset.conditional and cfg.objective.label_drop_prob > 0:
+        drop_np = keyed_bernoulli(
+            positions, cfg.objective.label_drop_prob, cfg.train.seed, "label_drop"
+        )
+    drop = torch.from_numpy(drop_np).to(device) if drop_np is not None else None
+    if cache is not None:
+        x = cache.get(row_idx, drop_np).to(device)
+    else:
+        x = encoder(ids, attn, cond, drop)
+    return Batch(x=x, input_ids=ids, attention_mask=attn, cond_mask=cond, label_drop=drop)
+
+
+def _heldout_splits(cfg, tokenizer, pad_id, dataset, cache, encoder, info, chunk):
+    """The fixed validation rows (when ``data.valid_path`` is set) and training rows of
+    ``train.eval_every`` (``heldout.py``)."""
+    sources = [("train_rows", dataset, cache)]
+    if cfg.data.valid_path:
+        L = cfg.model.max_length
+        valid = build_dataset(cfg.data, tokenizer, L, cfg.max_input_length, pad_id, "valid")
+        if len(valid) == 0:
+            raise ELFError(f"validation data {cfg.data.valid_path!r} yields no rows")
+        sources.insert(0, ("valid", valid, None))
+    elif info.is_main:
+        print(
+            "elflow train: no data.valid_path, so the held-out loss covers training rows only",
+            flush=True,
+        )
+    splits = []
+    for name, data, rows_cache in sources:
+        rows = fixed_rows(len(data), cfg.train.eval_rows, info.rank, info.world_size)
+
+        def make(row_idx, positions, data=data, rows_cache=rows_cache):
+            return make_batch(cfg, data, rows_cache, encoder, info.device, row_idx, positions)
+
+        splits.append(HeldOutSplit(name, make, rows, chunk))
+    return splits
+
+
+def _heldout(splits, eval_net, ema, objective, autocast, info) -> dict[str, float]:
+    eval_net.load_state_dict(ema.state_dict_for_save())  # collective under FSDP2
+    metrics: dict[str, float] = {}
+    for split in splits:
+        metrics |= heldout_loss(objective, TrainForward(eval_net), split, info.device, autocast)
+    return metrics
 
 
 def _loss_mask(batch: Batch, pad_with_eos: bool) -> Tensor:
@@ -743,6 +810,13 @@ class _Progress:
             refresh=False,
         )
         self.bar.refresh()
+
+    def note(self, text: str) -> None:
+        """A line above the bar (stdout)."""
+        if self.bar is None:
+            print(text, flush=True)
+        else:
+            self.bar.write(text, file=sys.stdout)
 
     def close(self) -> None:
         if self.bar is not None:

@@ -1,0 +1,139 @@
+"""Held-out loss during training (`train.eval_every`): fixed rows, fixed draws, EMA weights."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from elflow.heldout import HeldOutSplit, fixed_rows, heldout_loss
+from elflow.objective import TrainForward
+from elflow.run_config import run_config_from_dict
+from elflow.train import ELFObjective
+
+from .test_distill import distill_cli, teacher  # noqa: F401
+from .test_train import (  # noqa: F401
+    WORDS,
+    assert_same,
+    assets,
+    run_config,
+    train_cli,
+    weights,
+)
+
+
+@pytest.fixture(scope="module")
+def valid_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("valid") / "valid.jsonl"
+    g = np.random.default_rng(1)
+    lines = [" ".join(g.choice(WORDS, size=int(g.integers(3, 10)))) for _ in range(12)]
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in lines))
+    return path
+
+
+def heldout_lines(run: Path) -> list[dict]:
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    return [x for x in lines if "train_rows_loss" in x]
+
+
+def test_fixed_rows_are_the_first_rows_dealt_over_processes():
+    assert fixed_rows(10, 4).tolist() == [0, 1, 2, 3]
+    assert fixed_rows(3, 256).tolist() == [0, 1, 2]
+    shares = [fixed_rows(7, 5, r, 2).tolist() for r in range(2)]
+    assert shares == [[0, 2, 4], [1, 3]]
+
+
+def test_heldout_loss_is_logged_and_leaves_training_unchanged(
+    tmp_path,
+    assets,  # noqa: F811
+    valid_file,
+    capsys,
+):
+    plain = run_config(assets)
+    evaluated = run_config(
+        assets, data={"valid_path": str(valid_file)}, train={"eval_every": 3, "eval_rows": 10}
+    )
+    assert train_cli(tmp_path, tmp_path / "plain", plain) == 0
+    assert train_cli(tmp_path, tmp_path / "eval", evaluated) == 0
+    assert "held-out loss (EMA weights) valid" in capsys.readouterr().out
+    # The evaluation draws from its own keyed generators: the run's weights are bitwise the same.
+    for name in ("model.safetensors", "ema.safetensors"):
+        assert_same(
+            weights(tmp_path / "plain" / "checkpoint-6", name),
+            weights(tmp_path / "eval" / "checkpoint-6", name),
+        )
+    lines = heldout_lines(tmp_path / "eval")
+    assert [x["step"] for x in lines] == [3, 6]
+    for x in lines:
+        for split in ("valid", "train_rows"):
+            assert all(math.isfinite(x[f"{split}_{k}"]) for k in ("loss", "l2", "ce"))
+    assert lines[1]["valid_loss"] != lines[0]["valid_loss"]
+    # The logged value is the objective on the first 10 rows with the EMA weights, recomputed here.
+    from elflow import load_model
+    from elflow.data.rows import build_dataset
+    from elflow.encoder import FrozenEncoder
+    from elflow.pipeline import load_tokenizer
+    from elflow.tokens import token_spec
+    from elflow.train import make_batch
+
+    ckpt = tmp_path / "eval" / "checkpoint-6"
+    cfg = run_config_from_dict(json.loads((ckpt / "config.json").read_text())["run"])
+    net, _ = load_model(ckpt)
+    tok = load_tokenizer(cfg.encoder.tokenizer_name)
+    data = build_dataset(cfg.data, tok, 12, 0, token_spec(tok).eos_id, "valid")
+    encoder = FrozenEncoder.from_pretrained(cfg.encoder.name, latent_std=cfg.encoder.latent_std)
+    split = HeldOutSplit(
+        "valid",
+        lambda r, p: make_batch(cfg, data, None, encoder, torch.device("cpu"), r, p),
+        fixed_rows(len(data), 10),
+        chunk=4,  # chunking does not change the loss (it is normalised over all rows at once)
+    )
+    again = heldout_loss(ELFObjective(cfg), TrainForward(net.eval()), split, "cpu")
+    for k in ("valid_loss", "valid_l2", "valid_ce"):
+        assert again[k] == pytest.approx(lines[1][k], rel=1e-5)
+
+
+def test_heldout_loss_resumes_and_works_without_a_validation_split(
+    tmp_path,
+    assets,  # noqa: F811
+    capsys,
+):
+    cfg = run_config(assets, train={"eval_every": 2, "eval_rows": 6})
+    half = run_config(assets, train={"eval_every": 2, "eval_rows": 6, "max_steps": 3})
+    assert train_cli(tmp_path, tmp_path / "full", cfg) == 0
+    assert "covers training rows only" in capsys.readouterr().out
+    assert train_cli(tmp_path, tmp_path / "part", half) == 0
+    assert train_cli(tmp_path, tmp_path / "part", cfg) == 0
+    full, part = heldout_lines(tmp_path / "full"), heldout_lines(tmp_path / "part")
+    assert [x["step"] for x in full] == [2, 4, 6]
+    assert [x["step"] for x in part] == [2, 3, 4, 6]  # step 3 ended the first invocation
+    assert all("valid_loss" not in x for x in full)
+    by_step = {x["step"]: x for x in part}
+    assert [by_step[x["step"]] == x for x in full] == [True, True, True]
+
+
+def test_distillation_rounds_log_their_own_heldout_loss(
+    tmp_path,
+    assets,  # noqa: F811
+    teacher,  # noqa: F811
+):
+    assert distill_cli(tmp_path, tmp_path / "pd", assets, teacher, "2/2", eval_every=2) == 0
+    (line,) = heldout_lines(tmp_path / "pd" / "round-1-2x2")
+    assert line["step"] == 2 and line["train_rows_loss"] > 0
+
+
+@pytest.mark.parametrize(
+    ("setting", "message"),
+    [("train.eval_every=-1", "train.eval_every must be >= 0"), ("train.eval_rows=0", "eval_rows")],
+)
+def test_bad_heldout_settings_are_one_line_errors(tmp_path, setting, message, capsys):
+    from elflow.__main__ import main
+
+    argv = ["train", "--preset", "bible-tiny", "--out", str(tmp_path / "o"), "--print-config"]
+    assert main([*argv, "--set", setting]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
