@@ -228,7 +228,7 @@ def torchrun(tmp: Path, out: Path, cfg: dict, nproc: int = 2, *extra: str) -> No
 
 @pytest.mark.slow
 def test_two_processes_ddp_equal_one_and_resume(tmp_path, assets):
-    cfg = run_config(assets)
+    cfg = run_config(assets, train={"eval_every": 3, "eval_rows": 7})  # 7 rows: 4 + 3 per rank
     assert train_cli(tmp_path, tmp_path / "single", cfg) == 0
     torchrun(tmp_path, tmp_path / "ddp", cfg)
     for step in (3, 6):
@@ -237,6 +237,15 @@ def test_two_processes_ddp_equal_one_and_resume(tmp_path, assets):
             weights(tmp_path / "ddp" / f"checkpoint-{step}"),
             atol=1e-5,
         )
+    # The held-out loss is dealt over the ranks and all-reduced: the one-process figures.
+    held = {}
+    for name in ("single", "ddp"):
+        lines = [
+            json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        ]
+        held[name] = [x["train_rows_loss"] for x in lines if "train_rows_loss" in x]
+    assert len(held["ddp"]) == 2
+    assert held["ddp"] == pytest.approx(held["single"], rel=1e-4)
     assert (tmp_path / "ddp" / "checkpoint-6" / "rank1.pt").is_file()
     # 2-process resume from the middle equals the straight 2-process run, bitwise.
     (tmp_path / "resumed").mkdir()
