@@ -9,7 +9,8 @@ global-norm clipping + Muon/Adam + EMA, on random latents of the preset's shape.
 (size, procedure, precision) runs in a fresh subprocess so that its peak RSS is its own.
 ``--cache`` also times the frozen MiniLM encoder on a batch of real verses (what the latent cache
 saves per step) against a cache lookup. ``--matmul`` only prints fp32 and bf16 matmul GFLOP/s
-(is bf16 native on this CPU?).
+(is bf16 native on this CPU?). ``--newton-schulz`` only times fp32 Newton–Schulz on the decoder
+head's matrix (E 384 x V 30522), in the Gram form elflow uses for wide matrices and directly.
 """
 
 from __future__ import annotations
@@ -101,6 +102,25 @@ def matmul_rates(n: int = 1024, reps: int = 3) -> dict:
     return rates
 
 
+def newton_schulz_seconds(shape: tuple[int, int] = (30522, 384), reps: int = 3) -> dict:
+    """Seconds per fp32 Newton–Schulz of one ``shape`` matrix: Gram form and direct iteration."""
+    from elflow import optim
+
+    grad = torch.randn(*shape)
+    out = {}
+    for name, ratio in (("gram", optim.GRAM_RATIO), ("direct", 10**9)):
+        old, optim.GRAM_RATIO = optim.GRAM_RATIO, ratio
+        try:
+            optim._newton_schulz(grad, optim.NS_COEFFICIENTS, 5, optim.NS_EPS, torch.float32)
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                optim._newton_schulz(grad, optim.NS_COEFFICIENTS, 5, optim.NS_EPS, torch.float32)
+            out[f"{name}_s"] = (time.perf_counter() - t0) / reps
+        finally:
+            optim.GRAM_RATIO = old
+    return out
+
+
 def cache_speedup(batches: int = 3) -> dict:
     """Seconds per batch of 64 verses (L 64) through MiniLM vs a latent-cache lookup."""
     import gzip
@@ -145,7 +165,13 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--cache", action="store_true", help="also time encoder vs latent cache")
     p.add_argument("--matmul", action="store_true", help="only print fp32/bf16 matmul GFLOP/s")
+    p.add_argument(
+        "--newton-schulz", action="store_true", help="only time fp32 Newton-Schulz on V x E"
+    )
     args = p.parse_args()
+    if args.newton_schulz:
+        print(json.dumps({"newton_schulz_30522x384": newton_schulz_seconds()}))
+        return
     if args.matmul:
         print(json.dumps({"gflops_1024": matmul_rates()}))
         return

@@ -7,9 +7,12 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
 
 from elflow.errors import ELFError
 from elflow.optim import (
+    NS_COEFFICIENTS,
+    NS_EPS,
     CombinedOptimizer,
     OptimConfig,
     ShardedMuon,
@@ -218,6 +221,36 @@ def test_fp32_newton_schulz_orthogonalises():
     s = torch.linalg.svdvals(p.detach())
     # Keller Jordan's quintic lands singular values in roughly [0.7, 1.2], not exactly 1.
     assert 0.5 < s.min() and s.max() < 1.3
+
+
+@pytest.mark.parametrize("shape", [(40, 200), (200, 40), (16, 64)])
+@pytest.mark.parametrize("rank", [None, 3])
+def test_wide_fp32_newton_schulz_runs_on_the_gram_matrix_as_exactly_as_directly(shape, rank):
+    from elflow import optim
+
+    g = torch.Generator().manual_seed(0)
+    grad = torch.randn(*shape, generator=g)
+    if rank:  # near low-rank, like many gradients: the small singular values grow 3.4x a step
+        grad = torch.randn(shape[0], rank, generator=g) @ torch.randn(rank, shape[1], generator=g)
+        grad += 1e-4 * torch.randn(*shape, generator=g)
+
+    def ns(x, dtype, ratio):
+        old, optim.GRAM_RATIO = optim.GRAM_RATIO, ratio
+        try:
+            with FlopCounterMode(display=False) as flops:
+                out = optim._newton_schulz(x, NS_COEFFICIENTS, 5, NS_EPS, dtype).double()
+            return out, flops.get_total_flops()
+        finally:
+            optim.GRAM_RATIO = old
+
+    direct, direct_flops = ns(grad, torch.float32, 10**9)
+    truth, _ = ns(grad.double(), torch.float64, 10**9)
+    gram, gram_flops = ns(grad, torch.float32, 4)
+    assert gram_flops < 0.8 * direct_flops  # the Gram form ran
+    # The same polynomial: equal in fp64, and as close to fp64 in fp32 as the direct iteration.
+    torch.testing.assert_close(ns(grad.double(), torch.float64, 4)[0], truth, rtol=0, atol=1e-12)
+    err = (gram - truth).norm() / truth.norm()
+    assert err < 1.5 * (direct - truth).norm() / truth.norm() + 1e-6
 
 
 @pytest.mark.slow
