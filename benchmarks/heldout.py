@@ -1,12 +1,13 @@
 """Over-fitting check for a trained model: its loss on validation rows against training rows.
 
 Usage:
-    python benchmarks/heldout.py --model src/elflow/demo_model --preset bible-tiny --rows 1024
+    python benchmarks/heldout.py --model src/elflow/demo_model --preset bible-tiny --rows 729
 
-The same computation as ``train.eval_every`` (``elflow/heldout.py``): the run's objective (the
-preset's, with the model's padding, noise scale and t_eps) on the first ``--rows`` rows of each
-split, row i with the draws of stream position i, so both splits see the same draws and their
-gap is over-fitting, not noise. Also prints the denoiser's L2 per band of t (the same draws).
+The computation of ``train.eval_every`` (``elflow/heldout.py``) for an ELF model trained on the
+preset's data (its task, data and objective, with the model's padding, noise scale and t_eps;
+the ELF objective, also for a distilled student): ``--rows`` evenly spaced rows of each split,
+the j-th with the draws of stream position j, so both splits see the same draws. Also prints the
+denoiser's L2 per band of t (the same draws).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 from elflow.data.rows import build_dataset
 from elflow.distill_train import teacher_objective
 from elflow.encoder import FrozenEncoder
-from elflow.heldout import HeldOutSplit, fixed_rows, heldout_loss
+from elflow.heldout import HeldOutSplit, RowSubset, heldout_loss, spread_rows
 from elflow.objective import TrainForward, elf_loss, sample_draws_keyed
 from elflow.pipeline import ELFPipeline
 from elflow.run_config import EncoderConfig, preset
@@ -33,7 +34,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True, help="any elflow model source")
     p.add_argument("--preset", default="bible-tiny", help="gives the data and the objective")
-    p.add_argument("--rows", type=int, default=1024, help="rows of each split")
+    p.add_argument("--rows", type=int, default=729, help="rows of each split (at most)")
     p.add_argument("--chunk", type=int, default=64)
     args = p.parse_args()
 
@@ -60,13 +61,15 @@ def main() -> None:
     )
     pad = pipe.tokens.eos_id if acfg.pad_with_eos else pipe.tokens.pad_id
     L, objective, dev = acfg.model.max_length, ELFObjective(cfg), torch.device("cpu")
-    print(f"{args.model}: {args.rows} rows per split, preset {args.preset}")
+    print(f"{args.model}: up to {args.rows} evenly spaced rows per split, preset {args.preset}")
     for name, split in (("train_rows", "train"), ("valid", "valid")):
         data = build_dataset(cfg.data, pipe.tokenizer, L, acfg.max_input_length, pad, split)
+        rows, keys = spread_rows(len(data), args.rows)
+        subset = RowSubset(data, rows)
         held = HeldOutSplit(
             name,
-            lambda r, q, data=data: make_batch(cfg, data, None, encoder, dev, r, q),
-            fixed_rows(len(data), args.rows),
+            lambda i, k, subset=subset: make_batch(cfg, subset, None, encoder, dev, i, k),
+            keys,
             args.chunk,
         )
         scores = heldout_loss(objective, TrainForward(net), held, dev)

@@ -4,11 +4,13 @@ Usage:
     python benchmarks/reconstruct.py --model src/elflow/demo_model --num 128
 
 Real validation rows (encoded like the training rows) are noised to z_t with fixed noise; the
-denoiser predicts x̂ as the sampler does (a first pass with zeros as the self-conditioning input,
-a second with that prediction, at the model's w), and decode mode turns x̂ into tokens. Printed
-per t: the share of real tokens recovered, the share of adjacent repeated tokens, and the mean
-square error of x̂. The sampler's last step decodes the x̂ of its last grid point, so the share
-recovered there is how much of the final text that last jump still decides.
+denoiser predicts x̂ at the model's w in two passes, the first with zeros as the
+self-conditioning input and the second with the first's prediction (the sampler feeds the
+previous step's x̂ instead, which this model hardly uses; see benchmarks/selfcond.py), and decode
+mode turns x̂ into tokens. Printed per t: the share of real tokens recovered, the share of
+adjacent repeated tokens, and the mean square error of x̂. The sampler's last step decodes the
+x̂ of its last grid point, so the share recovered there is about how much of the final text that
+last jump still decides.
 """
 
 from __future__ import annotations
@@ -50,7 +52,8 @@ def main() -> None:
     rows = [build_unconditional_row(ids, L, pad) for ids in tokenize(pipe.tokenizer, texts)]
     ids = torch.tensor([r[0] for r in rows])
     mask = torch.tensor([r[1] for r in rows]).bool()
-    B, w = len(rows), cfg.sampler.w
+    B = len(rows)
+    w = cfg.sampler.w if cfg.model.num_scale_tokens > 0 else None  # as the sampler passes it
     gen = torch.Generator().manual_seed(args.seed)
 
     def recovered(tokens: torch.Tensor) -> float:
@@ -69,7 +72,7 @@ def main() -> None:
             z = interpolate(x, torch.randn(x.shape, generator=gen), tt, cfg.noise_scale)
 
             def f(sc: torch.Tensor, z: torch.Tensor = z, tt: torch.Tensor = tt) -> torch.Tensor:
-                return model(torch.cat([z, sc], -1), tt, torch.full((B,), w), 0.0)[0].float()
+                return model(torch.cat([z, sc], -1), tt, w, 0.0)[0].float()
 
             x_hat = f(f(torch.zeros_like(x)))
             tokens = decode_tokens(model, x_hat, w)

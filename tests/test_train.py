@@ -260,16 +260,24 @@ def test_two_processes_ddp_equal_one_and_resume(tmp_path, assets):
 
 @pytest.mark.slow
 def test_two_processes_fsdp2_equal_one(tmp_path, assets):
-    cfg = run_config(assets, train={"max_steps": 3})
-    assert train_cli(tmp_path, tmp_path / "single", cfg) == 0
-    fsdp = run_config(assets, train={"max_steps": 3, "parallel": "fsdp2"})
-    torchrun(tmp_path, tmp_path / "fsdp", fsdp)
+    # The held-out loss at step 2 (no save there) gathers the sharded EMA; 1 row leaves rank 1 none.
+    held = {"max_steps": 3, "eval_every": 2, "eval_rows": 1}
+    assert train_cli(tmp_path, tmp_path / "single", run_config(assets, train=held)) == 0
+    torchrun(tmp_path, tmp_path / "fsdp", run_config(assets, train={**held, "parallel": "fsdp2"}))
     for name in ("model.safetensors", "ema.safetensors"):
         assert_same(
             weights(tmp_path / "single" / "checkpoint-3", name),
             weights(tmp_path / "fsdp" / "checkpoint-3", name),
             atol=1e-5,
         )
+    losses = {}
+    for name in ("single", "fsdp"):
+        lines = [
+            json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        ]
+        losses[name] = [x["train_rows_loss"] for x in lines if "train_rows_loss" in x]
+    assert len(losses["fsdp"]) == 2
+    assert losses["fsdp"] == pytest.approx(losses["single"], rel=1e-4)
 
 
 def test_interrupted_save_keeps_previous_checkpoint(tmp_path, assets, monkeypatch):

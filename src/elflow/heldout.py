@@ -2,10 +2,10 @@
 
 The logged training loss is measured on the raw weights over a new batch and new draws every
 step, so it is noisy and cannot show over-fitting. Every ``train.eval_every`` steps the trainer
-evaluates the EMA weights (the ones that are sampled and shipped) on the first
-``train.eval_rows`` rows of the validation split and of the training split. Row i always gets
-the draws of stream position i (ELF_SPEC §3; keyed like training), so two evaluations differ only
-through the weights, and the two splits' gap measures over-fitting, not noise.
+evaluates the EMA weights (the ones that are sampled and shipped) on ``train.eval_rows`` evenly
+spaced rows of the validation split and of the training split. The j-th row of either split always
+gets the draws of stream position j (ELF_SPEC §3; keyed like training), so two evaluations differ
+only through the weights and the two splits see the same draws.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from elflow.distributed import all_reduce_sum
 from elflow.objective import Batch
 
 BatchMaker = Callable[[np.ndarray, np.ndarray], Batch]
-"""(row indices, stream positions) -> Batch."""
+"""(row indices into the split's rows, draw keys) -> Batch."""
 
 
 @dataclass(frozen=True)
@@ -31,19 +31,46 @@ class HeldOutSplit:
     name: str
     """Metric prefix: ``valid`` or ``train_rows``."""
     make_batch: BatchMaker
-    rows: np.ndarray
-    """This process's share of the fixed row indices (they double as stream positions)."""
+    keys: np.ndarray
+    """This process's draw keys, one per row (row j of the split's rows gets ``keys[j]``)."""
     chunk: int
 
     def batches(self) -> Iterator[tuple[np.ndarray, Batch]]:
-        for start in range(0, len(self.rows), self.chunk):
-            idx = self.rows[start : start + self.chunk]
-            yield idx, self.make_batch(idx, idx)
+        for start in range(0, len(self.keys), self.chunk):
+            idx = np.arange(start, min(start + self.chunk, len(self.keys)))
+            yield self.keys[idx], self.make_batch(idx, self.keys[idx])
 
 
-def fixed_rows(num_rows: int, limit: int, rank: int = 0, world_size: int = 1) -> np.ndarray:
-    """The first ``limit`` row indices of a split, dealt round-robin over the processes."""
-    return np.arange(min(limit, num_rows), dtype=np.int64)[rank::world_size]
+def spread_rows(
+    num_rows: int, limit: int, rank: int = 0, world_size: int = 1
+) -> tuple[np.ndarray, np.ndarray]:
+    """``limit`` evenly spaced row indices of a split (all rows when it has fewer) and their draw
+    keys 0, 1, ..., dealt round-robin over the processes: (this process's rows, its keys).
+
+    Evenly spaced rather than the first rows: a corpus in document order (the Bible in book
+    order) would otherwise compare Genesis with whatever the validation file starts with.
+    """
+    k = min(limit, num_rows)
+    rows = np.linspace(0, num_rows - 1, k).round().astype(np.int64)
+    keys = np.arange(k, dtype=np.int64)
+    return rows[rank::world_size], keys[rank::world_size]
+
+
+class RowSubset:
+    """Rows ``rows`` of a row dataset, re-indexed 0..n-1 (for batches and a latent cache)."""
+
+    def __init__(self, dataset, rows: np.ndarray) -> None:
+        self.dataset, self.rows = dataset, rows
+        self.max_length, self.conditional = dataset.max_length, dataset.conditional
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def get_rows(self, idx: np.ndarray) -> dict[str, np.ndarray]:
+        return self.dataset.get_rows(self.rows[idx])
+
+    def get_batch(self, idx: np.ndarray) -> dict[str, torch.Tensor]:
+        return self.dataset.get_batch(self.rows[idx])
 
 
 @torch.no_grad()
@@ -60,9 +87,9 @@ def heldout_loss(
     is normalised exactly like a training step's, over all of the split's rows at once.
     """
     totals = torch.zeros(5, dtype=torch.float64, device=device)
-    for positions, batch in split.batches():
+    for keys, batch in split.batches():
         with autocast if autocast is not None else contextlib.nullcontext():
-            out = objective(forward, batch, positions)
+            out = objective(forward, batch, keys)
         totals[0] += objective.denominator(batch)
         totals[1:] += out.stats.to(totals)
     denom, l2_sum, ce_sum, l2_n, ce_n = all_reduce_sum(totals).tolist()

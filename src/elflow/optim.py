@@ -36,9 +36,11 @@ def _newton_schulz(
     matrix). For a wide matrix in fp32/fp64 (long side >= ``GRAM_RATIO`` x the short one, e.g.
     the decoder head's E x V) the same steps run on the Gram matrix alone: X_k = M_k X_0 with
     M_{k+1} = P(A_k) M_k and A_{k+1} = P(A_k) A_k P(A_k), all short x short. X_k and its Gram
-    matrix are recomputed every ``GRAM_RESTART`` steps, which keeps near-low-rank inputs as close
-    to the fp64 iteration as the direct one (without it, up to 3.5x further; tests/test_optim.py).
-    With 5 steps, four products touch the long side instead of ten.
+    matrix are recomputed every ``GRAM_RESTART`` steps, which keeps near-low-rank inputs about as
+    close to the fp64 iteration as the direct one (tests/test_optim.py: within 1.5x; without the
+    restart we measured up to 3.5x). With 5 steps, four products touch the long side instead of
+    ten. This is also the path of fp32 Newton–Schulz on GPUs (``muon_ns_dtype`` auto there), so
+    updates differ from the direct iteration's by rounding.
     """
     a, b, c = ns_coefficients
     ortho = grad.to(dtype)
@@ -56,7 +58,8 @@ def _newton_schulz(
             poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
             poly.diagonal().add_(a)
             mixer = poly if mixer is None else poly @ mixer
-            gram = poly @ gram @ poly
+            if (k + 1) % GRAM_RESTART and k + 1 < ns_steps:  # else the next Gram is not this one
+                gram = poly @ gram @ poly
         if mixer is not None:
             ortho = mixer @ ortho
     else:

@@ -39,7 +39,7 @@ from elflow.ema import EMA
 from elflow.encoder import FrozenEncoder, measure_latent_std
 from elflow.errors import ELFError, Interrupted
 from elflow.hardware import cpu_has_native_bf16, fast_bf16
-from elflow.heldout import HeldOutSplit, fixed_rows, heldout_loss
+from elflow.heldout import HeldOutSplit, RowSubset, heldout_loss, spread_rows
 from elflow.model import ELF, build_model, count_parameters
 from elflow.objective import Batch, TrainForward, elf_loss, sample_draws_keyed
 from elflow.optim import build_optimizer, learning_rate, resolve_ns_dtype, set_lr
@@ -294,10 +294,7 @@ def train(
     )
     heldout = None
     if cfg.train.eval_every:
-        splits = _heldout_splits(cfg, tokenizer, pad_id, dataset, cache, encoder, info, micro)
-        with torch.random.fork_rng(devices=[]):  # the training stream's RNG is left untouched
-            eval_net = ELF(model_cfg).to(info.device).eval().requires_grad_(False)
-        heldout = (splits, eval_net)
+        heldout = _heldout_splits(cfg, tokenizer, pad_id, dataset, encoder, info, micro)
     last_ckpt = resume_from
     t_last, tokens_since = time.perf_counter(), 0
     sums: dict[str, float] = {}
@@ -339,7 +336,10 @@ def train(
                 last_ckpt = _save(out, done, model, ema, optimizer, artifact, cfg, info, N, G)
                 saved_step = done
             if heldout and (done % cfg.train.eval_every == 0 or done == total_steps):
-                scores = _heldout(*heldout, ema, objective, autocast, info)
+                t_eval = time.perf_counter()
+                scores = _heldout(heldout, model_cfg, ema, objective, autocast, info)
+                scores["eval_seconds"] = time.perf_counter() - t_eval
+                t_last += scores["eval_seconds"]  # kept out of the next interval's tokens/s
                 logger.log(done, scores)
                 if info.is_main:
                     progress.note(
@@ -659,37 +659,47 @@ def make_batch(
     return Batch(x=x, input_ids=ids, attention_mask=attn, cond_mask=cond, label_drop=drop)
 
 
-def _heldout_splits(cfg, tokenizer, pad_id, dataset, cache, encoder, info, chunk):
+def _heldout_splits(cfg, tokenizer, pad_id, dataset, encoder, info, chunk):
     """The fixed validation rows (when ``data.valid_path`` is set) and training rows of
-    ``train.eval_every`` (``heldout.py``)."""
-    sources = [("train_rows", dataset, cache)]
+    ``train.eval_every`` (``heldout.py``), with their latents cached once when the run caches."""
+    sources = [("train_rows", dataset)]
     if cfg.data.valid_path:
         L = cfg.model.max_length
         valid = build_dataset(cfg.data, tokenizer, L, cfg.max_input_length, pad_id, "valid")
         if len(valid) == 0:
             raise ELFError(f"validation data {cfg.data.valid_path!r} yields no rows")
-        sources.insert(0, ("valid", valid, None))
+        sources.insert(0, ("valid", valid))
     elif info.is_main:
         print(
             "elflow train: no data.valid_path, so the held-out loss covers training rows only",
             flush=True,
         )
     splits = []
-    for name, data, rows_cache in sources:
-        rows = fixed_rows(len(data), cfg.train.eval_rows, info.rank, info.world_size)
+    for name, data in sources:
+        rows, keys = spread_rows(len(data), cfg.train.eval_rows, info.rank, info.world_size)
+        subset = RowSubset(data, rows)
+        cache = None
+        if cfg.data.latent_cache and len(subset):
+            cache = LatentCache.build(subset, encoder, dtype=cfg.data.latent_cache_dtype)
 
-        def make(row_idx, positions, data=data, rows_cache=rows_cache):
-            return make_batch(cfg, data, rows_cache, encoder, info.device, row_idx, positions)
+        def make(idx, keys, subset=subset, cache=cache):
+            return make_batch(cfg, subset, cache, encoder, info.device, idx, keys)
 
-        splits.append(HeldOutSplit(name, make, rows, chunk))
+        splits.append(HeldOutSplit(name, make, keys, chunk))
     return splits
 
 
-def _heldout(splits, eval_net, ema, objective, autocast, info) -> dict[str, float]:
-    eval_net.load_state_dict(ema.state_dict_for_save())  # collective under FSDP2
+def _heldout(splits, model_cfg, ema, objective, autocast, info) -> dict[str, float]:
+    """The held-out losses of the EMA weights, in a network built for the occasion."""
+    state = ema.state_dict_for_save()  # collective under FSDP2
+    with torch.device("meta"):  # no initialisation: no RNG use, no time, no host copy
+        net = ELF(model_cfg)
+    net = net.to_empty(device=info.device)
+    net.load_state_dict(state)
+    net.eval().requires_grad_(False)
     metrics: dict[str, float] = {}
     for split in splits:
-        metrics |= heldout_loss(objective, TrainForward(eval_net), split, info.device, autocast)
+        metrics |= heldout_loss(objective, TrainForward(net), split, info.device, autocast)
     return metrics
 
 
