@@ -20,10 +20,9 @@ import torch
 
 from elflow.data.rows import build_dataset
 from elflow.distill_train import teacher_objective
-from elflow.encoder import FrozenEncoder
 from elflow.heldout import HeldOutSplit, RowSubset, heldout_loss, spread_rows
 from elflow.objective import TrainForward, elf_loss, sample_draws_keyed
-from elflow.pipeline import ELFPipeline
+from elflow.pipeline import ELFPipeline, model_encoder
 from elflow.run_config import EncoderConfig, preset
 from elflow.train import ELFObjective, make_batch
 
@@ -45,20 +44,9 @@ def main() -> None:
         cfg,
         model=acfg.model,
         objective=teacher_objective(args.model, acfg, cfg.objective),
-        encoder=EncoderConfig(
-            name=acfg.encoder,
-            tokenizer=acfg.tokenizer,
-            latent_mean=acfg.latent_mean,
-            latent_std=acfg.latent_std,
-            layer=acfg.encoder_layer,
-        ),
+        encoder=EncoderConfig.of_model(acfg),
     )
-    encoder = FrozenEncoder.from_pretrained(
-        acfg.encoder,
-        latent_mean=acfg.latent_mean,
-        latent_std=acfg.latent_std,
-        layer=acfg.encoder_layer,
-    )
+    encoder = model_encoder(acfg)
     pad = pipe.tokens.eos_id if acfg.pad_with_eos else pipe.tokens.pad_id
     L, objective, dev = acfg.model.max_length, ELFObjective(cfg), torch.device("cpu")
     print(f"{args.model}: up to {args.rows} evenly spaced rows per split, preset {args.preset}")

@@ -23,12 +23,10 @@ from pathlib import Path
 
 import torch
 
-from elflow.encoder import FrozenEncoder
 from elflow.flow import interpolate
-from elflow.pipeline import ELFPipeline
+from elflow.pipeline import ELFPipeline, model_encoder
 from elflow.run_config import shared_data
 from elflow.sampling import decode_tokens
-from elflow.tokens import build_unconditional_row, tokenize
 
 
 def main() -> None:
@@ -42,17 +40,12 @@ def main() -> None:
 
     pipe = ELFPipeline.from_pretrained(args.model)
     cfg, model = pipe.config, pipe.model.float().eval()
-    enc = FrozenEncoder.from_pretrained(
-        cfg.encoder, latent_mean=cfg.latent_mean, latent_std=cfg.latent_std, layer=cfg.encoder_layer
-    )
+    enc = model_encoder(cfg)
     with gzip.open(Path(args.valid), "rt") as f:
         texts = [json.loads(line)["text"] for line in islice(f, args.num)]
-    L = cfg.model.max_length
-    pad = pipe.tokens.eos_id if cfg.pad_with_eos else pipe.tokens.pad_id  # as elflow train pads
-    rows = [build_unconditional_row(ids, L, pad) for ids in tokenize(pipe.tokenizer, texts)]
-    ids = torch.tensor([r[0] for r in rows])
-    mask = torch.tensor([r[1] for r in rows]).bool()
-    B = len(rows)
+    ids, mask = pipe.training_rows(texts)  # as elflow train pads them
+    mask = mask.bool()
+    B = len(ids)
     w = cfg.sampler.w if cfg.model.num_scale_tokens > 0 else None  # as the sampler passes it
     gen = torch.Generator().manual_seed(args.seed)
 

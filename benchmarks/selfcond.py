@@ -21,11 +21,9 @@ from pathlib import Path
 
 import torch
 
-from elflow.encoder import FrozenEncoder
 from elflow.flow import interpolate
-from elflow.pipeline import ELFPipeline
+from elflow.pipeline import ELFPipeline, model_encoder
 from elflow.run_config import shared_data
-from elflow.tokens import build_unconditional_row, tokenize
 
 
 def main() -> None:
@@ -39,21 +37,12 @@ def main() -> None:
 
     pipe = ELFPipeline.from_pretrained(args.model)
     cfg, model = pipe.config, pipe.model
-    enc = FrozenEncoder.from_pretrained(
-        cfg.encoder,
-        latent_mean=cfg.latent_mean,
-        latent_std=cfg.latent_std,
-        layer=cfg.encoder_layer,
-    )
+    enc = model_encoder(cfg)
     with gzip.open(Path(args.valid), "rt") as f:
         texts = [json.loads(line)["text"] for line in islice(f, args.num)]
-    L = cfg.model.max_length
-    pad = pipe.tokens.eos_id if cfg.pad_with_eos else pipe.tokens.pad_id  # as elflow train pads
-    rows = [build_unconditional_row(ids, L, pad) for ids in tokenize(pipe.tokenizer, texts)]
-    ids = torch.tensor([r[0] for r in rows])
-    mask = torch.tensor([r[1] for r in rows])
+    ids, mask = pipe.training_rows(texts)  # as elflow train pads them
     gen = torch.Generator().manual_seed(args.seed)
-    B = len(rows)
+    B = len(ids)
 
     def mse(a: torch.Tensor, b: torch.Tensor) -> float:
         return (a - b).pow(2).mean().item()

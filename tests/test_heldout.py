@@ -20,6 +20,7 @@ from .test_train import (  # noqa: F401
     WORDS,
     assert_same,
     assets,
+    heldout_lines,
     run_config,
     train_cli,
     weights,
@@ -33,11 +34,6 @@ def valid_file(tmp_path_factory) -> Path:
     lines = [" ".join(g.choice(WORDS, size=int(g.integers(3, 10)))) for _ in range(12)]
     path.write_text("".join(json.dumps({"text": t}) + "\n" for t in lines))
     return path
-
-
-def heldout_lines(run: Path) -> list[dict]:
-    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    return [x for x in lines if "train_rows_loss" in x]
 
 
 def strip_timing(line: dict) -> dict:

@@ -235,13 +235,9 @@ def test_wide_fp32_newton_schulz_runs_on_the_gram_matrix_as_exactly_as_directly(
         grad += 1e-4 * torch.randn(*shape, generator=g)
 
     def ns(x, dtype, ratio):
-        old, optim.GRAM_RATIO = optim.GRAM_RATIO, ratio
-        try:
-            with FlopCounterMode(display=False) as flops:
-                out = optim._newton_schulz(x, NS_COEFFICIENTS, 5, NS_EPS, dtype).double()
-            return out, flops.get_total_flops()
-        finally:
-            optim.GRAM_RATIO = old
+        with FlopCounterMode(display=False) as flops:
+            out = optim._newton_schulz(x, NS_COEFFICIENTS, 5, NS_EPS, dtype, ratio).double()
+        return out, flops.get_total_flops()
 
     direct, direct_flops = ns(grad, torch.float32, 10**9)
     truth, _ = ns(grad.double(), torch.float64, 10**9)

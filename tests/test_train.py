@@ -110,6 +110,12 @@ def error_lines(err: str) -> list[str]:
     return [line for line in err.replace("\r", "\n").splitlines() if "elflow: error:" in line]
 
 
+def heldout_lines(run: Path) -> list[dict]:
+    """The held-out loss lines of a run's metrics.jsonl."""
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    return [x for x in lines if "train_rows_loss" in x]
+
+
 def weights(ckpt: Path, name: str = "model.safetensors") -> dict[str, torch.Tensor]:
     return load_file(str(ckpt / name))
 
@@ -238,12 +244,10 @@ def test_two_processes_ddp_equal_one_and_resume(tmp_path, assets):
             atol=1e-5,
         )
     # The held-out loss is dealt over the ranks and all-reduced: the one-process figures.
-    held = {}
-    for name in ("single", "ddp"):
-        lines = [
-            json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()
-        ]
-        held[name] = [x["train_rows_loss"] for x in lines if "train_rows_loss" in x]
+    held = {
+        name: [x["train_rows_loss"] for x in heldout_lines(tmp_path / name)]
+        for name in ("single", "ddp")
+    }
     assert len(held["ddp"]) == 2
     assert held["ddp"] == pytest.approx(held["single"], rel=1e-4)
     assert (tmp_path / "ddp" / "checkpoint-6" / "rank1.pt").is_file()
@@ -270,12 +274,10 @@ def test_two_processes_fsdp2_equal_one(tmp_path, assets):
             weights(tmp_path / "fsdp" / "checkpoint-3", name),
             atol=1e-5,
         )
-    losses = {}
-    for name in ("single", "fsdp"):
-        lines = [
-            json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()
-        ]
-        losses[name] = [x["train_rows_loss"] for x in lines if "train_rows_loss" in x]
+    losses = {
+        name: [x["train_rows_loss"] for x in heldout_lines(tmp_path / name)]
+        for name in ("single", "fsdp")
+    }
     assert len(losses["fsdp"]) == 2
     assert losses["fsdp"] == pytest.approx(losses["single"], rel=1e-4)
 

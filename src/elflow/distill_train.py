@@ -135,13 +135,7 @@ def distill(
         cfg,
         objective=teacher_objective(teacher_source, tcfg, cfg.objective),
         model=tcfg.model,
-        encoder=EncoderConfig(
-            name=tcfg.encoder,
-            tokenizer=tcfg.tokenizer,
-            latent_mean=tcfg.latent_mean,
-            latent_std=tcfg.latent_std,
-            layer=tcfg.encoder_layer,
-        ),
+        encoder=EncoderConfig.of_model(tcfg),
         task=tcfg.task,
         max_input_length=tcfg.max_input_length,
     )

@@ -22,6 +22,11 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from elflow.errors import ELFError, require
 from elflow.hardware import cpu_has_native_bf16
 
+GRAM_RATIO = 4
+"""Long side / short side from which fp32 Newton–Schulz iterates on the Gram matrix."""
+GRAM_RESTART = 3
+"""Gram-form Newton–Schulz steps between recomputations of X and its Gram matrix."""
+
 
 def _newton_schulz(
     grad: Tensor,
@@ -29,11 +34,12 @@ def _newton_schulz(
     ns_steps: int,
     eps: float,
     dtype: torch.dtype,
+    gram_ratio: float = GRAM_RATIO,
 ) -> Tensor:
     """torch.optim.Muon's quintic Newton–Schulz, run in ``dtype`` (torch hard-codes bf16).
 
     Each step is X <- P(A) X with P(A) = aI + bA + cA² and A = X Xᵀ (the short side's Gram
-    matrix). For a wide matrix in fp32/fp64 (long side >= ``GRAM_RATIO`` x the short one, e.g.
+    matrix). For a wide matrix in fp32/fp64 (long side >= ``gram_ratio`` x the short one, e.g.
     the decoder head's E x V) the same steps run on the Gram matrix alone: X_k = M_k X_0 with
     M_{k+1} = P(A_k) M_k and A_{k+1} = P(A_k) A_k P(A_k), all short x short. X_k and its Gram
     matrix are recomputed every ``GRAM_RESTART`` steps, which keeps near-low-rank inputs about as
@@ -48,7 +54,7 @@ def _newton_schulz(
         ortho = ortho.T
     # Out of place: with dtype == grad.dtype, .to() aliases the input (the momentum buffer).
     ortho = ortho / ortho.norm().clamp(min=eps)
-    if dtype in (torch.float32, torch.float64) and ortho.size(1) >= GRAM_RATIO * ortho.size(0):
+    if dtype in (torch.float32, torch.float64) and ortho.size(1) >= gram_ratio * ortho.size(0):
         mixer = None
         for k in range(ns_steps):
             if k % GRAM_RESTART == 0:  # X_k itself, and its Gram matrix afresh
@@ -70,12 +76,6 @@ def _newton_schulz(
     if grad.size(0) > grad.size(1):
         ortho = ortho.T
     return ortho
-
-
-GRAM_RATIO = 4
-"""Long side / short side from which fp32 Newton–Schulz iterates on the Gram matrix."""
-GRAM_RESTART = 3
-"""Gram-form Newton–Schulz steps between recomputations of X and its Gram matrix."""
 
 
 try:  # NOTE: private torch API; the fallbacks are copies of the same algorithm.

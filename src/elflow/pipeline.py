@@ -21,7 +21,15 @@ from elflow.encoder import FrozenEncoder, resolve_pretrained
 from elflow.errors import ELFError
 from elflow.model import ELF
 from elflow.sampling import Condition, sample, sample_generators
-from elflow.tokens import TokenSpec, detokenize, shift_out_source, token_spec, tokenize, vocab_hash
+from elflow.tokens import (
+    TokenSpec,
+    build_unconditional_row,
+    detokenize,
+    shift_out_source,
+    token_spec,
+    tokenize,
+    vocab_hash,
+)
 
 
 @dataclass
@@ -60,6 +68,16 @@ def check_tokenizer(tokenizer, config: ArtifactConfig) -> None:
             "tokenizer vocabulary differs from the one the model was trained with (hash mismatch); "
             "pass the model's own tokenizer"
         )
+
+
+def model_encoder(config: ArtifactConfig) -> FrozenEncoder:
+    """The frozen encoder a model was trained with: its encoder, layer and latent normalisation."""
+    return FrozenEncoder.from_pretrained(
+        config.encoder,
+        latent_mean=config.latent_mean,
+        latent_std=config.latent_std,
+        layer=config.encoder_layer,
+    )
 
 
 class ELFPipeline:
@@ -107,13 +125,16 @@ class ELFPipeline:
             local = resolved.path / "tokenizer" if resolved.path.is_dir() else None
             tokenizer = load_tokenizer(local if local and local.is_dir() else config.tokenizer)
         if encoder is None and config.conditional:
-            encoder = FrozenEncoder.from_pretrained(
-                config.encoder,
-                latent_mean=config.latent_mean,
-                latent_std=config.latent_std,
-                layer=config.encoder_layer,
-            ).to(device)
+            encoder = model_encoder(config).to(device)
         return cls(model, config, tokenizer, encoder)
+
+    def training_rows(self, texts: Sequence[str]) -> tuple[Tensor, Tensor]:
+        """Texts as unconditional rows, truncated to the model's length and padded as ``elflow
+        train`` pads them (EOS when the model was trained on EOS padding): (ids, mask), (B, L)."""
+        L = self.config.model.max_length
+        pad = self.tokens.eos_id if self.config.pad_with_eos else self.tokens.pad_id
+        rows = [build_unconditional_row(i, L, pad) for i in tokenize(self.tokenizer, list(texts))]
+        return torch.tensor([r[0] for r in rows]), torch.tensor([r[1] for r in rows])
 
     def sampler_config(self, **overrides: Any):
         """The model's sampler defaults with the non-None ``overrides`` applied."""

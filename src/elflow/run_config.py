@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from elflow.artifact import T5_SMALL
+from elflow.artifact import T5_SMALL, ArtifactConfig
 from elflow.config import (
     ModelConfig,
     ObjectiveConfig,
@@ -58,6 +58,17 @@ class EncoderConfig:
                 f"encoder.layer={self.layer} with latent_std 0.2 (T5's output's): set "
                 "encoder.latent_std=0 to measure it for that layer, or give its value"
             )
+
+    @classmethod
+    def of_model(cls, model: ArtifactConfig, tokenizer: str | None = None) -> EncoderConfig:
+        """A trained model's encoder, layer, tokenizer (unless given) and latent normalisation."""
+        return cls(
+            name=model.encoder,
+            tokenizer=model.tokenizer if tokenizer is None else tokenizer,
+            latent_mean=model.latent_mean,
+            latent_std=model.latent_std,
+            layer=model.encoder_layer,
+        )
 
     @property
     def tokenizer_name(self) -> str:

@@ -506,13 +506,7 @@ def apply_init(cfg: RunConfig) -> tuple[RunConfig, dict[str, Tensor], ArtifactCo
     resolved = resolve_source(cfg.train.init)
     model, source = load_resolved(resolved, use_ema=True, device="cpu", task=None)
     state = {k: v.detach().float() for k, v in model.state_dict().items()}
-    encoder = EncoderConfig(
-        name=source.encoder,
-        tokenizer=_init_tokenizer(source, resolved.path / "tokenizer"),
-        latent_mean=source.latent_mean,
-        latent_std=source.latent_std,
-        layer=source.encoder_layer,
-    )
+    encoder = EncoderConfig.of_model(source, _init_tokenizer(source, resolved.path / "tokenizer"))
     arch = replace(source.model, max_length=cfg.model.max_length)
     return replace(cfg, model=arch, encoder=encoder), state, source
 
