@@ -23,7 +23,15 @@ def teacher(tmp_path_factory, assets):  # noqa: F811
     return root / "run" / "checkpoint-3"
 
 
-def distill_cli(tmp: Path, out: Path, assets: Path, teacher: Path, rounds: str, **train) -> int:  # noqa: F811
+def distill_cli(
+    tmp: Path,
+    out: Path,
+    assets: Path,  # noqa: F811
+    teacher: Path,
+    rounds: str,
+    *extra: str,
+    **train,
+) -> int:
     # ema 0.1: a 2-step round's EMA must not be mostly its starting weights (0.9 ** 2 is refused).
     cfg = run_config(assets, train={"max_steps": 2, "ema_decay": 0.1, **train})
     path = tmp / f"distill-{out.name}.json"
@@ -41,6 +49,7 @@ def distill_cli(tmp: Path, out: Path, assets: Path, teacher: Path, rounds: str, 
             rounds,
             "--teacher-steps",
             "4",
+            *extra,
         ]
     )
 
@@ -113,3 +122,29 @@ def test_student_keeps_the_teachers_encoder_layer(tmp_path, assets):  # noqa: F8
     assert config.encoder_layer == 1
     saved = json.loads((student / "checkpoint-1" / "config.json").read_text())
     assert saved["run"]["encoder"]["layer"] == 1
+
+
+def test_objective_settings_override_the_teachers(tmp_path, assets, capsys):  # noqa: F811
+    # A teacher fine-tuned at earlier times: its run config records time_mean -2.0.
+    cfg = tmp_path / "t.json"
+    cfg.write_text(
+        json.dumps(run_config(assets, train={"max_steps": 2}, objective={"time_mean": -2.0}))
+    )
+    run = tmp_path / "teacher"
+    assert main(["train", "--preset", "bible-tiny", "--out", str(run), "--config", str(cfg)]) == 0
+
+    def round_objective(out: Path) -> dict:
+        saved = (out / "round-1-2x2" / "checkpoint-1" / "config.json").read_text()
+        return json.loads(saved)["run"]["objective"]
+
+    capsys.readouterr()
+    assert distill_cli(tmp_path, tmp_path / "a", assets, run, "2/2", max_steps=1) == 0
+    assert round_objective(tmp_path / "a")["time_mean"] == -2.0  # the teacher's, by default
+    assert "except" not in capsys.readouterr().out
+    sets = ["--set", "objective.time_mean=-1.5", "--set", "objective.time_std=0.8"]
+    assert distill_cli(tmp_path, tmp_path / "b", assets, run, "2/2", *sets, max_steps=1) == 0
+    objective = round_objective(tmp_path / "b")
+    assert (objective["time_mean"], objective["time_std"]) == (-1.5, 0.8)
+    # Only the setting that differs from the teacher's is reported.
+    out = capsys.readouterr().out
+    assert "except time_mean -1.5 (teacher -2.0)" in out and "time_std" not in out

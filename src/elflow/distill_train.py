@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
 
@@ -32,6 +33,7 @@ from elflow.run_config import (
     EncoderConfig,
     RunConfig,
     apply_overrides,
+    override_keys,
     preset,
     run_config_from_dict,
 )
@@ -108,9 +110,18 @@ def load_teacher(source: str, device: torch.device | str) -> tuple[ELF, object]:
 
 
 def distill(
-    teacher_source: str, cfg: RunConfig, out: str | Path, rounds: str, teacher_steps: int = 64
+    teacher_source: str,
+    cfg: RunConfig,
+    out: str | Path,
+    rounds: str,
+    teacher_steps: int = 64,
+    objective_keys: Iterable[str] = (),
 ) -> Path:
-    """Run (or resume) the curriculum; returns the last round's last checkpoint."""
+    """Run (or resume) the curriculum; returns the last round's last checkpoint.
+
+    The objective is the one the teacher was trained with (:func:`teacher_objective`), except the
+    fields named in ``objective_keys`` (those the user set), which take ``cfg.objective``'s values.
+    """
     from elflow.distributed import setup
 
     t = cfg.train
@@ -131,9 +142,21 @@ def distill(
     info = setup(cfg.train.device)
     teacher, tcfg = load_teacher(teacher_source, info.device)
     # The student is the teacher's architecture, encoder, tokenizer, normalisation and objective.
+    objective = teacher_objective(teacher_source, tcfg, cfg.objective)
+    changed = {
+        k: getattr(cfg.objective, k)
+        for k in sorted(objective_keys)
+        if getattr(cfg.objective, k) != getattr(objective, k)
+    }
+    if changed and info.is_main:
+        print(
+            "elflow distill: the teacher's objective, except "
+            + ", ".join(f"{k} {v} (teacher {getattr(objective, k)})" for k, v in changed.items()),
+            flush=True,
+        )
     cfg = replace(
         cfg,
-        objective=teacher_objective(teacher_source, tcfg, cfg.objective),
+        objective=replace(objective, **changed),
         model=tcfg.model,
         encoder=EncoderConfig.of_model(tcfg),
         task=tcfg.task,
@@ -202,8 +225,15 @@ def run(args: argparse.Namespace) -> int:
     cfg = apply_overrides(preset(args.preset), args.config, args.set)
     if cfg.train.max_steps <= 0:
         raise ELFError("set the steps per round with --set train.max_steps=N")
+    objective_keys = {
+        key.removeprefix("objective.")
+        for key in override_keys(args.config, args.set)
+        if key.startswith("objective.")
+    }
     try:
-        last = distill(args.teacher, cfg, args.out, args.rounds, args.teacher_steps or None)
+        last = distill(
+            args.teacher, cfg, args.out, args.rounds, args.teacher_steps or None, objective_keys
+        )
     finally:
         teardown()
     print(f"done: {last}")

@@ -248,6 +248,26 @@ def apply_overrides(
     return run_config_from_dict(data)
 
 
+def override_keys(
+    file: str | Path | None = None, sets: list[str] | tuple[str, ...] = ()
+) -> set[str]:
+    """The dotted keys a config file and ``key.path=value`` settings name (call after
+    :func:`apply_overrides` has validated them)."""
+    keys: set[str] = set()
+
+    def walk(node: dict[str, Any], prefix: str) -> None:
+        for key, value in node.items():
+            if isinstance(value, dict):
+                walk(value, prefix + key + ".")
+            else:
+                keys.add(prefix + key)
+
+    if file:
+        walk(_read_config_file(Path(file)), "")
+    keys.update(item.split("=", 1)[0].strip() for item in sets)
+    return keys
+
+
 def _read_config_file(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise ELFError(f"config file {path} does not exist")
