@@ -148,3 +148,13 @@ def test_objective_settings_override_the_teachers(tmp_path, assets, capsys):  # 
     # Only the setting that differs from the teacher's is reported.
     out = capsys.readouterr().out
     assert "except time_mean -1.5 (teacher -2.0)" in out and "time_std" not in out
+    # A round continues only with the objective it was trained with (here: finished, max_steps 1).
+    assert distill_cli(tmp_path, tmp_path / "b", assets, run, "2/2", max_steps=1) == 2
+    err = error_lines(capsys.readouterr().err)
+    assert len(err) == 1 and "was trained with objective time_mean=-1.5" in err[0]
+    # The teacher's input conventions cannot be overridden.
+    bad = ["--set", "objective.noise_scale=1.0"]
+    assert distill_cli(tmp_path, tmp_path / "c", assets, run, "2/2", *bad, max_steps=1) == 2
+    err = error_lines(capsys.readouterr().err)
+    assert len(err) == 1 and "objective.noise_scale=1.0 differs from the teacher's" in err[0]
+    assert not (tmp_path / "c").exists()

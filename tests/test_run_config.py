@@ -11,6 +11,7 @@ from elflow.optim import peak_lr
 from elflow.run_config import (
     PRESETS,
     apply_overrides,
+    override_keys,
     preset,
     run_config_from_dict,
     run_config_to_dict,
@@ -91,6 +92,7 @@ def test_overrides_from_set_and_yaml(tmp_path):
         (["optim.blr=-1"], "optim"),
         (["objective.self_cond_prob=2"], "self_cond_prob must be in [0, 1]"),
         (["task=conditional"], "max_input_length"),
+        (['objective={"time_mean": -3}'], "names a whole section"),
     ],
 )
 def test_bad_overrides(sets, message):
@@ -106,3 +108,13 @@ def test_unknown_key_in_config_file(tmp_path):
         apply_overrides(preset("bible-tiny"), f)
     with pytest.raises(ELFError, match="does not exist"):
         apply_overrides(preset("bible-tiny"), tmp_path / "missing.yaml")
+    f.write_text("[1, 2]")  # JSON, like YAML, must hold a mapping
+    with pytest.raises(ELFError, match="must hold a mapping"):
+        apply_overrides(preset("bible-tiny"), f)
+
+
+def test_override_keys(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("objective:\n  time_mean: -2\ntrain:\n  max_steps: 3\n")
+    keys = override_keys(f, ["optim.lr=1e-3", " objective.time_std =1"])
+    assert keys == {"objective.time_mean", "train.max_steps", "optim.lr", "objective.time_std"}

@@ -15,7 +15,7 @@ import argparse
 import hashlib
 import json
 from collections.abc import Iterable
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 
 import numpy as np
@@ -109,6 +109,10 @@ def load_teacher(source: str, device: torch.device | str) -> tuple[ELF, object]:
     return teacher, config
 
 
+TEACHER_CONVENTIONS = ("pad_with_eos", "noise_scale", "t_eps")
+"""Objective fields the frozen teacher's inputs depend on: always the teacher's own."""
+
+
 def distill(
     teacher_source: str,
     cfg: RunConfig,
@@ -116,11 +120,13 @@ def distill(
     rounds: str,
     teacher_steps: int = 64,
     objective_keys: Iterable[str] = (),
+    base_objective: ObjectiveConfig | None = None,
 ) -> Path:
     """Run (or resume) the curriculum; returns the last round's last checkpoint.
 
-    The objective is the one the teacher was trained with (:func:`teacher_objective`), except the
-    fields named in ``objective_keys`` (those the user set), which take ``cfg.objective``'s values.
+    The objective is the one the teacher was trained with (:func:`teacher_objective`, falling
+    back to ``base_objective``, the preset's, default ``cfg.objective``), except the fields named
+    in ``objective_keys`` (those the user set), which take ``cfg.objective``'s values.
     """
     from elflow.distributed import setup
 
@@ -142,12 +148,18 @@ def distill(
     info = setup(cfg.train.device)
     teacher, tcfg = load_teacher(teacher_source, info.device)
     # The student is the teacher's architecture, encoder, tokenizer, normalisation and objective.
-    objective = teacher_objective(teacher_source, tcfg, cfg.objective)
+    objective = teacher_objective(teacher_source, tcfg, base_objective or cfg.objective)
     changed = {
         k: getattr(cfg.objective, k)
         for k in sorted(objective_keys)
         if getattr(cfg.objective, k) != getattr(objective, k)
     }
+    for k in TEACHER_CONVENTIONS:
+        if k in changed:
+            raise ELFError(
+                f"objective.{k}={changed[k]} differs from the teacher's {getattr(objective, k)}; "
+                "the frozen teacher only works with its own value: drop the setting"
+            )
     if changed and info.is_main:
         print(
             "elflow distill: the teacher's objective, except "
@@ -176,6 +188,8 @@ def distill(
             objective=cfg.objective,
         )
         done = ckpt_io.find_checkpoint(round_dir) if round_dir.exists() else None
+        if done is not None:
+            _check_round_objective(done, round_cfg.objective, k)
         if done is None or ckpt_io.read_state(done)["step"] < round_cfg.train.max_steps:
             last = train(
                 round_cfg,
@@ -205,6 +219,18 @@ def distill(
     return last
 
 
+def _check_round_objective(ckpt: Path, objective: ObjectiveConfig, k: int) -> None:
+    """A round is resumed (or skipped as finished) only with the objective it was trained with."""
+    saved = run_config_from_dict(ckpt_io.read_run_config(ckpt)).objective
+    diff = [f.name for f in fields(saved) if getattr(saved, f.name) != getattr(objective, f.name)]
+    if diff:
+        was = ", ".join(f"{name}={getattr(saved, name)}" for name in diff)
+        raise ELFError(
+            f"round {k} in {ckpt.parent} was trained with objective {was}; give the same "
+            "objective settings to continue the curriculum, or use a new --out"
+        )
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--teacher", required=True, help="any model source (elflow or authors')")
     p.add_argument("--out", required=True, help="folder for the rounds")
@@ -232,7 +258,13 @@ def run(args: argparse.Namespace) -> int:
     }
     try:
         last = distill(
-            args.teacher, cfg, args.out, args.rounds, args.teacher_steps or None, objective_keys
+            args.teacher,
+            cfg,
+            args.out,
+            args.rounds,
+            args.teacher_steps or None,
+            objective_keys,
+            preset(args.preset).objective,
         )
     finally:
         teardown()

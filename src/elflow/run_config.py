@@ -244,6 +244,11 @@ def apply_overrides(
             node = node[part]
         if parts[-1] not in node:
             raise ELFError(f"unknown config key {key!r}; valid keys there: {sorted(node)}")
+        if isinstance(node[parts[-1]], dict):
+            raise ELFError(
+                f"--set {key.strip()}=... names a whole section; set its keys one at a time, "
+                f"e.g. --set {key.strip()}.{sorted(node[parts[-1]])[0]}=VALUE"
+            )
         node[parts[-1]] = parse_value(value)
     return run_config_from_dict(data)
 
@@ -274,17 +279,18 @@ def _read_config_file(path: Path) -> dict[str, Any]:
     text = path.read_text()
     if path.suffix == ".json":
         try:
-            return json.loads(text)
+            loaded = json.loads(text)
         except json.JSONDecodeError as e:
             raise ELFError(f"{path}: invalid JSON ({e})") from None
-    try:
-        import yaml
-    except ImportError:
-        raise ELFError("YAML config files need PyYAML: pip install pyyaml") from None
-    try:
-        loaded = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        raise ELFError(f"{path}: invalid YAML ({str(e).splitlines()[0]})") from None
+    else:
+        try:
+            import yaml
+        except ImportError:
+            raise ELFError("YAML config files need PyYAML: pip install pyyaml") from None
+        try:
+            loaded = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise ELFError(f"{path}: invalid YAML ({str(e).splitlines()[0]})") from None
     if not isinstance(loaded, dict):
         raise ELFError(f"{path} must hold a mapping of config sections")
     return loaded
