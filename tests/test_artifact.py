@@ -102,11 +102,14 @@ def test_import_official_file_prefers_ema(tmp_path, prefix):
     torch.testing.assert_close(_outputs(model_raw)[0], _outputs(raw)[0])
 
 
-def test_params_used_when_no_ema(tmp_path):
+def test_params_used_when_no_ema(tmp_path, capsys):
     raw = _perturbed_model(0)
     _save_reference(tmp_path / "checkpoint_5", raw)
     weights = read_official_checkpoint(tmp_path / "checkpoint_5")
     torch.testing.assert_close(weights["proj_bias"], raw.decoder.proj.bias)
+    assert "holds no EMA weights" in capsys.readouterr().err  # said, not silent
+    read_official_checkpoint(tmp_path / "checkpoint_5", use_ema=False)
+    assert capsys.readouterr().err == ""  # asked for the raw weights: nothing to say
 
 
 def test_folder_takes_latest_step_numerically(tmp_path):

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from elflow.checkpoint import restore_optimizer
 from elflow.errors import ELFError
 from elflow.optim import (
     NS_COEFFICIENTS,
@@ -173,6 +174,42 @@ def test_resume_through_weights_only_load_continues_bitwise(cfg):
     _steps(resumed, opt, cfg, range(3, 6))
     for (name, a), b in zip(straight.named_parameters(), resumed.parameters(), strict=True):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize(
+    ("saved_dtype", "resumed_dtype"), [("bfloat16", "float32"), ("float32", "bfloat16")]
+)
+def test_resume_across_muon_classes_keeps_the_buffers_and_takes_the_current_settings(
+    saved_dtype, resumed_dtype
+):
+    """muon_ns_dtype 'auto' resolves per machine, so a resume may build the other Muon class."""
+    cfg = OptimConfig(lr=1e-2, muon_ns_dtype=saved_dtype)
+    first = make_model()
+    opt = build_optimizer(first, cfg)
+    _steps(first, opt, cfg, range(2))
+    saved = torch.load(_to_bytes(opt.state_dict()), weights_only=True)
+
+    resumed_cfg = OptimConfig(lr=1e-2, muon_ns_dtype=resumed_dtype, eps=1e-6)
+    resumed = make_model()
+    resumed.load_state_dict(first.state_dict())
+    opt = build_optimizer(resumed, resumed_cfg)
+    assert (type(opt.optimizers["muon"]) is ShardedMuon) == (resumed_dtype == "float32")
+    restore_optimizer(opt, saved)
+    momenta = [s["momentum_buffer"] for s in opt.optimizers["muon"].state.values()]
+    assert len(momenta) == len(saved["muon"]["state"]) > 0
+    for got, want in zip(momenta, saved["muon"]["state"].values(), strict=True):
+        assert torch.equal(got, want["momentum_buffer"])
+    assert all(g["eps"] == 1e-6 for g in opt.optimizers["adam"].param_groups)
+    assert ("ns_dtype" in opt.optimizers["muon"].param_groups[0]) == (resumed_dtype == "float32")
+    _steps(resumed, opt, resumed_cfg, range(2, 3))  # torch.optim.Muon -> ShardedMuon: KeyError
+    assert all(torch.isfinite(p).all() for p in resumed.parameters())
+
+
+def _to_bytes(obj) -> io.BytesIO:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return buf
 
 
 def test_load_state_dict_from_other_optimizer_kind_is_a_clear_error():

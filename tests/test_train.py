@@ -189,6 +189,19 @@ def test_resume_is_bitwise_with_accumulation_and_latent_cache(tmp_path, assets, 
     assert [json.loads(x)["loss"] for x in full] == [json.loads(x)["loss"] for x in part]
 
 
+def test_resume_is_bitwise_with_dropout_and_periodic_samples(tmp_path, assets):
+    """Dropout draws from the global RNG, so the periodic samples must not consume it."""
+    extra = {"sample_every": 3, "num_samples": 1}  # at the save step, after the save
+    cfg = run_config(assets, model={"dropout": 0.2}, train=extra)
+    half = run_config(assets, model={"dropout": 0.2}, train={**extra, "max_steps": 3})
+    assert train_cli(tmp_path, tmp_path / "full", cfg) == 0
+    assert train_cli(tmp_path, tmp_path / "part", half) == 0
+    assert train_cli(tmp_path, tmp_path / "part", cfg) == 0
+    assert_same(
+        weights(tmp_path / "full" / "checkpoint-6"), weights(tmp_path / "part" / "checkpoint-6")
+    )
+
+
 def test_gradient_accumulation_equals_one_double_batch(tmp_path, assets):
     one = run_config(assets, train={"max_steps": 3})
     two = run_config(assets, train={"max_steps": 3, "micro_batch": 4})
@@ -455,6 +468,23 @@ def test_resume_with_another_batch_or_seed_is_refused(tmp_path, assets, capsys):
     other = run_config(assets, train={"global_batch": 16})
     assert train_cli(tmp_path, tmp_path / "run", other) == 2
     assert "train.global_batch was 8, now 16" in error_lines(capsys.readouterr().err)[0]
+
+
+@pytest.mark.parametrize("old_checkpoint", [False, True], ids=["rows", "pre-rows-state"])
+def test_resume_on_other_data_is_refused(tmp_path, assets, capsys, old_checkpoint):
+    assert train_cli(tmp_path, tmp_path / "run", run_config(assets, train={"max_steps": 3})) == 0
+    state_path = tmp_path / "run" / "checkpoint-3" / "state.json"
+    state = json.loads(state_path.read_text())
+    rows = state["rows"]
+    if old_checkpoint:  # written before "rows" was: the count follows from epoch and examples
+        state_path.write_text(json.dumps({k: v for k, v in state.items() if k != "rows"}))
+    fewer = tmp_path / "fewer.jsonl"
+    fewer.write_text("".join((assets / "train.jsonl").read_text().splitlines(True)[:-1]))
+    other = run_config(assets, data={"path": str(fewer)})
+    assert train_cli(tmp_path, tmp_path / "run", other) == 2
+    err = error_lines(capsys.readouterr().err)[0]
+    assert f"trained on {rows} rows, the data now gives {rows - 1}" in err
+    assert [p.name for p in (tmp_path / "run").glob("checkpoint-*")] == ["checkpoint-3"]
 
 
 def test_resume_with_another_encoder_layer_is_refused(tmp_path, assets, capsys):

@@ -238,15 +238,24 @@ def load_rank_state(ckpt: Path, info: DistInfo) -> dict[str, Any]:
 
 
 def restore_optimizer(optimizer, state: dict[str, Any]) -> None:
-    """Load a saved optimizer state; local shards are re-wrapped as DTensors under FSDP2.
+    """Load a saved optimizer's buffers; its settings stay ``optimizer``'s (the current config).
 
-    NOTE: ``Optimizer.load_state_dict`` casts saved tensors to the parameter's device and dtype
-    but cannot make them DTensors, so the momentum/Adam buffers of sharded parameters are
-    re-wrapped with the parameter's mesh and placements here.
+    NOTE: ``Optimizer.load_state_dict`` also replaces every group's settings with the saved ones.
+    They are put back afterwards, so a resume follows the config it runs with, and a run resumed
+    on other hardware, where ``muon_ns_dtype="auto"`` picks the other Muon class (both keep one
+    ``momentum_buffer`` per matrix), does not step with the saved class's settings. (lr is set
+    before every step anyway.) ``load_state_dict`` also casts saved tensors to the parameter's
+    device and dtype but cannot make them DTensors, so the momentum/Adam buffers of sharded
+    parameters are re-wrapped with the parameter's mesh and placements here.
     """
     from torch.distributed.tensor import DTensor
 
+    settings = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     optimizer.load_state_dict(state)
+    for group, own in zip(optimizer.param_groups, settings, strict=True):
+        for key in set(group) - set(own) - {"params"}:
+            del group[key]  # a setting only the saved optimizer class has
+        group.update(own)
     subs = getattr(optimizer, "optimizers", None)
     for opt in subs.values() if isinstance(subs, dict) else [optimizer]:
         for p, st in opt.state.items():

@@ -11,6 +11,7 @@ The architecture is inferred from tensor shapes; the rest comes from the matchin
 from __future__ import annotations
 
 import re
+import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -169,6 +170,11 @@ def read_official_checkpoint(path: str | Path, use_ema: bool = True) -> dict[str
     if not isinstance(payload, dict):
         raise ELFError(f"{path} is not a reference ELF checkpoint (expected a dict payload)")
     key = "ema_params1" if use_ema and payload.get("ema_params1") else "params"
+    if use_ema and key == "params":
+        print(
+            f"elflow: note: {path} holds no EMA weights (ema_params1); using its raw 'params'",
+            file=sys.stderr,
+        )
     weights = payload.get(key)
     if not isinstance(weights, Mapping) or not weights:
         raise ELFError(f"{path} has no '{key}' weights (keys: {sorted(payload)})")

@@ -255,7 +255,9 @@ def train(
         from elflow.official import load_state_dict_strict
 
         load_state_dict_strict(model, ckpt_io.load_weights(resume_from, "model.safetensors"))
-        start_step = ckpt_io.read_state(resume_from)["step"]
+        saved = ckpt_io.read_state(resume_from)
+        _check_same_rows(resume_from, saved, N)
+        start_step = saved["step"]
         rank_state = ckpt_io.load_rank_state(resume_from, info)
     forward = TrainForward(model)
     if cfg.train.compile:
@@ -579,6 +581,19 @@ def _check_resumable(cfg: RunConfig, ckpt: Path) -> None:
             )
 
 
+def _check_same_rows(ckpt: Path, state: dict, rows: int) -> None:
+    """The data order is a function of the row count: a resume must see the same rows."""
+    saved = state.get("rows")
+    if saved is None and state.get("epoch"):  # checkpoints from before "rows" was written
+        saved = round(state["examples_seen"] / state["epoch"])
+    if saved is not None and saved != rows:
+        raise ELFError(
+            f"cannot resume {ckpt}: it was trained on {saved} rows, the data now gives {rows}; "
+            "the data order depends on it — restore that data, or start a new --out "
+            "(with --init to continue from its weights)"
+        )
+
+
 class _StepContext:
     """Builds the micro-batches of one optimizer step and back-propagates them."""
 
@@ -747,7 +762,7 @@ def _measure_latent_std(encoder: FrozenEncoder, dataset, device: torch.device) -
 def _save(out, step, model, ema, optimizer, artifact, cfg, info: DistInfo, N, G) -> Path:
     model_state = ckpt_io.full_state(model.state_dict())
     ema_state = ema.state_dict_for_save()
-    state = {"step": step, "epoch": step * G / N, "examples_seen": step * G}
+    state = {"step": step, "epoch": step * G / N, "examples_seen": step * G, "rows": N}
     return ckpt_io.save_checkpoint(
         out,
         step,
@@ -766,7 +781,9 @@ def _sample_and_print(out, step, model_cfg, ema, artifact, cfg, tokenizer, datas
     ema_state = ema.state_dict_for_save()  # collective under FSDP2
     if not info.is_main or cfg.train.num_samples == 0:
         return
-    net = ELF(model_cfg).to(info.device)
+    with torch.device("meta"):  # no initialisation: the global RNG (dropout's) stays untouched
+        net = ELF(model_cfg)
+    net = net.to_empty(device=info.device)
     net.load_state_dict(ema_state)
     net.eval()
     spec = token_spec(tokenizer)
