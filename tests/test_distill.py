@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -108,6 +109,49 @@ def test_bad_rounds_and_teacher(tmp_path, assets, teacher, capsys):  # noqa: F81
     assert len(errs) == 3 and "does not exist" in errs[1]
     assert "train.ema_decay=0.9 would keep 81%" in errs[2] and "ema_warmup=true" in errs[2]
     assert not (tmp_path / "c").exists()
+
+
+def test_another_teacher_is_refused(tmp_path, assets, teacher, capsys):  # noqa: F811
+    from safetensors.torch import save_file
+
+    other = tmp_path / "other-teacher"
+    shutil.copytree(teacher, other)
+    ema = weights(other, "ema.safetensors")
+    save_file({k: v + 0.01 for k, v in ema.items()}, str(other / "ema.safetensors"))
+    out = tmp_path / "pd"
+    assert distill_cli(tmp_path, out, assets, teacher, "2/2", max_steps=1) == 0
+    record = json.loads((out / "teacher.json").read_text())
+    assert record["teacher"] == str(teacher.resolve()) and len(record["teacher_sha256"]) == 64
+    saved = (out / "round-1-2x2" / "checkpoint-1" / "model.safetensors").read_bytes()
+    capsys.readouterr()
+    assert distill_cli(tmp_path, out, assets, other, "2/2", max_steps=1) == 2
+    err = error_lines(capsys.readouterr().err)
+    assert len(err) == 1 and f"distilled from teacher '{teacher.resolve()}'" in err[0]
+    assert "--teacher" in err[0] and "new --out" in err[0]
+    # A folder distilled before teacher.json existed: its rounds' round.json name the teacher.
+    (out / "teacher.json").unlink()
+    assert distill_cli(tmp_path, out, assets, other, "2/2", max_steps=2) == 2
+    assert "distilled from teacher" in error_lines(capsys.readouterr().err)[0]
+    assert (out / "round-1-2x2" / "checkpoint-1" / "model.safetensors").read_bytes() == saved
+    assert not (out / "round-1-2x2" / "checkpoint-2").exists()
+    # The same teacher continues: the finished round is skipped, a longer one resumes.
+    assert distill_cli(tmp_path, out, assets, teacher, "2/2", max_steps=1) == 0
+    assert distill_cli(tmp_path, out, assets, teacher, "2/2", max_steps=2) == 0
+    assert (out / "round-1-2x2" / "checkpoint-2").is_dir()
+
+
+def test_round_errors_name_the_flags(tmp_path, assets, capsys):  # noqa: F811
+    teacher = tmp_path / "never-loaded"
+    assert (
+        distill_cli(tmp_path, tmp_path / "a", assets, teacher, "2/2", "--teacher-steps", "-4") == 2
+    )
+    assert distill_cli(tmp_path, tmp_path / "b", assets, teacher, "1/2") == 2
+    assert distill_cli(tmp_path, tmp_path / "c", assets, teacher, "0/4") == 2
+    errs = error_lines(capsys.readouterr().err)
+    assert len(errs) == 3 and "--teacher-steps must be a positive integer" in errs[0]
+    assert "--teacher-steps is 4" in errs[1] and "pass --teacher-steps 0" in errs[1]
+    assert "None" not in errs[1] and "bad round '0/4' in --rounds" in errs[2]
+    assert not any((tmp_path / name).exists() for name in "abc")
 
 
 def test_student_keeps_the_teachers_encoder_layer(tmp_path, assets):  # noqa: F811

@@ -72,13 +72,14 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cfg", type=float, help="classifier-free guidance (conditional models)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:K or auto")
 
 
 def _run_generate(args: argparse.Namespace) -> int:
+    from elflow.generate import _device
     from elflow.pipeline import ELFPipeline
 
-    pipe = ELFPipeline.from_pretrained(args.model, device=args.device)
+    pipe = ELFPipeline.from_pretrained(args.model, device=_device(args.device).device)
     texts = pipe.generate(
         None if args.source else args.num_samples,
         sources=args.source,
@@ -221,6 +222,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return getattr(e, "exit_code", 2)
     except FileNotFoundError as e:
         print(f"elflow: error: {Path(e.filename or '')} does not exist", file=sys.stderr)
+        return 2
+    except (IsADirectoryError, NotADirectoryError, FileExistsError, PermissionError) as e:
+        # A path the commands' own checks did not foresee; still one line.
+        print(f"elflow: error: {e.filename}: {e.strerror}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # e.g. during a start-up encoding pass, or a second Ctrl-C
         print(

@@ -281,8 +281,19 @@ def load_resolved(
     else:
         config = read_config(resolved.path)
         ema = resolved.path / EMA_WEIGHTS
+        if use_ema and not ema.is_file() and (resolved.path / "state.json").is_file():
+            raise ELFError(
+                f"{resolved.path} is a training checkpoint without its {EMA_WEIGHTS}; restore "
+                "the file, or sample its training weights with --no-ema (use_ema=False)"
+            )
         weights = ema if use_ema and ema.is_file() else resolved.path / WEIGHTS
-        state = load_file(str(weights))
+        try:
+            state = load_file(str(weights))
+        except Exception as e:  # safetensors raises its own error types
+            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise ELFError(
+                f"cannot read {weights}: {reason}; the file is truncated or corrupt"
+            ) from None
     with torch.device("meta"):
         model = ELF(config.model)
     model.to_empty(device=device)
@@ -303,6 +314,9 @@ def import_official(
     source: str | Path, out: str | Path, *, task: str | None = None, use_ema: bool = True, **fields
 ) -> Path:
     """Convert an authors' checkpoint into an elflow model folder (EMA weights by default)."""
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ELFError(f"--out {out} already exists and is not an empty folder; give a new folder")
     resolved = resolve_source(source)
     if resolved.kind != "official":
         raise ELFError(f"{source!r} is not an authors' checkpoint (it is already an elflow model)")

@@ -8,6 +8,7 @@ functions in :data:`MODEL_PRESETS`. :func:`from_dict` rejects unknown keys inste
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -158,6 +159,9 @@ class SamplerConfig:
     """Logit-normal time grid scale."""
 
     def __post_init__(self) -> None:
+        for name in ("gamma", "w", "cfg", "time_mean", "time_std"):
+            value = getattr(self, name)
+            require(math.isfinite(value), f"sampler.{name} must be a finite number, got {value}")
         require(self.steps >= 1, f"sampler.steps must be >= 1, got {self.steps}")
         require(
             self.sampler in SAMPLERS,

@@ -23,6 +23,7 @@ import torch
 
 from elflow.artifact import CONFIG, WEIGHTS, load_model, save_model
 from elflow.errors import ELFError
+from elflow.paths import output_file
 
 DEMO_DIR = Path(__file__).resolve().parent / "demo_model"
 CARD = "card.json"
@@ -86,6 +87,11 @@ def run(args: argparse.Namespace) -> int:
     from elflow.trajectory import animate_terminal, render_html
 
     t0 = time.perf_counter()
+    html = output_file(args.html, "--html")
+    if args.num_samples < 1:
+        raise ELFError(f"-n must be >= 1, got {args.num_samples}")
+    if args.steps < 1:
+        raise ELFError(f"--steps must be >= 1, got {args.steps}")
     folder = _model_dir(args.model)
     pipe = ELFPipeline.from_pretrained(folder)
     out = pipe.generate_full(
@@ -99,7 +105,8 @@ def run(args: argparse.Namespace) -> int:
         for i, text in enumerate(out.texts):
             print(f"{i}: {text}")
     meta = {"model": str(folder), "sampler": "sde", "steps": args.steps, "seed": args.seed}
-    Path(args.html).write_text(render_html(frames, meta, labels=labels))
+    html.parent.mkdir(parents=True, exist_ok=True)
+    html.write_text(render_html(frames, meta, labels=labels), encoding="utf-8")
     print(
         f"\n{args.num_samples} samples in {time.perf_counter() - t0:.1f} s; "
         f"trajectory page: {args.html}"

@@ -80,18 +80,29 @@ def parse_rounds(spec: str = ROUNDS, teacher_steps: int | None = 64) -> list[tup
     """``"16/4,8/8"`` -> ``[(16, 4), (8, 8)]``: (student steps N, teacher sub-steps K) per round.
 
     Each round must have N * K == ``teacher_steps`` (ELF_SPEC §8's sub-step size 1/64) unless
-    ``teacher_steps`` is None.
+    ``teacher_steps`` is None or 0. The two arguments are `elflow distill`'s ``--rounds`` and
+    ``--teacher-steps``, and the errors name those flags.
     """
+    if teacher_steps is not None and not (type(teacher_steps) is int and teacher_steps >= 0):
+        raise ELFError(
+            f"--teacher-steps must be a positive integer (or 0 to allow any N x K), "
+            f"got {teacher_steps!r}"
+        )
     rounds = []
     for item in spec.split(","):
         parts = item.strip().split("/")
-        if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+        if len(parts) != 2 or not all(p.strip().isdecimal() and int(p) > 0 for p in parts):
             raise ELFError(
-                f"bad distillation round {item.strip()!r} in {spec!r}: write rounds as "
-                "N/K pairs of positive integers separated by commas, e.g. 16/4,8/8"
+                f"bad round {item.strip()!r} in --rounds {spec!r}: write rounds as N/K pairs of "
+                "positive integers separated by commas, e.g. 16/4,8/8"
             )
         n, k = int(parts[0]), int(parts[1])
-        _check_round(n, k, teacher_steps)
+        if teacher_steps and n * k != teacher_steps:
+            raise ELFError(
+                f"round {n}/{k} in --rounds has N x K = {n * k}, but --teacher-steps is "
+                f"{teacher_steps} (teacher sub-step 1/{teacher_steps}); change the round so that "
+                "N x K matches, or pass --teacher-steps 0 to allow any N x K"
+            )
         rounds.append((n, k))
     return rounds
 

@@ -6,7 +6,8 @@ EMA. Round 1 starts from the teacher, round k + 1 from round k's EMA weights. Th
 original model's EMA weights, the same in every round) is frozen, never wrapped in DDP/FSDP2, and
 its weights hash is checked unchanged after every round. A finished round (its last checkpoint at
 ``train.max_steps``) is skipped when the command is run again, so an interrupted curriculum
-resumes mid-round.
+resumes mid-round. ``OUT/teacher.json`` records the teacher (path and weights hash) at the first
+start; once a round has saved a checkpoint, the folder continues only with that teacher.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 from collections.abc import Iterable
 from dataclasses import fields, replace
 from pathlib import Path
@@ -25,6 +27,7 @@ from elflow import checkpoint as ckpt_io
 from elflow.artifact import CONFIG, EMA_WEIGHTS, load_model, resolve_source
 from elflow.config import ObjectiveConfig, SamplerConfig
 from elflow.distill import DistillConfig, distill_loss, parse_rounds, sample_distill_draws_keyed
+from elflow.distributed import DistInfo, broadcast_object
 from elflow.ema import initial_share
 from elflow.errors import ELFError
 from elflow.model import ELF
@@ -41,6 +44,8 @@ from elflow.train import StepLoss, train
 
 MAX_EMA_INITIAL_SHARE = 0.5
 """A round whose EMA would still be mostly its starting weights at the end is refused."""
+TEACHER_RECORD = "teacher.json"
+"""``OUT/teacher.json``: the teacher (``teacher``, ``teacher_sha256``) the rounds distil."""
 
 
 def fewstep_sampler(steps: int) -> SamplerConfig:
@@ -144,6 +149,7 @@ def distill(
             "train.ema_warmup=true or a lower train.ema_decay"
         )
     out = Path(out)
+    teacher_steps = teacher_steps or None
     plan = parse_rounds(rounds, teacher_steps)
     info = setup(cfg.train.device)
     teacher, tcfg = load_teacher(teacher_source, info.device)
@@ -175,6 +181,7 @@ def distill(
         max_input_length=tcfg.max_input_length,
     )
     reference_hash = weights_hash(teacher)
+    _claim_out(out, teacher_source, reference_hash, info)
     init = {k: v.detach().clone() for k, v in teacher.state_dict().items()}
     last = out
     for k, (n_student, n_sub) in enumerate(plan, start=1):
@@ -217,6 +224,43 @@ def distill(
                 + "\n"
             )
     return last
+
+
+def _claim_out(out: Path, teacher_source: str, sha: str, info: DistInfo) -> None:
+    """Record the teacher in ``out``; refuse another one once a round has saved a checkpoint
+    (its rounds would mix two teachers), as ``train`` refuses a changed ``--init``."""
+    problem = None
+    if info.is_main:
+        recorded = _recorded_teacher(out)
+        trained = any(ckpt_io.find_checkpoint(d) for d in out.glob("round-*") if d.is_dir())
+        if trained and recorded is not None and recorded["teacher_sha256"] != sha:
+            problem = (
+                f"--out {out} holds rounds distilled from teacher '{recorded.get('teacher')}' "
+                f"(weights sha256 {recorded['teacher_sha256'][:12]}...), not '{teacher_source}' "
+                f"({sha[:12]}...); give that --teacher to continue, or use a new --out"
+            )
+        else:  # the first start, or the same weights (perhaps moved): (re)write the record
+            local = Path(teacher_source).expanduser()
+            name = str(local.resolve()) if local.exists() else str(teacher_source)
+            out.mkdir(parents=True, exist_ok=True)
+            tmp = out / f".{TEACHER_RECORD}.tmp-{os.getpid()}"
+            tmp.write_text(json.dumps({"teacher": name, "teacher_sha256": sha}) + "\n")
+            os.replace(tmp, out / TEACHER_RECORD)
+    problem = broadcast_object(problem)
+    if problem:
+        raise ELFError(problem)
+
+
+def _recorded_teacher(out: Path) -> dict | None:
+    """``OUT/teacher.json``, else (folders distilled before it was written) a round's round.json."""
+    for path in (out / TEACHER_RECORD, *sorted(out.glob("round-*/round.json"))):
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(record, dict) and isinstance(record.get("teacher_sha256"), str):
+            return record
+    return None
 
 
 def _check_round_objective(ckpt: Path, objective: ObjectiveConfig, k: int) -> None:

@@ -34,14 +34,19 @@ class DistInfo:
         return self.world_size > 1
 
 
-def setup(device: str = "auto") -> DistInfo:
-    """Initialise (once) from the torchrun environment; a single process needs no launcher."""
+def setup(device: str = "auto", option: str = "train.device") -> DistInfo:
+    """Initialise (once) from the torchrun environment; a single process needs no launcher.
+
+    ``device`` is 'auto', 'cpu' or 'cuda'; ``option`` names where it came from in errors.
+    """
+    if device not in ("auto", "cpu", "cuda"):
+        raise ELFError(f"{option} is {device!r}; use auto, cpu or cuda")
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     if use_cuda and not torch.cuda.is_available():
-        raise ELFError("train.device is 'cuda' but no CUDA device is available; use cpu or auto")
+        raise ELFError(f"{option} is 'cuda' but no CUDA device is available; use cpu or auto")
     dev = torch.device(f"cuda:{local}") if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(dev)

@@ -28,6 +28,7 @@ from elflow.config import SamplerConfig
 from elflow.distributed import DistInfo, setup, teardown
 from elflow.errors import ELFError
 from elflow.hardware import fast_bf16
+from elflow.paths import input_file, output_file
 from elflow.pipeline import ELFPipeline
 from elflow.sampling import nfe
 
@@ -48,25 +49,28 @@ class SampleResult:
 
 def read_sources(path: str | Path, field: str = "text") -> list[dict]:
     """Read a JSONL file of source objects, each with a string ``field``; one-line errors."""
-    path = Path(path)
-    if not path.is_file():
-        raise ELFError(f"sources file {str(path)!r} does not exist")
+    path = input_file(path, "--sources")
     rows = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError:
-                raise ELFError(
-                    f"{path}:{lineno} is not JSON; --sources must be JSONL (one object a line)"
-                ) from None
-            if not isinstance(obj, dict) or not isinstance(obj.get(field), str):
-                raise ELFError(
-                    f"{path}:{lineno} has no string field {field!r}; pass --source-field NAME"
-                )
-            rows.append(obj)
+    try:
+        lines = path.read_text(encoding="utf-8").split("\n")  # not splitlines(): U+2028 is text
+    except UnicodeDecodeError as e:
+        raise ELFError(
+            f"--sources {path} is not UTF-8 text ({e.reason} at byte {e.start})"
+        ) from None
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError:
+            raise ELFError(
+                f"{path}:{lineno} is not JSON; --sources must be JSONL (one object a line)"
+            ) from None
+        if not isinstance(obj, dict) or not isinstance(obj.get(field), str):
+            raise ELFError(
+                f"{path}:{lineno} has no string field {field!r}; pass --source-field NAME"
+            )
+        rows.append(obj)
     if not rows:
         raise ELFError(f"sources file {path} is empty")
     return rows
@@ -341,7 +345,9 @@ def write_trajectory(target: str, frames: list[list[str]], meta: dict) -> None:
 
 def _device(name: str) -> DistInfo:
     # setup() knows 'cpu' / 'cuda' / 'auto'; an explicit 'cuda:K' is honoured on one process.
-    info = setup("cuda" if name.startswith("cuda") else name)
+    if name.startswith("cuda:") and not name[5:].isdigit():
+        raise ELFError(f"--device is {name!r}; use auto, cpu, cuda or cuda:K")
+    info = setup("cuda" if name.startswith("cuda") else name, "--device")
     if name.startswith("cuda:") and not info.distributed:
         info = replace(info, device=torch.device(name))
     return info
@@ -359,6 +365,7 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-ema", action="store_true", help="sample with the training weights")
     p.add_argument("--sources", help="conditional: JSONL file, one sample per line")
     p.add_argument("--source-field", default="text", help="field of --sources holding the text")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -396,6 +403,9 @@ def run(args: argparse.Namespace) -> int:
     """``elflow sample``; one process or under ``torchrun``."""
     if args.steps is not None and args.steps < 1:
         raise ELFError(f"--steps must be >= 1, got {args.steps}")
+    output_file(args.out, "--out", overwrite=args.overwrite)
+    if args.trajectory not in (None, "-"):
+        output_file(args.trajectory, "--trajectory")
     info = _device(args.device)
     try:
         sources = read_sources(args.sources, args.source_field) if args.sources else None

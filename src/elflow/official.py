@@ -164,9 +164,9 @@ def read_official_checkpoint(path: str | Path, use_ema: bool = True) -> dict[str
         try:
             payload = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as e:
-            raise ELFError(f"cannot read {path} as a weights-only torch checkpoint: {e}") from None
+            raise _unreadable(path, e) from None
     except Exception as e:
-        raise ELFError(f"cannot read {path} as a weights-only torch checkpoint: {e}") from None
+        raise _unreadable(path, e) from None
     if not isinstance(payload, dict):
         raise ELFError(f"{path} is not a reference ELF checkpoint (expected a dict payload)")
     key = "ema_params1" if use_ema and payload.get("ema_params1") else "params"
@@ -182,6 +182,19 @@ def read_official_checkpoint(path: str | Path, use_ema: bool = True) -> dict[str
     if bad:
         raise ELFError(f"{path}: '{key}' holds non-tensor entries {bad[:5]}")
     return dict(weights)
+
+
+def _unreadable(path: Path, e: Exception) -> ELFError:
+    """One line for a file ``torch.load(weights_only=True)`` refuses (its own text runs to many
+    lines and suggests ``weights_only=False``, which elflow never uses)."""
+    text = str(e)
+    if "Weights only load failed" in text:
+        m = re.search(r"WeightsUnpickler error:(.+?)(Check the documentation|$)", text, re.S)
+        detail = " ".join(m.group(1).split()) if m else "not tensors only"
+        reason = f"{detail} (not a torch file, or one that needs full unpickling, never done here)"
+    else:
+        reason = text.strip().splitlines()[0] if text.strip() else f"{type(e).__name__}, empty?"
+    return ELFError(f"cannot read {path} as a weights-only torch checkpoint: {reason}")
 
 
 def load_state_dict_strict(model: torch.nn.Module, state: Mapping[str, Tensor]) -> None:

@@ -144,7 +144,10 @@ class ELFPipeline:
         """Tokenise and encode sources -> (clean condition latents, (B, L) condition mask)."""
         cfg = self.config
         if not cfg.conditional:
-            raise ELFError("this model is unconditional: call generate(n=...) without sources")
+            raise ELFError(
+                "this model is unconditional: it takes no sources (--source, --sources); "
+                "ask for a number of samples instead"
+            )
         # Slice like the training rows (tokens.build_conditional_row), not HF truncation, which
         # would keep the EOS and so encode over-long sources differently than in training.
         ids = [row[: cfg.max_input_length] for row in tokenize(self.tokenizer, list(sources))]
@@ -177,9 +180,16 @@ class ELFPipeline:
         if sources is not None:
             n = len(sources)
         if n is None or n < 1:
-            raise ELFError("pass n >= 1 (unconditional) or a non-empty list of sources")
+            raise ELFError(
+                f"asked for {n} samples; ask for at least 1 (-n), or give at least one source"
+            )
         if cfg.conditional and sources is None:
-            raise ELFError("this model is conditional: pass sources=[...]")
+            raise ELFError("this model is conditional: give source texts (--source, --sources)")
+        if batch_size < 1:
+            raise ELFError(f"batch size must be >= 1, got {batch_size}")
+        guidance = sampler_overrides.get("cfg")
+        if guidance not in (None, 1.0) and not cfg.conditional:
+            raise ELFError("cfg (classifier-free guidance) applies to conditional models only")
         L = cfg.model.max_length if length is None else length
         if cfg.conditional:
             L = cfg.model.max_length

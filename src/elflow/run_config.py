@@ -274,9 +274,15 @@ def override_keys(
 
 
 def _read_config_file(path: Path) -> dict[str, Any]:
+    if path.is_dir():
+        raise ELFError(f"--config {path} is a folder; give a YAML or JSON file")
     if not path.is_file():
         raise ELFError(f"config file {path} does not exist")
-    text = path.read_text()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        where = f"{e.reason} at byte {e.start}"
+        raise ELFError(f"config file {path} is not UTF-8 text ({where})") from None
     if path.suffix == ".json":
         try:
             loaded = json.loads(text)

@@ -31,6 +31,7 @@ from elflow.generate import (
     sample_from_args,
     write_jsonl,
 )
+from elflow.paths import output_dir
 
 COLUMNS = (
     "cell",
@@ -207,6 +208,31 @@ def plot_frontier(path: Path, rows: list[dict], reference: dict | None = None) -
     return path
 
 
+OUTPUTS = ("samples", "metrics", "table.csv", "table.md", "frontier.png")
+
+
+def _check_previous(out: Path, overwrite: bool) -> None:
+    """A folder that holds an earlier sweep is replaced only with ``--overwrite``."""
+    found = [name for name in OUTPUTS if (out / name).exists()]
+    if found and not overwrite:
+        raise ELFError(
+            f"--out {out} already holds a sweep ({', '.join(found)}); pass --overwrite to "
+            "replace it, or a new folder"
+        )
+
+
+def _clear_previous(out: Path) -> None:
+    """Remove an earlier sweep's outputs, so the tables and folders list this sweep's cells only."""
+    import shutil
+
+    for name in OUTPUTS:
+        path = out / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+
+
 def _write_json(path: Path, obj: dict) -> None:
     tmp = path.with_name(path.name + ".tmp")
     from elflow.evaluation.cli import finite_or_null
@@ -239,10 +265,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """``elflow sweep``; generation is shared across ``torchrun`` ranks, scoring is on rank 0."""
     from elflow.evaluation import load_judge, read_jsonl, score_samples
+    from elflow.evaluation.cli import check_counts
 
     cells = grid(args.sampler, args.steps, args.w, args.gamma)
+    check_counts(args.score_batch_size, args.bootstrap, "--score-batch-size")
+    out = output_dir(args.out, "--out")
+    _check_previous(out, args.overwrite)
     info = _device(args.device)
-    out = Path(args.out)
     try:
         sources = read_sources(args.sources, args.source_field) if args.sources else None
         if sources is not None and args.num_samples is not None:
@@ -250,7 +279,15 @@ def run(args: argparse.Namespace) -> int:
         reference = read_jsonl(args.reference) if args.reference else None
         pipe = load_pipeline(args, info)
         judge = None
+        # Every cell's settings are checked before the first is sampled.
+        settings = [
+            resolve_sampler(
+                pipe, steps=c.steps, sampler=c.sampler, gamma=c.gamma, w=c.w, cfg=args.cfg
+            )
+            for c in cells
+        ]
         if info.is_main:
+            _clear_previous(out)
             (out / "samples").mkdir(parents=True, exist_ok=True)
             (out / "metrics").mkdir(parents=True, exist_ok=True)
             judge = None if args.judge.lower() == "none" else load_judge(args.judge)
@@ -262,15 +299,7 @@ def run(args: argparse.Namespace) -> int:
             seed=args.bootstrap_seed,
         )
         rows = []
-        for i, cell in enumerate(cells):
-            scfg = resolve_sampler(
-                pipe,
-                steps=cell.steps,
-                sampler=cell.sampler,
-                gamma=cell.gamma,
-                w=cell.w,
-                cfg=args.cfg,
-            )
+        for i, (cell, scfg) in enumerate(zip(cells, settings, strict=True)):
             result = sample_from_args(pipe, scfg, args, sources, info)
             if not info.is_main:
                 continue

@@ -33,7 +33,8 @@ from elflow import checkpoint as ckpt_io
 from elflow.artifact import ArtifactConfig, load_resolved, resolve_source
 from elflow.data.latent_cache import LatentCache, cache_key
 from elflow.data.order import StreamOrder, keyed_bernoulli, rank_positions
-from elflow.data.rows import build_dataset, read_meta
+from elflow.data.rows import RowDataset, build_dataset, read_meta
+from elflow.data.sources import resolve_source as resolve_data
 from elflow.distributed import DistInfo, all_reduce_sum, broadcast_object, parallelize, setup
 from elflow.ema import EMA
 from elflow.encoder import FrozenEncoder, measure_latent_std
@@ -43,6 +44,7 @@ from elflow.heldout import HeldOutSplit, RowSubset, heldout_loss, spread_rows
 from elflow.model import ELF, build_model, count_parameters
 from elflow.objective import Batch, TrainForward, elf_loss, sample_draws_keyed
 from elflow.optim import build_optimizer, learning_rate, resolve_ns_dtype, set_lr
+from elflow.paths import output_dir
 from elflow.pipeline import load_tokenizer
 from elflow.run_config import EncoderConfig, RunConfig, run_config_from_dict, run_config_to_dict
 from elflow.sampling import Condition, sample, sample_generators
@@ -155,7 +157,7 @@ def train(
         init_state: initial weights for a fresh run (ignored when resuming); ``train.init``
             gives them from a model source instead (fine-tuning, see :func:`apply_init`).
     """
-    out = Path(out)
+    out = output_dir(out, "--out")
     cfg = absolute_init(cfg)
     if cfg.train.init and init_state is not None:
         raise ELFError("train.init cannot be combined with init_state; give one of them")
@@ -194,6 +196,7 @@ def train(
     dataset = build_dataset(cfg.data, tokenizer, L, cfg.max_input_length, pad_id, "train")
     if len(dataset) == 0:
         raise ELFError(f"training data {cfg.data.path!r} yields no rows")
+    valid = _valid_rows(cfg, tokenizer, pad_id)  # before any encoding: a bad path fails now
     encoder = FrozenEncoder.from_pretrained(
         cfg.encoder.name,
         latent_mean=cfg.encoder.latent_mean,
@@ -296,7 +299,7 @@ def train(
     )
     heldout = None
     if cfg.train.eval_every:
-        heldout = _heldout_splits(cfg, tokenizer, pad_id, dataset, encoder, info, micro)
+        heldout = _heldout_splits(cfg, valid, dataset, encoder, info, micro)
     last_ckpt = resume_from
     t_last, tokens_since = time.perf_counter(), 0
     sums: dict[str, float] = {}
@@ -668,15 +671,29 @@ def make_batch(
     return Batch(x=x, input_ids=ids, attention_mask=attn, cond_mask=cond, label_drop=drop)
 
 
-def _heldout_splits(cfg, tokenizer, pad_id, dataset, encoder, info, chunk):
-    """The fixed validation rows (when ``data.valid_path`` is set) and training rows of
+def _valid_rows(cfg: RunConfig, tokenizer, pad_id: int) -> RowDataset | None:
+    """The rows of ``data.valid_path`` (None without one), read at start-up so that a bad path
+    or bad data is an error before any encoding. With ``train.eval_every=0`` nothing uses them,
+    so only the path is checked."""
+    if not cfg.data.valid_path:
+        return None
+    if not cfg.train.eval_every:
+        resolve_data(cfg.data, cfg.data.valid_path, cfg.data.hf_valid_split, "data.valid_path")
+        return None
+    L = cfg.model.max_length
+    valid = build_dataset(cfg.data, tokenizer, L, cfg.max_input_length, pad_id, "valid")
+    if len(valid) == 0:
+        raise ELFError(
+            f"validation data {cfg.data.valid_path!r} yields no rows; fix data.valid_path"
+        )
+    return valid
+
+
+def _heldout_splits(cfg, valid, dataset, encoder, info, chunk):
+    """The fixed validation rows (`valid`, from ``data.valid_path``, or None) and training rows of
     ``train.eval_every`` (``heldout.py``), with their latents cached once when the run caches."""
     sources = [("train_rows", dataset)]
-    if cfg.data.valid_path:
-        L = cfg.model.max_length
-        valid = build_dataset(cfg.data, tokenizer, L, cfg.max_input_length, pad_id, "valid")
-        if len(valid) == 0:
-            raise ELFError(f"validation data {cfg.data.valid_path!r} yields no rows")
+    if valid is not None:
         sources.insert(0, ("valid", valid))
     elif info.is_main:
         print(

@@ -2,15 +2,48 @@
 
 `add_arguments(parser)` and `run(args)` plug into the command table of :mod:`elflow.__main__`.
 With `--encoder`, latent_std is measured on a sample of the prepared rows and written to meta.json.
+The data readers' errors name config keys (`data.path`), right for `elflow train`; here they are
+reworded once, through `FLAGS`, to name this command's flags (`--data`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 
 from elflow.data.config import FORMATS, DataConfig
 from elflow.errors import ELFError
+
+FLAGS = {
+    "data.path": "--data",
+    "data.format": "--format",
+    "data.text_field": "--text-field",
+    "data.source_field": "--source-field",
+    "data.target_field": "--target-field",
+    "data.hf_split": "--hf-split",
+    "data.doc_per": "--doc-per",
+    "data.packing": "--packing",
+    "data.overlong": "--overlong",
+    "data.max_rows": "--max-rows",
+    "data.tokenize_batch_size": "--batch-size",
+    "max_length": "--max-length",
+    "max_input_length": "--max-input-length",
+    "out_dir": "--out",
+    "overwrite=True": "--overwrite",
+}
+"""What a setting named in an error is called on the `elflow prepare` command line."""
+# A key only where it stands alone: not inside a longer name, a path or a quoted value.
+_SETTING = re.compile(
+    r"(?<![\w.'\"/-])("
+    + "|".join(re.escape(k) for k in sorted(FLAGS, key=len, reverse=True))
+    + r")(?![\w'\"/-]|\.\w)"
+)
+
+
+def flag_names(message: str) -> str:
+    """`message` with the settings it names written as `elflow prepare` flags."""
+    return _SETTING.sub(lambda m: FLAGS[m.group(1)], message)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -37,8 +70,12 @@ def load_tokenizer(name_or_path: str):
     """A fast Hugging Face tokenizer, or a one-line error."""
     from transformers import AutoTokenizer
 
+    from elflow.encoder import resolve_pretrained
+
     try:
-        return AutoTokenizer.from_pretrained(name_or_path, use_fast=True, trust_remote_code=False)
+        return AutoTokenizer.from_pretrained(
+            resolve_pretrained(name_or_path), use_fast=True, trust_remote_code=False
+        )
     except (OSError, ValueError) as e:
         reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise ELFError(
@@ -47,6 +84,14 @@ def load_tokenizer(name_or_path: str):
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        return _run(args)
+    except ELFError as e:
+        e.args = (flag_names(str(e)),)
+        raise
+
+
+def _run(args: argparse.Namespace) -> int:
     from elflow.data.prepare import prepare
 
     name = args.tokenizer or args.encoder
@@ -65,6 +110,7 @@ def run(args: argparse.Namespace) -> int:
         max_rows=args.max_rows,
         tokenize_batch_size=args.batch_size,
     )
+    tokenizer = load_tokenizer(name)
     encoder = None
     if args.encoder:
         from elflow.encoder import FrozenEncoder
@@ -72,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
         encoder = FrozenEncoder.from_pretrained(args.encoder, latent_std=1.0)
     out = prepare(
         cfg,
-        load_tokenizer(name),
+        tokenizer,
         args.out,
         args.max_length,
         args.max_input_length,

@@ -55,5 +55,5 @@ def hf_kind(cfg: DataConfig, location: str, split: str) -> str:
     raise ELFError(
         f"dataset '{location}' has no '{cfg.text_field}' column, no '{cfg.source_field}'/"
         f"'{cfg.target_field}' pair and no 'input_ids' (columns: {', '.join(sorted(columns))}); "
-        "set data.text_field or data.source_field/target_field"
+        "set data.text_field or data.source_field and data.target_field"
     )

@@ -45,11 +45,17 @@ def prepare(
 
     `max_length`/`max_input_length` only decide the truncation count in meta.json (and the rows
     latent_std is measured on): the stored documents are complete, so the folder can be read at
-    other lengths later.
+    other lengths later. `overwrite` replaces an existing `out_dir` only when it is an earlier
+    prepared folder that does not hold the input, and only once the new folder is complete (a
+    failure keeps the old one).
     """
     out = Path(out_dir)
     if out.exists() and not overwrite:
-        raise ELFError(f"'{out}' already exists; remove it, choose another --out, or overwrite")
+        raise ELFError(
+            f"'{out}' already exists; remove it, choose another out_dir, or pass overwrite=True"
+        )
+    if out.exists():
+        _check_replaceable(out, cfg.path)
     src = resolve_source(cfg, cfg.path)
     if src.container == "prepared":
         raise ELFError(f"'{cfg.path}' is already a prepared folder; nothing to do")
@@ -108,6 +114,28 @@ def prepare(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def _check_replaceable(out: Path, data: str) -> None:
+    """`overwrite` replaces only an earlier prepared folder, never the input or other files."""
+    data_path = Path(os.path.expanduser(data)).resolve() if data else None
+    if data_path is not None and data_path.exists():
+        target = out.resolve()
+        if data_path == target or target in data_path.parents:
+            what = "is" if data_path == target else "holds"
+            raise ELFError(
+                f"out_dir '{out}' {what} the input data '{data}', which overwrite=True would "
+                "delete; choose another out_dir"
+            )
+    try:
+        prepared = PREPARED_MARKER in json.loads((out / "meta.json").read_text())
+    except (OSError, TypeError, ValueError):
+        prepared = False
+    if not prepared:
+        raise ELFError(
+            f"'{out}' is not a folder written by elflow prepare, so overwrite=True will not "
+            "replace it; choose another out_dir (or move it away yourself)"
+        )
 
 
 def measure_rows_latent_std(

@@ -47,7 +47,9 @@ class RowDataset:
         self.conditional = source is not None
         if self.conditional:
             if packing:
-                raise ELFError("data.packing applies to unconditional data only; set it to false")
+                raise ELFError(
+                    "data.packing applies to unconditional data only; turn data.packing off"
+                )
             if not 0 < max_input_length <= max_length:
                 raise ELFError(
                     f"conditional data needs 0 < max_input_length <= max_length ({max_length}), "
@@ -67,7 +69,7 @@ class RowDataset:
             else:
                 what = f"{target.lengths[i]} tokens, more than max_length {max_length}"
             raise ELFError(
-                f"document {i} has {what}; raise the length or set data.overlong='truncate'"
+                f"document {i} has {what}; raise the length or set data.overlong to truncate"
             )
         self._num_rows = target.num_tokens // max_length if packing else len(target)
         if self._num_rows == 0:
@@ -197,6 +199,7 @@ def build_dataset(
     if split not in ("train", "valid"):
         raise ELFError(f"split must be 'train' or 'valid', got {split!r}")
     location = cfg.path if split == "train" else cfg.valid_path
+    key = "data.path" if split == "train" else "data.valid_path"
     if split == "valid" and not location:
         raise ELFError("no validation data; set data.valid_path")
     hf_split = cfg.hf_split if split == "train" else cfg.hf_valid_split
@@ -209,7 +212,7 @@ def build_dataset(
         packing=cfg.packing,
         overlong=cfg.overlong,
     )
-    src = resolve_source(cfg, location, hf_split)
+    src = resolve_source(cfg, location, hf_split, key)
     if src.container == "prepared":
         return RowDataset.from_prepared(location, tokenizer=tokenizer, **kwargs)
     target, source = tokenize_source(src, cfg, tokenizer)

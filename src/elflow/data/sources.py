@@ -74,17 +74,22 @@ def _is_hf_folder(path: Path) -> bool:
     return any((path / n).is_file() for n in names)
 
 
-def resolve_source(cfg: DataConfig, location: str, hf_split: str | None = None) -> Source:
-    """Find out what `location` is (per ``cfg.format``) without reading more than one record."""
+def resolve_source(
+    cfg: DataConfig, location: str, hf_split: str | None = None, key: str = "data.path"
+) -> Source:
+    """Find out what `location` is (per ``cfg.format``) without reading more than one record.
+
+    `key` is the setting `location` came from, named in the errors (e.g. ``data.valid_path``).
+    """
     if not location:
-        raise ELFError("no data path given; set data.path (or --data) to a file, folder or dataset")
+        raise ELFError(f"no data path given; set {key} to a file, folder or dataset")
     split = hf_split or cfg.hf_split
     fmt = cfg.format
     path = Path(os.path.expanduser(location))
     if not path.exists():
         if fmt in ("auto", "hf") and _looks_like_hub_name(location):
             return Source(location, "hf", _hf_kind(cfg, location, split), (), split)
-        raise ELFError(f"data path '{location}' does not exist; check data.path / --data")
+        raise ELFError(f"{key} '{location}' does not exist; fix the path")
     if path.is_dir():
         if (path / "meta.json").is_file() and fmt in ("auto", "prepared"):
             meta = json.loads((path / "meta.json").read_text())
@@ -109,26 +114,26 @@ def resolve_source(cfg: DataConfig, location: str, hf_split: str | None = None) 
         if not jsonls:
             raise ELFError(
                 f"folder '{location}' has no text (*.txt, *.jsonl, optionally .gz) and is not a "
-                "Hugging Face dataset; point data.path at your data"
+                f"Hugging Face dataset; point {key} at your data"
             )
-        return Source(location, "jsonl", _jsonl_kind(cfg, jsonls), jsonls)
+        return Source(location, "jsonl", _jsonl_kind(cfg, jsonls, key), jsonls)
     if fmt in ("hf", "prepared"):
         raise ELFError(f"data.format is {fmt!r} but '{location}' is a file; pass its folder")
     if path.stat().st_size == 0:
-        raise ELFError(f"data file '{location}' is empty; point data.path at a file with text")
+        raise ELFError(f"data file '{location}' is empty; point {key} at a file with text")
     if fmt == "text" or (fmt == "auto" and not _has_suffix(path, JSONL_SUFFIXES)):
         return Source(location, "text", "text", (path,))
-    return Source(location, "jsonl", _jsonl_kind(cfg, (path,)), (path,))
+    return Source(location, "jsonl", _jsonl_kind(cfg, (path,), key), (path,))
 
 
-def _jsonl_kind(cfg: DataConfig, files: tuple[Path, ...]) -> str:
+def _jsonl_kind(cfg: DataConfig, files: tuple[Path, ...], key: str) -> str:
     explicit = {"jsonl": "text", "pairs": "pairs", "pretokenized": "pretokenized"}
     if cfg.format in explicit:
         return explicit[cfg.format]
     for path in files:
         for lineno, record in _iter_json(path):
             return _record_kind(cfg, record, f"{path}:{lineno}")
-    raise ELFError(f"no JSON records in {', '.join(map(str, files))}; add data or fix data.path")
+    raise ELFError(f"no JSON records in {', '.join(map(str, files))}; add data or fix {key}")
 
 
 def _record_kind(cfg: DataConfig, record: dict, where: str) -> str:
@@ -141,7 +146,7 @@ def _record_kind(cfg: DataConfig, record: dict, where: str) -> str:
     raise ELFError(
         f"{where}: no '{cfg.text_field}' field, no '{cfg.source_field}'/'{cfg.target_field}' pair "
         f"and no 'input_ids' (keys: {', '.join(sorted(record)) or 'none'}); set data.text_field "
-        "or data.source_field/target_field"
+        "or data.source_field and data.target_field"
     )
 
 
@@ -195,11 +200,12 @@ def _iter_json(path: Path) -> Iterator[tuple[int, dict]]:
         yield lineno, record
 
 
-def _field(record: dict, name: str, where: str, kind: type) -> Any:
+def _field(record: dict, name: str, where: str, kind: type, key: str = "") -> Any:
+    """``record[name]`` checked to be a string or an id list; `key` is the setting naming it."""
     if name not in record:
         raise ELFError(
             f"{where}: record has no field '{name}' (keys: {', '.join(sorted(record)) or 'none'}); "
-            "fix the record or set the data.*_field option"
+            + (f"fix the record or set {key}" if key else "fix the record")
         )
     value = record[name]
     if kind is str and not isinstance(value, str):
@@ -267,11 +273,11 @@ def _iter_record_examples(src: Source, cfg: DataConfig) -> Iterator[Example]:
     conditional = None
     for where, record in _iter_records(src):
         if src.kind == "text":
-            yield None, _field(record, cfg.text_field, where, str)
+            yield None, _field(record, cfg.text_field, where, str, "data.text_field")
         elif src.kind == "pairs":
             yield (
-                _field(record, cfg.source_field, where, str),
-                _field(record, cfg.target_field, where, str),
+                _field(record, cfg.source_field, where, str, "data.source_field"),
+                _field(record, cfg.target_field, where, str, "data.target_field"),
             )
         else:
             if conditional is None:

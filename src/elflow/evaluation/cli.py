@@ -10,11 +10,12 @@ import argparse
 import json
 import math
 import os
-from pathlib import Path
 from typing import Any
 
+from elflow.errors import ELFError
 from elflow.evaluation.judge import DEFAULT_JUDGE
 from elflow.evaluation.score import PROTOCOLS, protocol_line, read_jsonl, score_samples
+from elflow.paths import output_file
 
 SUMMARY_KEYS = (
     "gen_ppl",
@@ -42,6 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=16, help="samples per judge forward")
     p.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples (0: no CIs)")
     p.add_argument("--seed", type=int, default=0, help="bootstrap seed")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
 
 
 def _fmt(value: float) -> str:
@@ -74,8 +76,20 @@ def finite_or_null(value: Any) -> Any:
     return value
 
 
+def check_counts(batch_size: int, bootstrap: int, batch_flag: str = "--batch-size") -> None:
+    """One-line errors for the judge batch size and the bootstrap count, before any work."""
+    if batch_size < 1:
+        raise ELFError(f"{batch_flag} must be >= 1, got {batch_size}")
+    if bootstrap < 0:
+        raise ELFError(f"--bootstrap must be >= 0 (0: no intervals), got {bootstrap}")
+
+
 def run(args: argparse.Namespace) -> int:
+    check_counts(args.batch_size, args.bootstrap)
+    out = output_file(args.out, "--out", overwrite=args.overwrite)
     samples = read_jsonl(args.samples)
+    if not samples:
+        raise ELFError(f"--samples {args.samples} holds no samples")
     refs = read_jsonl(args.refs) if args.refs else None
     judge = None if args.judge.lower() == "none" else args.judge
     metrics = score_samples(
@@ -87,7 +101,6 @@ def run(args: argparse.Namespace) -> int:
         bootstrap=args.bootstrap,
         seed=args.seed,
     )
-    out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
     tmp.write_text(json.dumps(finite_or_null(metrics), indent=2, allow_nan=False) + "\n")

@@ -58,6 +58,8 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     Raises :class:`ELFError` naming `file:line` for a line that is not a JSON object with `text`.
     """
     path = Path(path)
+    if path.is_dir():
+        raise ELFError(f"{path} is a folder; give a JSONL file")
     opener = gzip.open if path.suffix == ".gz" else open
     rows: list[dict[str, Any]] = []
     try:

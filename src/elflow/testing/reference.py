@@ -175,8 +175,23 @@ def check_fixture(safetensors_path: str | Path) -> dict[str, float]:
     meta_path = path.with_suffix(".json")
     if not path.is_file() or not meta_path.is_file():
         raise ELFError(f"fixture {path} or its sibling {meta_path.name} does not exist")
-    tensors = load_file(str(path))
-    meta = json.loads(meta_path.read_text())
+    try:
+        tensors = load_file(str(path))
+    except Exception as e:  # safetensors raises its own error types
+        raise ELFError(f"cannot read fixture {path}: {e}; it is truncated or corrupt") from None
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ELFError(f"cannot read fixture metadata {meta_path}: {e}") from None
+    if not isinstance(meta, dict) or "model" not in meta:
+        raise ELFError(f"{meta_path} has no 'model' section; it is not a reference fixture's")
+    try:
+        return _check_all(tensors, meta)
+    except KeyError as e:
+        raise ELFError(f"fixture {path} lacks the entry {e}; it is incomplete") from None
+
+
+def _check_all(tensors: dict[str, Tensor], meta: dict) -> dict[str, float]:
     report: dict[str, float] = {}
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)

@@ -1,0 +1,57 @@
+"""Checks on the files a command reads and writes, made before any work starts.
+
+A command that samples for an hour and then cannot write its ``--out`` has lost the hour; these
+checks fail first, with one line naming the flag and what to change.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from elflow.errors import ELFError
+
+
+def input_file(path: str | Path, flag: str) -> Path:
+    """``path`` as an existing file (not a folder)."""
+    p = Path(path)
+    if p.is_dir():
+        raise ELFError(f"{flag} {p} is a folder; give a file")
+    if not p.is_file():
+        raise ELFError(f"{flag} {p} does not exist")
+    return p
+
+
+def output_file(path: str | Path, flag: str, *, overwrite: bool = True) -> Path:
+    """``path`` as a file that can be written: not a folder, in a writable folder (made later
+    if missing), and, unless ``overwrite``, not there yet."""
+    p = Path(path)
+    if p.is_dir():
+        raise ELFError(f"{flag} {p} is a folder; give a file name")
+    if p.exists() and not overwrite:
+        raise ELFError(f"{flag} {p} already exists; pass --overwrite to replace it, or a new name")
+    _writable_parent(p, flag)
+    return p
+
+
+def output_dir(path: str | Path, flag: str) -> Path:
+    """``path`` as a folder that can be written: a folder already, or creatable."""
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise ELFError(f"{flag} {p} is a file; give a folder")
+    if not p.exists():
+        _writable_parent(p, flag)
+    elif not os.access(p, os.W_OK | os.X_OK):
+        raise ELFError(f"{flag} {p}: cannot write in it")
+    return p
+
+
+def _writable_parent(p: Path, flag: str) -> None:
+    """The nearest existing ancestor of ``p`` is a folder we may create entries in."""
+    parent = p.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ELFError(f"{flag} {p}: {parent} is a file, not a folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ELFError(f"{flag} {p}: cannot write in {parent}")

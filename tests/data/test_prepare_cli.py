@@ -1,0 +1,102 @@
+"""`elflow prepare` on the command line: what --overwrite may replace, the `minilm` alias, and
+errors that name the command's flags rather than the config keys train uses."""
+
+import json
+
+import pytest
+
+from elflow.__main__ import main
+from elflow.data import DataConfig, build_dataset
+from elflow.data.cli import load_tokenizer
+from elflow.errors import ELFError
+from tests.data.conftest import write_jsonl
+
+
+def _prepare(tokenizer, data, out, *extra) -> int:
+    argv = ["prepare", "--data", str(data), "--tokenizer", tokenizer.name_or_path]
+    return main([*argv, "--max-length", "16", "--out", str(out), *extra])
+
+
+def _error(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("elflow: error: "), err
+    return err[0]
+
+
+def test_overwrite_replaces_only_a_prepared_folder(tokenizer, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    work = tmp_path / "mywork"
+    work.mkdir()
+    (work / "data.txt").write_text("in the beginning\nthe earth was formless\n")
+    (work / "notes.md").write_text("my notes\n")
+    # The folder holding the input, and the input file itself, are never replaced.
+    assert _prepare(tokenizer, "mywork/data.txt", "mywork", "--overwrite") == 2
+    msg = _error(capsys)
+    assert "holds the input data 'mywork/data.txt'" in msg and "another --out" in msg
+    assert _prepare(tokenizer, "mywork/data.txt", "mywork/data.txt", "--overwrite") == 2
+    assert "is the input data" in _error(capsys)
+    assert sorted(p.name for p in work.iterdir()) == ["data.txt", "notes.md"]
+    assert (work / "data.txt").read_text().startswith("in the beginning")
+    # Nor is any folder or file that elflow prepare did not write.
+    assert _prepare(tokenizer, "mywork/data.txt", "mywork/notes.md", "--overwrite") == 2
+    msg = _error(capsys)
+    assert "not a folder written by elflow prepare" in msg and "--overwrite" in msg
+    assert "overwrite=True" not in msg and "out_dir" not in msg
+    assert (work / "notes.md").read_text() == "my notes\n"
+    # An earlier prepared folder is replaced.
+    assert _prepare(tokenizer, "mywork/data.txt", "prep") == 0
+    (work / "more.txt").write_text("one\ntwo\nthree\n")
+    assert _prepare(tokenizer, "mywork/more.txt", "prep", "--overwrite") == 0
+    assert json.loads((tmp_path / "prep" / "meta.json").read_text())["num_docs"] == 3
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_failed_overwrite_keeps_the_old_folder(tokenizer, tmp_path, capsys):
+    assert (
+        _prepare(tokenizer, write_jsonl(tmp_path / "a.jsonl", [{"text": "a b"}]), tmp_path / "p")
+        == 0
+    )
+    before = {p.name: p.read_bytes() for p in (tmp_path / "p").iterdir()}
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n{"text": "broken"\n')
+    assert _prepare(tokenizer, bad, tmp_path / "p", "--overwrite", "--batch-size", "1") == 2
+    assert f"{bad}:2: malformed JSON" in _error(capsys)
+    assert {p.name: p.read_bytes() for p in (tmp_path / "p").iterdir()} == before
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_minilm_alias_resolves_offline(tokenizer, tmp_path, capsys):
+    assert load_tokenizer("minilm").get_vocab() == tokenizer.get_vocab()
+    (tmp_path / "d.txt").write_text("in the beginning\n")
+    argv = ["prepare", "--data", str(tmp_path / "d.txt"), "--tokenizer", "minilm"]
+    assert main([*argv, "--max-length", "8", "--out", str(tmp_path / "p")]) == 0
+    assert "num_docs=1" in capsys.readouterr().out
+
+
+def test_errors_name_the_flags(tokenizer, tmp_path, capsys):
+    (tmp_path / "d.txt").write_text("in the beginning\n")
+    assert _prepare(tokenizer, tmp_path / "none.txt", tmp_path / "p") == 2
+    assert "--data" in (msg := _error(capsys)) and "data.path" not in msg
+    assert _prepare(tokenizer, tmp_path / "d.txt", tmp_path / "p", "--batch-size", "0") == 2
+    assert "--batch-size must be positive, got 0" in _error(capsys)
+    assert _prepare(tokenizer, tmp_path / "d.txt", tmp_path / "p") == 0
+    capsys.readouterr()
+    assert _prepare(tokenizer, tmp_path / "d.txt", tmp_path / "p") == 2
+    assert "choose another --out, or pass --overwrite" in _error(capsys)
+    recs = [{"document": "a", "summary": "b"}]
+    pairs = write_jsonl(tmp_path / "pairs.jsonl", recs)
+    assert _prepare(tokenizer, pairs, tmp_path / "q") == 2
+    msg = _error(capsys)
+    assert "set --text-field or --source-field and --target-field" in msg
+    # Train's messages keep naming its config keys, validation data included.
+    with pytest.raises(ELFError, match=r"data\.path '.*none\.txt' does not exist"):
+        build_dataset(DataConfig(path=str(tmp_path / "none.txt")), tokenizer, 8)
+    cfg = DataConfig(path=str(tmp_path / "d.txt"), valid_path=str(tmp_path / "none.txt"))
+    with pytest.raises(ELFError, match=r"data\.valid_path '.*none\.txt' does not exist"):
+        build_dataset(cfg, tokenizer, 8, split="valid")
+    # A key is translated only where it stands alone, not inside a path or a quoted value.
+    from elflow.data.cli import flag_names
+
+    assert flag_names("'/x/data.path' and data.path.gz: set data.path") == (
+        "'/x/data.path' and data.path.gz: set --data"
+    )

@@ -1,0 +1,229 @@
+"""The CLI's checks on what it reads and writes: one line, before any work, nothing lost."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from elflow.__main__ import main
+from tests.test_sample_cli import make_uncond
+
+
+@pytest.fixture
+def model(tmp_path):
+    return make_uncond(tmp_path / "model")
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str]:
+    """Exit code and the one ``elflow: error:`` line (empty when the command succeeded)."""
+    capsys.readouterr()
+    code = main([str(a) for a in argv])
+    errs = [x for x in capsys.readouterr().err.splitlines() if x.startswith("elflow: error:")]
+    assert len(errs) <= 1, errs
+    return code, errs[0] if errs else ""
+
+
+def test_sample_keeps_an_existing_out_unless_overwrite(tmp_path, model, capsys):
+    out = tmp_path / "s.jsonl"
+    out.write_text("earlier results\n")
+    argv = ("sample", "--checkpoint", model, "--num-samples", "2", "--steps", "2", "--out", out)
+    code, err = run_cli(capsys, *argv)
+    assert code == 2 and "already exists; pass --overwrite" in err
+    assert out.read_text() == "earlier results\n"
+    assert run_cli(capsys, *argv, "--overwrite")[0] == 0
+    assert len(out.read_text().splitlines()) == 2
+
+
+@pytest.mark.parametrize("flag", ["--out", "--trajectory"])
+def test_sample_refuses_a_folder_as_output_before_sampling(tmp_path, model, capsys, flag):
+    folder = tmp_path / "adir"
+    folder.mkdir()
+    paths = {"--out": tmp_path / "s.jsonl", "--trajectory": tmp_path / "t.html", flag: folder}
+    argv = ["sample", "--checkpoint", model, "--num-samples", "2", "--steps", "2"]
+    code, err = run_cli(capsys, *argv, *[x for kv in paths.items() for x in kv])
+    assert code == 2 and err.endswith(f"{flag} {folder} is a folder; give a file name")
+    assert not (tmp_path / "s.jsonl").exists() and list(folder.iterdir()) == []
+
+
+def test_sample_refuses_an_unwritable_place(tmp_path, model, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    code, err = run_cli(
+        capsys, "sample", "--checkpoint", model, "--out", blocker / "sub" / "s.jsonl"
+    )
+    assert code == 2 and f"{blocker} is a file, not a folder" in err
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        (["--time-mean", "nan"], "sampler.time_mean must be a finite number"),
+        (["--w", "inf"], "sampler.w must be a finite number"),
+        (["--gamma", "inf"], "sampler.gamma must be a finite number"),
+        (["--device", "foo"], "--device is 'foo'; use auto, cpu or cuda"),
+        (["--device", "cuda:x"], "--device is 'cuda:x'"),
+    ],
+)
+def test_sample_refuses_bad_values(tmp_path, model, capsys, args, match):
+    out = tmp_path / "s.jsonl"
+    code, err = run_cli(capsys, "sample", "--checkpoint", model, "--out", out, *args)
+    assert code == 2 and match in err
+    assert not out.exists()
+
+
+def test_sources_that_are_not_utf8_or_a_folder(tmp_path, model, capsys):
+    bad = tmp_path / "src.jsonl"
+    bad.write_bytes(b'{"text": "caf\xe9"}\n')
+    argv = ("sample", "--checkpoint", model, "--out", tmp_path / "s.jsonl", "--sources")
+    assert "is not UTF-8 text" in run_cli(capsys, *argv, bad)[1]
+    assert "is a folder; give a file" in run_cli(capsys, *argv, tmp_path)[1]
+
+
+def test_config_file_that_is_not_utf8_or_a_folder(tmp_path, capsys):
+    bad = tmp_path / "c.yaml"
+    bad.write_bytes(b"optim:\n  lr: \xff\n")
+    argv = ("train", "--preset", "bible-tiny", "--out", tmp_path / "run", "--config")
+    assert "is not UTF-8 text" in run_cli(capsys, *argv, bad)[1]
+    assert "is a folder; give a YAML or JSON file" in run_cli(capsys, *argv, tmp_path)[1]
+    assert not (tmp_path / "run").exists()
+
+
+def _samples(path):
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in ["a b c", "d e"]))
+    return path
+
+
+def test_score_checks_before_scoring(tmp_path, capsys):
+    samples = _samples(tmp_path / "s.jsonl")
+    out = tmp_path / "m.json"
+    out.write_text("{}\n")
+    base = ("score", "--samples", samples, "--judge", "none", "--out")
+    code, err = run_cli(capsys, *base, out)
+    assert code == 2 and "already exists; pass --overwrite" in err and out.read_text() == "{}\n"
+    assert run_cli(capsys, *base, out, "--overwrite")[0] == 0
+    assert json.loads(out.read_text())["num_samples"] == 2
+    assert (
+        "--bootstrap must be >= 0"
+        in run_cli(capsys, *base, tmp_path / "b.json", "--bootstrap", "-1")[1]
+    )
+    assert (
+        "--batch-size must be >= 1"
+        in run_cli(capsys, *base, tmp_path / "b.json", "--batch-size", "0")[1]
+    )
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    code, err = run_cli(
+        capsys, "score", "--samples", empty, "--judge", "none", "--out", tmp_path / "e.json"
+    )
+    assert code == 2 and "holds no samples" in err
+    code, err = run_cli(
+        capsys, "score", "--samples", tmp_path, "--judge", "none", "--out", tmp_path / "d.json"
+    )
+    assert code == 2 and "is a folder; give a JSONL file" in err
+
+
+def test_sweep_keeps_an_earlier_sweep_unless_overwrite(tmp_path, model, capsys):
+    out = tmp_path / "sweep"
+    argv = ["sweep", "--checkpoint", model, "--out", out, "--num-samples", "2", "--judge", "none"]
+    assert run_cli(capsys, *argv, "--sampler", "ode", "--steps", "2,3")[0] == 0
+    first = sorted(p.name for p in (out / "samples").iterdir())
+    assert len(first) == 2
+    code, err = run_cli(capsys, *argv, "--sampler", "ode", "--steps", "2")
+    assert code == 2 and "already holds a sweep" in err
+    assert sorted(p.name for p in (out / "samples").iterdir()) == first
+    # A bad cell is refused before any cell is sampled, and the earlier sweep is kept.
+    code, err = run_cli(capsys, *argv, "--overwrite", "--sampler", "ode", "--w", "1,inf")
+    assert code == 2 and "sampler.w must be a finite number" in err
+    assert sorted(p.name for p in (out / "samples").iterdir()) == first
+    assert run_cli(capsys, *argv, "--overwrite", "--sampler", "ode", "--steps", "2")[0] == 0
+    assert len(list((out / "samples").iterdir())) == 1  # the old cells are gone with the tables
+    assert (
+        "--score-batch-size must be >= 1"
+        in run_cli(capsys, *argv, "--overwrite", "--score-batch-size", "0")[1]
+    )
+
+
+def test_generate_checks_its_options(model, capsys):
+    base = ("generate", model, "-n", "2", "--steps", "2")
+    assert "batch size must be >= 1" in run_cli(capsys, *base, "--batch-size", "0")[1]
+    assert "applies to conditional models only" in run_cli(capsys, *base, "--cfg", "2")[1]
+    assert "--device is 'foo'" in run_cli(capsys, *base, "--device", "foo")[1]
+    code, err = run_cli(capsys, "generate", model, "--source", "x")
+    assert code == 2 and "unconditional: it takes no sources" in err
+
+
+def test_demo_checks_html_and_counts_first(tmp_path, model, capsys):
+    folder = tmp_path / "adir"
+    folder.mkdir()
+    base = ("demo", "--model", model, "--no-animate", "--steps", "2", "-n", "1")
+    assert "--html" in run_cli(capsys, *base, "--html", folder)[1]
+    assert "-n must be >= 1" in run_cli(capsys, "demo", "--model", model, "-n", "0")[1]
+    page = tmp_path / "new" / "d.html"
+    assert run_cli(capsys, *base, "--html", page)[0] == 0 and page.is_file()
+
+
+def test_import_never_writes_into_a_used_folder(tmp_path, model, capsys):
+    victim = tmp_path / "victim"
+    shutil.copytree(model, victim)
+    before = {p.name: p.read_bytes() for p in victim.iterdir()}
+    code, err = run_cli(capsys, "import", tmp_path / "checkpoint_1", "--out", victim)
+    assert code == 2 and "is not an empty folder" in err
+    assert {p.name: p.read_bytes() for p in victim.iterdir()} == before
+
+
+def test_truncated_weights_are_one_line(tmp_path, model, capsys):
+    broken = tmp_path / "broken"
+    shutil.copytree(model, broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    code, err = run_cli(capsys, "info", broken)
+    assert code == 2 and "truncated or corrupt" in err and str(weights) in err
+
+
+def test_training_checkpoint_without_ema_is_not_sampled_as_ema(tmp_path, model, capsys):
+    ckpt = tmp_path / "run" / "checkpoint-2"
+    shutil.copytree(model, ckpt)
+    (ckpt / "state.json").write_text('{"step": 2}\n')  # a training checkpoint, its EMA lost
+    out = tmp_path / "s.jsonl"
+    code, err = run_cli(capsys, "sample", "--checkpoint", ckpt, "--out", out, "--steps", "2")
+    assert code == 2 and "without its ema.safetensors" in err and "--no-ema" in err
+    argv = ("sample", "--checkpoint", ckpt, "--out", out, "--steps", "2", "--num-samples", "1")
+    assert run_cli(capsys, *argv, "--no-ema")[0] == 0
+    assert json.loads(out.read_text())["ema"] is False
+
+
+def test_official_checkpoint_that_is_not_a_torch_file(tmp_path, capsys):
+    script = tmp_path / "checkpoint_3"
+    script.write_text("#!/bin/sh\necho hi\n")
+    code, err = run_cli(capsys, "import", script, "--out", tmp_path / "m")
+    assert code == 2 and "weights-only torch checkpoint" in err and "weights_only=False" not in err
+    script.write_bytes(b"")
+    assert "EOFError, empty?" in run_cli(capsys, "import", script, "--out", tmp_path / "m")[1]
+    assert not (tmp_path / "m").exists()
+
+
+def test_check_fixture_with_bad_metadata(tmp_path, capsys):
+    import torch
+    from safetensors.torch import save_file
+
+    fixture = tmp_path / "fx.safetensors"
+    save_file({"a": torch.zeros(1)}, str(fixture))
+    for text, match in [("{bad", "cannot read fixture metadata"), ("{}", "no 'model' section")]:
+        fixture.with_suffix(".json").write_text(text)
+        code, err = run_cli(capsys, "check-fixture", fixture)
+        assert code == 2 and match in err
+    fixture.write_bytes(fixture.read_bytes()[:10])
+    assert "truncated or corrupt" in run_cli(capsys, "check-fixture", fixture)[1]
+
+
+def test_unforeseen_os_errors_are_one_line(tmp_path, capsys, monkeypatch):
+    from elflow import __main__ as cli
+
+    def boom(args):
+        raise IsADirectoryError(21, "Is a directory", str(tmp_path))
+
+    monkeypatch.setitem(cli.COMMANDS, "info", (*cli.COMMANDS["info"][:2], boom))
+    code, err = run_cli(capsys, "info", "x")
+    assert code == 2 and err == f"elflow: error: {tmp_path}: Is a directory"
