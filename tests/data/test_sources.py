@@ -83,7 +83,7 @@ def test_hf_dataset_folder(tmp_path):
     datasets.Dataset.from_list([{"input_ids": [5, 6]}]).save_to_disk(str(tmp_path / "pt"))
     src, ex = _read(tmp_path / "pt")
     assert src.kind == "pretokenized" and ex == [(None, [5, 6])]
-    with pytest.raises(ELFError, match=r"no split 'test'.*hf_split"):
+    with pytest.raises(ELFError, match=r"no split 'test'.*data.hf_split .data.hf_valid_split"):
         _read(tmp_path / "dd", hf_split="test", source_field="de", target_field="en")
 
 

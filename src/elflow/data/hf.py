@@ -37,7 +37,7 @@ def load_hf(location: str, split: str):
         if split not in ds:
             raise ELFError(
                 f"dataset '{location}' has no split '{split}' (splits: {', '.join(ds)}); "
-                "set data.hf_split"
+                "set data.hf_split (data.hf_valid_split for the validation data)"
             )
         ds = ds[split]
     return ds
