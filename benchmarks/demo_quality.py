@@ -104,6 +104,16 @@ def main() -> None:
     p.add_argument("--export", help="also write the demo model folder here (card included)")
     p.add_argument("--show", type=int, default=6, help="uncurated samples to print per row")
     args = p.parse_args()
+    steps = [int(s) for s in args.steps.split(",")]
+    samplers = args.samplers.split(",")
+    # Check the outputs before the sampling and scoring, which take hours at --num 256.
+    if not Path(args.out).parent.is_dir():
+        p.error(f"--out {args.out}: its folder does not exist")
+    train = None
+    if args.export:
+        if 32 not in steps or "sde" not in samplers:
+            p.error("--export needs the 32-step SDE row: keep 32 in --steps, sde in --samplers")
+        train = training_record(args.model)
 
     pipe = ELFPipeline.from_pretrained(args.model)
     judge = load_judge(args.judge)
@@ -140,17 +150,12 @@ def main() -> None:
         sampler="sde",
         steps=32,
     )
-    for sampler in args.samplers.split(","):
-        for steps in (int(s) for s in args.steps.split(",")):
+    for sampler in samplers:
+        for n in steps:
             texts, seconds = timed_generate(
-                pipe,
-                args.num,
-                seed=args.seed,
-                steps=steps,
-                sampler=sampler,
-                batch_size=args.batch_size,
+                pipe, args.num, seed=args.seed, steps=n, sampler=sampler, batch_size=args.batch_size
             )
-            add(f"model {sampler} {steps} steps", texts, seconds, sampler=sampler, steps=steps)
+            add(f"model {sampler} {n} steps", texts, seconds, sampler=sampler, steps=n)
     record = {"model": args.model, "num": args.num, "judge": args.judge, "rows": rows}
     Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
     print(markdown(rows))
@@ -160,20 +165,14 @@ def main() -> None:
             print(f"  - {text}")
     print(f"wrote {args.out}")
     if args.export:
-        _export(args, pipe, rows)
+        _export(args, pipe, rows, train)
 
 
-def _export(args: argparse.Namespace, pipe: ELFPipeline, rows: list[dict]) -> None:
+def _export(args: argparse.Namespace, pipe: ELFPipeline, rows: list[dict], train: dict) -> None:
     real = rows[0]
     default = pipe.config.sampler  # the demo's sampler: the paper's 32-step SDE
-    shipped = [r for r in rows if r["row"] == "model sde 32 steps"]
-    if not shipped:
-        raise SystemExit(
-            "--export needs the 32-step SDE row: keep 32 in --steps, sde in --samplers"
-        )
-    shipped = shipped[0]
+    shipped = next(r for r in rows if r["row"] == "model sde 32 steps")  # checked in main
     keep = ("gen_ppl", "gen_ppl_ci", "entropy", "entropy_ci", "mean_length", "copy_share")
-    train = training_record(args.model)
     card = {
         "name": "elflow bible-tiny demo model",
         "data": "World English Bible (public domain), train split of ../shared/data/web_bible, "

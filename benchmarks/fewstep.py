@@ -44,6 +44,8 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--out", default="fewstep.json")
     args = p.parse_args()
+    if not Path(args.out).parent.is_dir():  # before the sampling and scoring, not after
+        p.error(f"--out {args.out}: its folder does not exist")
 
     models = {"teacher": args.teacher}
     for spec in args.student:

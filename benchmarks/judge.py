@@ -18,20 +18,22 @@ import copy
 import dataclasses
 import json
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from elflow.evaluation import gen_ppl, load_judge, read_jsonl, score_samples
-
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "web_bible" / "valid.jsonl.gz"
+from elflow.run_config import shared_data
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--judge", default="smollm2-135m")
-    p.add_argument("--data", default=str(DATA), help="JSONL(.gz) with a 'text' field")
+    p.add_argument(
+        "--data",
+        default=shared_data("web_bible", "valid.jsonl.gz"),
+        help="JSONL(.gz) with a 'text' field",
+    )
     p.add_argument("--speed-samples", type=int, default=64)
     p.add_argument("--ppl-samples", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=16)

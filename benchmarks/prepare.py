@@ -119,7 +119,9 @@ def main() -> None:
     }
     print(json.dumps(result, indent=2))
     if not args.keep:
-        shutil.rmtree(work, ignore_errors=True)
+        # NOTE: only what this script wrote: --workdir may be a folder that holds other files.
+        for folder in (corpus, out) if args.workdir else (work,):
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ import time
 import torch
 
 SIZES = {
-    # name: (model preset, E, V, L, B, optimizer Newton-Schulz dtype)
+    # name: (model preset, E, V, L, B)
     "bible-tiny": ("elf-small", 384, 30522, 64, 64),
     "elf-b-L128": ("elf-b", 512, 32100, 128, 8),
 }

