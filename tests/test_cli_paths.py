@@ -137,12 +137,28 @@ def test_sweep_keeps_an_earlier_sweep_unless_overwrite(tmp_path, model, capsys):
     code, err = run_cli(capsys, *argv, "--overwrite", "--sampler", "ode", "--w", "1,inf")
     assert code == 2 and "sampler.w must be a finite number" in err
     assert sorted(p.name for p in (out / "samples").iterdir()) == first
+    # A judge that cannot load stops the new sweep before the earlier one is removed.
+    bad_judge = [a if a != "none" else str(tmp_path / "no-judge") for a in argv]
+    assert run_cli(capsys, *bad_judge, "--overwrite", "--sampler", "ode", "--steps", "2")[0] == 2
+    assert sorted(p.name for p in (out / "samples").iterdir()) == first
+    assert (out / "table.md").is_file()
     assert run_cli(capsys, *argv, "--overwrite", "--sampler", "ode", "--steps", "2")[0] == 0
     assert len(list((out / "samples").iterdir())) == 1  # the old cells are gone with the tables
     assert (
         "--score-batch-size must be >= 1"
         in run_cli(capsys, *argv, "--overwrite", "--score-batch-size", "0")[1]
     )
+
+
+def test_sweep_refuses_a_training_run_folder(tmp_path, model, capsys):
+    run = tmp_path / "run"
+    (run / "samples").mkdir(parents=True)
+    (run / "samples" / "step-2.jsonl").write_text("{}\n")
+    (run / "metrics.jsonl").write_text("{}\n")
+    argv = ("sweep", "--checkpoint", model, "--out", run, "--judge", "none", "--overwrite")
+    code, err = run_cli(capsys, *argv)
+    assert code == 2 and "is a training run's folder" in err
+    assert (run / "samples" / "step-2.jsonl").is_file()
 
 
 def test_generate_checks_its_options(model, capsys):

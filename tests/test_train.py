@@ -443,18 +443,25 @@ def test_bad_data_and_batch_errors(tmp_path, assets, capsys):
     assert "divisible" in errs[2]
 
 
-@pytest.mark.parametrize("eval_every", [0, 2])
-def test_bad_valid_path_fails_at_start(tmp_path, assets, capsys, monkeypatch, eval_every):
+def test_bad_valid_path_fails_at_start(tmp_path, assets, capsys, monkeypatch):
     def no_encoding(*args, **kwargs):
         raise AssertionError("the encoder was loaded before data.valid_path was checked")
 
     monkeypatch.setattr("elflow.train.FrozenEncoder.from_pretrained", no_encoding)
     missing = str(tmp_path / "valid.jsonl")
-    cfg = run_config(assets, data={"valid_path": missing}, train={"eval_every": eval_every})
+    cfg = run_config(assets, data={"valid_path": missing}, train={"eval_every": 2})
     assert train_cli(tmp_path, tmp_path / "run", cfg) == 2
     errs = error_lines(capsys.readouterr().err)
     assert len(errs) == 1 and f"data.valid_path '{missing}' does not exist" in errs[0]
     assert "data.path" not in errs[0] and not (tmp_path / "run").exists()
+
+
+def test_unused_valid_path_is_not_read_and_says_so(tmp_path, assets, capsys):
+    cfg = run_config(
+        assets, data={"valid_path": "no-such/hub-dataset"}, train={"max_steps": 1, "eval_every": 0}
+    )
+    assert train_cli(tmp_path, tmp_path / "run", cfg) == 0  # no download, no error
+    assert "data.valid_path is not used, as train.eval_every=0" in capsys.readouterr().out
 
 
 def test_resume_from_another_architecture_is_an_error(tmp_path, assets, capsys):

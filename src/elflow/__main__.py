@@ -76,10 +76,10 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
 
 
 def _run_generate(args: argparse.Namespace) -> int:
-    from elflow.generate import _device
+    from elflow.generate import resolve_device
     from elflow.pipeline import ELFPipeline
 
-    pipe = ELFPipeline.from_pretrained(args.model, device=_device(args.device).device)
+    pipe = ELFPipeline.from_pretrained(args.model, device=resolve_device(args.device).device)
     texts = pipe.generate(
         None if args.source else args.num_samples,
         sources=args.source,

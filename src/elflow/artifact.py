@@ -281,7 +281,8 @@ def load_resolved(
     else:
         config = read_config(resolved.path)
         ema = resolved.path / EMA_WEIGHTS
-        if use_ema and not ema.is_file() and (resolved.path / "state.json").is_file():
+        training = (resolved.path / "state.json").is_file()  # checkpoint.STATE (it imports us)
+        if use_ema and not ema.is_file() and training:
             raise ELFError(
                 f"{resolved.path} is a training checkpoint without its {EMA_WEIGHTS}; restore "
                 "the file, or sample its training weights with --no-ema (use_ema=False)"
@@ -289,6 +290,8 @@ def load_resolved(
         weights = ema if use_ema and ema.is_file() else resolved.path / WEIGHTS
         try:
             state = load_file(str(weights))
+        except OSError:
+            raise  # missing or unreadable: the CLI says which file
         except Exception as e:  # safetensors raises its own error types
             reason = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise ELFError(

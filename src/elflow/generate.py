@@ -343,8 +343,8 @@ def write_trajectory(target: str, frames: list[list[str]], meta: dict) -> None:
     out.write_text(render_html(frames, meta, labels), encoding="utf-8")
 
 
-def _device(name: str) -> DistInfo:
-    # setup() knows 'cpu' / 'cuda' / 'auto'; an explicit 'cuda:K' is honoured on one process.
+def resolve_device(name: str) -> DistInfo:
+    """The process's device for a ``--device`` value: auto, cpu, cuda, or cuda:K (one process)."""
     if name.startswith("cuda:") and not name[5:].isdigit():
         raise ELFError(f"--device is {name!r}; use auto, cpu, cuda or cuda:K")
     info = setup("cuda" if name.startswith("cuda") else name, "--device")
@@ -406,7 +406,7 @@ def run(args: argparse.Namespace) -> int:
     output_file(args.out, "--out", overwrite=args.overwrite)
     if args.trajectory not in (None, "-"):
         output_file(args.trajectory, "--trajectory")
-    info = _device(args.device)
+    info = resolve_device(args.device)
     try:
         sources = read_sources(args.sources, args.source_field) if args.sources else None
         if sources is not None and args.num_samples is not None:

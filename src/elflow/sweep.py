@@ -15,6 +15,7 @@ import csv
 import json
 import math
 import os
+import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,10 +24,10 @@ from typing import Any
 from elflow.distributed import teardown
 from elflow.errors import ELFError
 from elflow.generate import (
-    _device,
     add_sampling_arguments,
     load_pipeline,
     read_sources,
+    resolve_device,
     resolve_sampler,
     sample_from_args,
     write_jsonl,
@@ -209,22 +210,26 @@ def plot_frontier(path: Path, rows: list[dict], reference: dict | None = None) -
 
 
 OUTPUTS = ("samples", "metrics", "table.csv", "table.md", "frontier.png")
+MARKERS = ("table.csv", "table.md", "metrics")
+"""What only a sweep writes (a training run has ``samples/`` too, and ``metrics.jsonl``)."""
 
 
-def _check_previous(out: Path, overwrite: bool) -> None:
-    """A folder that holds an earlier sweep is replaced only with ``--overwrite``."""
-    found = [name for name in OUTPUTS if (out / name).exists()]
+def _check_previous(out: Path, overwrite: bool) -> bool:
+    """Whether ``out`` holds an earlier sweep, which is replaced only with ``--overwrite``; a
+    training run's folder is refused outright."""
+    if (out / "metrics.jsonl").exists() or any(out.glob("checkpoint-*")):
+        raise ELFError(f"--out {out} is a training run's folder; give the sweep its own folder")
+    found = [name for name in MARKERS if (out / name).exists()]
     if found and not overwrite:
         raise ELFError(
             f"--out {out} already holds a sweep ({', '.join(found)}); pass --overwrite to "
             "replace it, or a new folder"
         )
+    return bool(found)
 
 
 def _clear_previous(out: Path) -> None:
     """Remove an earlier sweep's outputs, so the tables and folders list this sweep's cells only."""
-    import shutil
-
     for name in OUTPUTS:
         path = out / name
         if path.is_dir():
@@ -270,8 +275,8 @@ def run(args: argparse.Namespace) -> int:
     cells = grid(args.sampler, args.steps, args.w, args.gamma)
     check_counts(args.score_batch_size, args.bootstrap, "--score-batch-size")
     out = output_dir(args.out, "--out")
-    _check_previous(out, args.overwrite)
-    info = _device(args.device)
+    previous = _check_previous(out, args.overwrite)
+    info = resolve_device(args.device)
     try:
         sources = read_sources(args.sources, args.source_field) if args.sources else None
         if sources is not None and args.num_samples is not None:
@@ -280,17 +285,18 @@ def run(args: argparse.Namespace) -> int:
         pipe = load_pipeline(args, info)
         judge = None
         # Every cell's settings are checked before the first is sampled.
-        settings = [
+        samplers = [
             resolve_sampler(
                 pipe, steps=c.steps, sampler=c.sampler, gamma=c.gamma, w=c.w, cfg=args.cfg
             )
             for c in cells
         ]
         if info.is_main:
-            _clear_previous(out)
+            judge = None if args.judge.lower() == "none" else load_judge(args.judge)
+            if previous:  # only now that the new sweep has everything it needs to start
+                _clear_previous(out)
             (out / "samples").mkdir(parents=True, exist_ok=True)
             (out / "metrics").mkdir(parents=True, exist_ok=True)
-            judge = None if args.judge.lower() == "none" else load_judge(args.judge)
         score = dict(
             judge=judge,
             protocol=args.protocol,
@@ -299,7 +305,7 @@ def run(args: argparse.Namespace) -> int:
             seed=args.bootstrap_seed,
         )
         rows = []
-        for i, (cell, scfg) in enumerate(zip(cells, settings, strict=True)):
+        for i, (cell, scfg) in enumerate(zip(cells, samplers, strict=True)):
             result = sample_from_args(pipe, scfg, args, sources, info)
             if not info.is_main:
                 continue

@@ -34,7 +34,6 @@ from elflow.artifact import ArtifactConfig, load_resolved, resolve_source
 from elflow.data.latent_cache import LatentCache, cache_key
 from elflow.data.order import StreamOrder, keyed_bernoulli, rank_positions
 from elflow.data.rows import RowDataset, build_dataset, read_meta
-from elflow.data.sources import resolve_source as resolve_data
 from elflow.distributed import DistInfo, all_reduce_sum, broadcast_object, parallelize, setup
 from elflow.ema import EMA
 from elflow.encoder import FrozenEncoder, measure_latent_std
@@ -196,7 +195,9 @@ def train(
     dataset = build_dataset(cfg.data, tokenizer, L, cfg.max_input_length, pad_id, "train")
     if len(dataset) == 0:
         raise ELFError(f"training data {cfg.data.path!r} yields no rows")
-    valid = _valid_rows(cfg, tokenizer, pad_id)  # before any encoding: a bad path fails now
+    if resume_from is not None:  # before any encoding
+        _check_same_rows(resume_from, ckpt_io.read_state(resume_from), len(dataset))
+    valid = _valid_rows(cfg, tokenizer, pad_id, info)  # before any encoding: fails early
     encoder = FrozenEncoder.from_pretrained(
         cfg.encoder.name,
         latent_mean=cfg.encoder.latent_mean,
@@ -258,9 +259,7 @@ def train(
         from elflow.official import load_state_dict_strict
 
         load_state_dict_strict(model, ckpt_io.load_weights(resume_from, "model.safetensors"))
-        saved = ckpt_io.read_state(resume_from)
-        _check_same_rows(resume_from, saved, N)
-        start_step = saved["step"]
+        start_step = ckpt_io.read_state(resume_from)["step"]
         rank_state = ckpt_io.load_rank_state(resume_from, info)
     forward = TrainForward(model)
     if cfg.train.compile:
@@ -671,14 +670,15 @@ def make_batch(
     return Batch(x=x, input_ids=ids, attention_mask=attn, cond_mask=cond, label_drop=drop)
 
 
-def _valid_rows(cfg: RunConfig, tokenizer, pad_id: int) -> RowDataset | None:
+def _valid_rows(cfg: RunConfig, tokenizer, pad_id: int, info: DistInfo) -> RowDataset | None:
     """The rows of ``data.valid_path`` (None without one), read at start-up so that a bad path
     or bad data is an error before any encoding. With ``train.eval_every=0`` nothing uses them,
-    so only the path is checked."""
+    so they are not read (a line says so)."""
     if not cfg.data.valid_path:
         return None
-    if not cfg.train.eval_every:
-        resolve_data(cfg.data, cfg.data.valid_path, cfg.data.hf_valid_split, "data.valid_path")
+    if not cfg.train.eval_every:  # unused, so not read (a Hub dataset would be downloaded)
+        if info.is_main:
+            print("elflow train: data.valid_path is not used, as train.eval_every=0", flush=True)
         return None
     L = cfg.model.max_length
     valid = build_dataset(cfg.data, tokenizer, L, cfg.max_input_length, pad_id, "valid")
