@@ -22,6 +22,8 @@ from types import ModuleType
 
 import pytest
 
+from tests.test_readme import split_fenced
+
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
 DEMO = ROOT / "src" / "elflow" / "demo_model"
@@ -82,9 +84,9 @@ def lines(text: str) -> list[str]:
 
 def readme_commands(text: str) -> list[str]:
     """The commands in the README's fenced blocks, then in its inline code (which may wrap)."""
-    fence = r"^```[^\n]*\n(.*?)^```"
-    found = [c for block in re.findall(fence, text, re.S | re.M) for c in lines(block)]
-    for span in re.findall(r"`([^`]+)`", re.sub(fence, "", text, flags=re.S | re.M)):
+    blocks, prose = split_fenced(text)
+    found = [c for _, block in blocks for c in lines(block)]
+    for span in re.findall(r"`([^`]+)`", prose):
         span = " ".join(span.split())
         if span.startswith("python benchmarks/"):
             found.append(span)

@@ -45,11 +45,34 @@ def test_ci_pins_cpu_torch_only_through_constraints():
     assert "torch==" not in pyproject  # GPU users keep their own CUDA build
 
 
+def split_fenced(text: str) -> tuple[list[tuple[str, str]], str]:
+    """The (language, body) of every fenced code block, indented ones in list items included,
+    and the prose around them."""
+    blocks: list[tuple[str, str]] = []
+    prose: list[str] = []
+    lang, body = None, []
+    for line in text.splitlines():
+        fence = line.strip().startswith("```")
+        if fence and lang is None:
+            lang, body = line.strip()[3:], []
+        elif fence:
+            blocks.append((lang, "\n".join(body)))
+            lang = None
+        elif lang is None:
+            prose.append(line)
+        else:
+            body.append(line)
+    assert lang is None, "README.md has an unclosed code block"
+    return blocks, "\n".join(prose)
+
+
 def _fenced_elflow_commands() -> list[str]:
-    """Every ``elflow ...`` command in the README's code blocks (continuations joined)."""
-    text = (ROOT / "README.md").read_text()
+    """Every ``elflow ...`` command in the README's shell blocks (continuations joined)."""
+    blocks, _ = split_fenced((ROOT / "README.md").read_text())
     commands = []
-    for block in re.findall(r"^```\n(.*?)^```", text, re.S | re.M):
+    for lang, block in blocks:
+        if lang:  # python API examples
+            continue
         for line in block.replace("\\\n", " ").splitlines():
             line = line.split("  #")[0].strip()
             found = re.search(r"(?:^|&& |-m )elflow ([^&|]*)", line)
