@@ -61,19 +61,27 @@ class DistillConfig:
         return 1.0 / self.student_steps
 
 
-def _check_round(n: int, k: int, teacher_steps: int | None) -> None:
+def _check_round(
+    n: int,
+    k: int,
+    teacher_steps: int | None,
+    where: str = "",
+    steps_name: str = "teacher_steps",
+    allow: str = "set teacher_steps to None",
+) -> None:
+    """N and K positive and, unless ``teacher_steps`` is None (or 0), N x K == teacher_steps.
+    ``where``, ``steps_name`` and ``allow`` word the error for the caller (API or CLI flags)."""
     for name, v in (("student_steps", n), ("teacher_substeps", k)):
         require(
             isinstance(v, int) and not isinstance(v, bool) and v >= 1,
             f"distill.{name} must be a positive integer, got {v!r}",
         )
-    if teacher_steps is not None:
-        require(
-            n * k == teacher_steps,
-            f"distill round {n}/{k}: student steps x teacher sub-steps must be {teacher_steps} "
-            f"(teacher sub-step 1/{teacher_steps}), got {n * k}; "
-            "set teacher_steps to None to allow it",
-        )
+    require(
+        not teacher_steps or n * k == teacher_steps,
+        f"round {n}/{k}{where} has N x K = {n * k}, but {steps_name} is {teacher_steps} "
+        f"(teacher sub-step 1/{teacher_steps}); change the round so that N x K matches, or "
+        f"{allow} to allow any N x K",
+    )
 
 
 def parse_rounds(spec: str = ROUNDS, teacher_steps: int | None = 64) -> list[tuple[int, int]]:
@@ -97,12 +105,9 @@ def parse_rounds(spec: str = ROUNDS, teacher_steps: int | None = 64) -> list[tup
                 "positive integers separated by commas, e.g. 16/4,8/8"
             )
         n, k = int(parts[0]), int(parts[1])
-        if teacher_steps and n * k != teacher_steps:
-            raise ELFError(
-                f"round {n}/{k} in --rounds has N x K = {n * k}, but --teacher-steps is "
-                f"{teacher_steps} (teacher sub-step 1/{teacher_steps}); change the round so that "
-                "N x K matches, or pass --teacher-steps 0 to allow any N x K"
-            )
+        _check_round(
+            n, k, teacher_steps, " in --rounds", "--teacher-steps", "pass --teacher-steps 0"
+        )
         rounds.append((n, k))
     return rounds
 

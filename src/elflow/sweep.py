@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import math
-import os
 import shutil
 import sys
 from dataclasses import dataclass
@@ -238,15 +236,6 @@ def _clear_previous(out: Path) -> None:
             path.unlink()
 
 
-def _write_json(path: Path, obj: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    from elflow.evaluation.cli import finite_or_null
-
-    text = json.dumps(finite_or_null(obj), indent=2, allow_nan=False)
-    tmp.write_text(text + "\n", encoding="utf-8")
-    os.replace(tmp, path)
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Arguments of ``elflow sweep``."""
     from elflow.evaluation.judge import DEFAULT_JUDGE
@@ -270,7 +259,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """``elflow sweep``; generation is shared across ``torchrun`` ranks, scoring is on rank 0."""
     from elflow.evaluation import load_judge, read_jsonl, score_samples
-    from elflow.evaluation.cli import check_counts
+    from elflow.evaluation.cli import check_counts, write_metrics
 
     cells = grid(args.sampler, args.steps, args.w, args.gamma)
     check_counts(args.score_batch_size, args.bootstrap, "--score-batch-size")
@@ -312,7 +301,7 @@ def run(args: argparse.Namespace) -> int:
             write_jsonl(out / "samples" / f"{cell.name}.jsonl", result.records)
             metrics = score_samples(result.records, **score)
             settings = {k: result.records[0][k] for k in ("sampler", "steps", "nfe", "gamma", "w")}
-            _write_json(
+            write_metrics(
                 out / "metrics" / f"{cell.name}.json",
                 {**metrics, "sweep": {**settings, "cell": cell.name, "seconds": result.seconds}},
             )
@@ -327,7 +316,7 @@ def run(args: argparse.Namespace) -> int:
         ref_metrics = None
         if reference is not None:
             ref_metrics = score_samples(reference, **score)
-            _write_json(out / "metrics" / "reference.json", ref_metrics)
+            write_metrics(out / "metrics" / "reference.json", ref_metrics)
             rows.append(table_row("reference", {"sampler": "reference"}, ref_metrics, None))
         write_tables(out, rows, args.protocol)
         if judge is not None:

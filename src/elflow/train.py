@@ -195,8 +195,9 @@ def train(
     dataset = build_dataset(cfg.data, tokenizer, L, cfg.max_input_length, pad_id, "train")
     if len(dataset) == 0:
         raise ELFError(f"training data {cfg.data.path!r} yields no rows")
-    if resume_from is not None:  # before any encoding
-        _check_same_rows(resume_from, ckpt_io.read_state(resume_from), len(dataset))
+    resume_state = ckpt_io.read_state(resume_from) if resume_from is not None else None
+    if resume_state is not None:  # before any encoding
+        _check_same_rows(resume_from, resume_state, len(dataset))
     valid = _valid_rows(cfg, tokenizer, pad_id, info)  # before any encoding: fails early
     encoder = FrozenEncoder.from_pretrained(
         cfg.encoder.name,
@@ -259,7 +260,7 @@ def train(
         from elflow.official import load_state_dict_strict
 
         load_state_dict_strict(model, ckpt_io.load_weights(resume_from, "model.safetensors"))
-        start_step = ckpt_io.read_state(resume_from)["step"]
+        start_step = resume_state["step"]
         rank_state = ckpt_io.load_rank_state(resume_from, info)
     forward = TrainForward(model)
     if cfg.train.compile:
@@ -715,14 +716,20 @@ def _heldout_splits(cfg, valid, dataset, encoder, info, chunk):
     return splits
 
 
+def _ema_network(model_cfg, ema_state: dict, device: torch.device) -> ELF:
+    """A network in eval mode holding ``ema_state``, built on the meta device: no initialisation,
+    so no time, no host copy and no draws from the global RNG (dropout's, so resume is exact)."""
+    with torch.device("meta"):
+        net = ELF(model_cfg)
+    net = net.to_empty(device=device)
+    net.load_state_dict(ema_state)
+    return net.eval()
+
+
 def _heldout(splits, model_cfg, ema, objective, autocast, info) -> dict[str, float]:
     """The held-out losses of the EMA weights, in a network built for the occasion."""
-    state = ema.state_dict_for_save()  # collective under FSDP2
-    with torch.device("meta"):  # no initialisation: no RNG use, no time, no host copy
-        net = ELF(model_cfg)
-    net = net.to_empty(device=info.device)
-    net.load_state_dict(state)
-    net.eval().requires_grad_(False)
+    net = _ema_network(model_cfg, ema.state_dict_for_save(), info.device)  # collective: FSDP2
+    net.requires_grad_(False)
     metrics: dict[str, float] = {}
     for split in splits:
         metrics |= heldout_loss(objective, TrainForward(net), split, info.device, autocast)
@@ -798,11 +805,7 @@ def _sample_and_print(out, step, model_cfg, ema, artifact, cfg, tokenizer, datas
     ema_state = ema.state_dict_for_save()  # collective under FSDP2
     if not info.is_main or cfg.train.num_samples == 0:
         return
-    with torch.device("meta"):  # no initialisation: the global RNG (dropout's) stays untouched
-        net = ELF(model_cfg)
-    net = net.to_empty(device=info.device)
-    net.load_state_dict(ema_state)
-    net.eval()
+    net = _ema_network(model_cfg, ema_state, info.device)
     spec = token_spec(tokenizer)
     n = cfg.train.num_samples
     gens = sample_generators(cfg.train.seed, range(n), info.device)

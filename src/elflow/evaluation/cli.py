@@ -10,6 +10,7 @@ import argparse
 import json
 import math
 import os
+from pathlib import Path
 from typing import Any
 
 from elflow.errors import ELFError
@@ -76,6 +77,15 @@ def finite_or_null(value: Any) -> Any:
     return value
 
 
+def write_metrics(path: Path, metrics: dict) -> None:
+    """``metrics`` as strict, indented JSON, atomically (temporary name, then rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    text = json.dumps(finite_or_null(metrics), indent=2, allow_nan=False)
+    tmp.write_text(text + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
 def check_counts(batch_size: int, bootstrap: int, batch_flag: str = "--batch-size") -> None:
     """One-line errors for the judge batch size and the bootstrap count, before any work."""
     if batch_size < 1:
@@ -101,10 +111,7 @@ def run(args: argparse.Namespace) -> int:
         bootstrap=args.bootstrap,
         seed=args.seed,
     )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(json.dumps(finite_or_null(metrics), indent=2, allow_nan=False) + "\n")
-    os.replace(tmp, out)
+    write_metrics(out, metrics)
     print(summary(metrics))
     print(f"wrote {out}")
     return 0
