@@ -102,12 +102,16 @@ def test_import_official_file_prefers_ema(tmp_path, prefix):
     torch.testing.assert_close(_outputs(model_raw)[0], _outputs(raw)[0])
 
 
-def test_params_used_when_no_ema(tmp_path, capsys):
+def test_params_used_when_no_ema(tmp_path, capsys, monkeypatch):
     raw = _perturbed_model(0)
     _save_reference(tmp_path / "checkpoint_5", raw)
     weights = read_official_checkpoint(tmp_path / "checkpoint_5")
     torch.testing.assert_close(weights["proj_bias"], raw.decoder.proj.bias)
     assert "holds no EMA weights" in capsys.readouterr().err  # said, not silent
+    monkeypatch.setenv("RANK", "1")
+    read_official_checkpoint(tmp_path / "checkpoint_5")
+    assert capsys.readouterr().err == ""  # said once under torchrun, by rank 0
+    monkeypatch.delenv("RANK")
     read_official_checkpoint(tmp_path / "checkpoint_5", use_ema=False)
     assert capsys.readouterr().err == ""  # asked for the raw weights: nothing to say
 

@@ -59,9 +59,10 @@ def test_sample_refuses_an_unwritable_place(tmp_path, model, capsys):
 @pytest.mark.parametrize(
     ("args", "match"),
     [
-        (["--time-mean", "nan"], "sampler.time_mean must be a finite number"),
-        (["--w", "inf"], "sampler.w must be a finite number"),
-        (["--gamma", "inf"], "sampler.gamma must be a finite number"),
+        (["--time-mean", "nan"], "--time-mean must be a finite number"),
+        (["--w", "inf"], "--w must be a finite number"),
+        (["--gamma", "inf"], "--gamma must be a finite number"),
+        (["--time-std", "0"], "--time-std must be positive"),
         (["--device", "foo"], "--device is 'foo'; use auto, cpu or cuda"),
         (["--device", "cuda:x"], "--device is 'cuda:x'"),
     ],
@@ -135,7 +136,7 @@ def test_sweep_keeps_an_earlier_sweep_unless_overwrite(tmp_path, model, capsys):
     assert sorted(p.name for p in (out / "samples").iterdir()) == first
     # A bad cell is refused before any cell is sampled, and the earlier sweep is kept.
     code, err = run_cli(capsys, *argv, "--overwrite", "--sampler", "ode", "--w", "1,inf")
-    assert code == 2 and "sampler.w must be a finite number" in err
+    assert code == 2 and "--w must be a finite number" in err
     assert sorted(p.name for p in (out / "samples").iterdir()) == first
     # A judge that cannot load stops the new sweep before the earlier one is removed.
     bad_judge = [a if a != "none" else str(tmp_path / "no-judge") for a in argv]

@@ -111,7 +111,14 @@ def resolve_sampler(
         "time_mean": time_mean,
         "time_std": time_std,
     }
-    return replace(base, **{k: v for k, v in given.items() if v is not None})
+    explicit = {k: v for k, v in given.items() if v is not None}
+    try:
+        return replace(base, **explicit)
+    except ELFError as e:  # name the option, not the config key: "--w must be ..."
+        message = str(e)
+        for k in explicit:
+            message = message.replace(f"sampler.{k} ", f"--{k.replace('_', '-')} ")
+        raise ELFError(message) from None
 
 
 def settings_record(

@@ -10,6 +10,7 @@ The architecture is inferred from tensor shapes; the rest comes from the matchin
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 from collections.abc import Callable, Mapping
@@ -170,7 +171,7 @@ def read_official_checkpoint(path: str | Path, use_ema: bool = True) -> dict[str
     if not isinstance(payload, dict):
         raise ELFError(f"{path} is not a reference ELF checkpoint (expected a dict payload)")
     key = "ema_params1" if use_ema and payload.get("ema_params1") else "params"
-    if use_ema and key == "params":
+    if use_ema and key == "params" and os.environ.get("RANK", "0") == "0":  # once under torchrun
         print(
             f"elflow: note: {path} holds no EMA weights (ema_params1); using its raw 'params'",
             file=sys.stderr,

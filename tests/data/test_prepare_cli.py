@@ -100,3 +100,20 @@ def test_errors_name_the_flags(tokenizer, tmp_path, capsys):
     assert flag_names("'/x/data.path' and data.path.gz: set data.path") == (
         "'/x/data.path' and data.path.gz: set --data"
     )
+    assert flag_names("max_length:1: bad; set data.path", keep=("max_length",)) == (
+        "max_length:1: bad; set --data"
+    )
+
+
+def test_a_data_file_named_like_a_key_keeps_its_name(tokenizer, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data.path").write_text("not json\n")
+    argv = ["prepare", "--data", "data.path", "--format", "jsonl", "--tokenizer"]
+    assert main([*argv, tokenizer.name_or_path, "--max-length", "8", "--out", "p"]) == 2
+    assert "data.path:1: malformed JSON" in _error(capsys)
+
+
+def test_tokenizer_of_an_elflow_model_folder(tokenizer):
+    from elflow.demo import DEMO_DIR
+
+    assert load_tokenizer(str(DEMO_DIR)).get_vocab() == tokenizer.get_vocab()

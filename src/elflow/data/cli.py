@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+from pathlib import Path
 
 from elflow.data.config import FORMATS, DataConfig
 from elflow.errors import ELFError
@@ -41,9 +42,18 @@ _SETTING = re.compile(
 )
 
 
-def flag_names(message: str) -> str:
-    """`message` with the settings it names written as `elflow prepare` flags."""
-    return _SETTING.sub(lambda m: FLAGS[m.group(1)], message)
+def flag_names(message: str, keep: tuple[str, ...] = ()) -> str:
+    """`message` with the settings it names written as `elflow prepare` flags.
+
+    The strings in `keep` (the user's own paths and names) are left as they are, even one that
+    happens to spell a key (a data file called `data.path`).
+    """
+    keep = tuple(sorted({k for k in keep if k}, key=len, reverse=True))
+    if not keep:
+        return _SETTING.sub(lambda m: FLAGS[m.group(1)], message)
+    pieces = re.split("(" + "|".join(map(re.escape, keep)) + ")", message)
+    # re.split with one group: the kept strings sit at the odd indices.
+    return "".join(p if i % 2 else flag_names(p) for i, p in enumerate(pieces))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -72,10 +82,12 @@ def load_tokenizer(name_or_path: str):
 
     from elflow.encoder import resolve_pretrained
 
+    path = resolve_pretrained(name_or_path)
+    shipped = Path(path) / "tokenizer"
+    if (Path(path) / "config.json").is_file() and shipped.is_dir():
+        path = str(shipped)  # an elflow model folder: the tokenizer it ships with
     try:
-        return AutoTokenizer.from_pretrained(
-            resolve_pretrained(name_or_path), use_fast=True, trust_remote_code=False
-        )
+        return AutoTokenizer.from_pretrained(path, use_fast=True, trust_remote_code=False)
     except (OSError, ValueError) as e:
         reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise ELFError(
@@ -87,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         return _run(args)
     except ELFError as e:
-        e.args = (flag_names(str(e)),)
+        e.args = (flag_names(str(e), keep=(args.data, args.out, args.tokenizer, args.encoder)),)
         raise
 
 
