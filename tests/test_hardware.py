@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from elflow import hardware
+from elflow.hardware import slow_bf16_warning, use_bf16
 from elflow.optim import resolve_ns_dtype
 from elflow.run_config import apply_overrides, preset
-from elflow.train import _slow_bf16_warning, use_bf16
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
@@ -57,12 +57,12 @@ def test_cpu_presets_use_auto_and_explicit_bf16_on_emulating_cpu_warns(cpu_bf16)
     cfg = preset("bible-tiny")
     assert (cfg.train.precision, cfg.optim.muon_ns_dtype) == ("auto", "auto")
     cpu_bf16(False)
-    assert _slow_bf16_warning(cfg, CPU) is None
+    assert slow_bf16_warning(cfg.train.precision, cfg.optim.muon_ns_dtype, CPU) is None
     forced = apply_overrides(cfg, sets=["train.precision=bf16", "optim.muon_ns_dtype=bfloat16"])
-    warning = _slow_bf16_warning(forced, CPU)
+    warning = slow_bf16_warning(forced.train.precision, forced.optim.muon_ns_dtype, CPU)
     assert warning is not None and "\n" not in warning
     assert "train.precision and optim.muon_ns_dtype set bf16" in warning
     assert "train.precision=auto and optim.muon_ns_dtype=auto" in warning
-    assert _slow_bf16_warning(forced, CUDA) is None
+    assert slow_bf16_warning(forced.train.precision, forced.optim.muon_ns_dtype, CUDA) is None
     cpu_bf16(True)
-    assert _slow_bf16_warning(forced, CPU) is None
+    assert slow_bf16_warning(forced.train.precision, forced.optim.muon_ns_dtype, CPU) is None

@@ -250,7 +250,7 @@ def test_bad_input_is_one_line(uncond_dir, cond_dir, tmp_path, capsys):
     assert "conditional" in _one_line_error(
         capsys, ["--checkpoint", str(uncond_dir), *out, "--cfg", "2"]
     )
-    assert "time_std" in _one_line_error(
+    assert "--time-std must be positive" in _one_line_error(
         capsys, ["--checkpoint", str(uncond_dir), *out, "--time-std", "0"]
     )
     cfg = elf_tiny(encoder_dim=8, vocab_size=100, max_length=8)

@@ -357,11 +357,11 @@ def test_sigterm_saves_the_finished_step_and_resumes_exactly(tmp_path, assets, m
 def test_stop_signal_leaves_an_ignored_sigint_ignored():
     import signal
 
-    from elflow.train import _StopSignal
+    from elflow.stop import StopSignal
 
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # as under `nohup ... &`
     try:
-        stop = _StopSignal()
+        stop = StopSignal()
         stop.install()
         assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
         assert signal.getsignal(signal.SIGTERM) == stop._handle
@@ -471,9 +471,39 @@ def test_resume_from_another_architecture_is_an_error(tmp_path, assets, capsys):
     errs = error_lines(capsys.readouterr().err)
     assert len(errs) == 1 and "another architecture" in errs[0]
     with pytest.raises(ELFError, match="no checkpoint"):
-        from elflow.train import resolve_resume
+        from elflow.resume import resolve_resume
 
         resolve_resume(tmp_path / "run", str(tmp_path / "nothing-here"))
+
+
+def test_resume_keeps_the_measured_latent_std(tmp_path, assets, capsys, monkeypatch):
+    run = tmp_path / "run"
+    measured = run_config(assets, encoder={"latent_std": 0.0}, train={"max_steps": 3})
+    assert train_cli(tmp_path, run, measured) == 0
+    saved = json.loads((run / "checkpoint-3" / "config.json").read_text())
+    std = saved["run"]["encoder"]["latent_std"]
+    assert std > 0  # measured on the first rows and recorded
+
+    def no_measuring(*args, **kwargs):
+        raise AssertionError("a resume must reuse the saved latent_std")
+
+    monkeypatch.setattr("elflow.train.measure_first_rows_latent_std", no_measuring)
+    measured["train"]["max_steps"] = 6
+    assert train_cli(tmp_path, run, measured) == 0
+    resumed = json.loads((run / "checkpoint-6" / "config.json").read_text())
+    assert resumed["run"]["encoder"]["latent_std"] == resumed["latent_std"] == std
+    # An explicit, different scale would change the latent space mid-run: refused.
+    measured["train"]["max_steps"] = 9
+    measured["encoder"]["latent_std"] = 0.5
+    capsys.readouterr()
+    assert train_cli(tmp_path, run, measured) == 2
+    errs = error_lines(capsys.readouterr().err)
+    assert len(errs) == 1 and f"trained with encoder.latent_std {std}, now 0.5" in errs[0]
+    measured["encoder"] |= {"latent_std": 0.0, "latent_mean": 0.1}
+    assert train_cli(tmp_path, run, measured) == 2
+    errs = error_lines(capsys.readouterr().err)
+    assert len(errs) == 1 and "trained with encoder.latent_mean 0.0, now 0.1" in errs[0]
+    assert not (run / "checkpoint-9").exists()
 
 
 def test_fresh_run_into_another_runs_folder_is_refused(tmp_path, assets, capsys):
@@ -518,9 +548,9 @@ def test_resume_with_another_encoder_layer_is_refused(tmp_path, assets, capsys):
 def test_stop_signal_repeats():
     import signal
 
-    from elflow.train import _StopSignal
+    from elflow.stop import StopSignal
 
-    stop = _StopSignal()
+    stop = StopSignal()
     stop._handle(signal.SIGTERM, None)
     stop._handle(signal.SIGTERM, None)  # launchers often send it twice: still a clean stop
     assert stop.number == signal.SIGTERM and stop.exit_code == 143

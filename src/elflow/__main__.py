@@ -132,7 +132,8 @@ def _run_train(args: argparse.Namespace) -> int:
         if cfg.train.init and cfg.train.init != args.init:
             raise ELFError(f"--init {args.init} and train.init={cfg.train.init} differ; give one")
         cfg = replace(cfg, train=replace(cfg.train, init=args.init))
-    from elflow.train import apply_init, train
+    from elflow.resume import apply_init
+    from elflow.train import train
 
     if cfg.train.init:
         _check_no_architecture(cfg, base)

@@ -15,7 +15,9 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from elflow.config import ModelConfig
 from elflow.errors import ELFError
+from elflow.model import ELF
 
 
 def decay_at(decay: float, warmup: bool, k: int) -> float:
@@ -124,3 +126,13 @@ class EMA:
         self.decay = float(state["decay"])
         self.warmup = bool(state["warmup"])
         self.num_updates = int(state["num_updates"])
+
+
+def ema_network(model_cfg: ModelConfig, ema_state: dict, device: torch.device) -> ELF:
+    """A network in eval mode holding ``ema_state``, built on the meta device: no initialisation,
+    so no time, no host copy and no draws from the global RNG (dropout's, so resume is exact)."""
+    with torch.device("meta"):
+        net = ELF(model_cfg)
+    net = net.to_empty(device=device)
+    net.load_state_dict(ema_state)
+    return net.eval()

@@ -11,7 +11,6 @@ HTML page or a terminal animation. Also runnable as ``python -m elflow.generate`
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import sys
@@ -27,7 +26,7 @@ import torch.distributed as dist
 from elflow.config import SamplerConfig
 from elflow.distributed import DistInfo, setup, teardown
 from elflow.errors import ELFError
-from elflow.hardware import fast_bf16
+from elflow.hardware import bf16_autocast, fast_bf16
 from elflow.paths import input_file, output_file
 from elflow.pipeline import ELFPipeline
 from elflow.sampling import nfe
@@ -164,13 +163,6 @@ def shard(n: int, info: DistInfo) -> range:
     return range(info.rank * n // info.world_size, (info.rank + 1) * n // info.world_size)
 
 
-def autocast(enabled: bool, device: torch.device) -> contextlib.AbstractContextManager:
-    """bf16 autocast around sampling (fast on CUDA and CPUs with native bf16), or nothing."""
-    if not enabled:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
-
-
 def _gather(obj: Any, info: DistInfo) -> list[Any]:
     """Every rank's ``obj`` on rank 0 (in rank order), ``[]`` elsewhere; one process: ``[obj]``."""
     if not (info.distributed and dist.is_initialized()):
@@ -267,7 +259,7 @@ def sample_records(
         batch_sources = None
         if sources is not None:
             batch_sources = [s[source_field] for s in sources[start:stop]]
-        with autocast(bf16, pipe.device):
+        with bf16_autocast(bf16, pipe.device):
             gen = pipe.generate_full(
                 stop - start,
                 sources=batch_sources,

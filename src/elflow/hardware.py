@@ -8,6 +8,7 @@ bf16 matrix products, which is ~100x slower than fp32 (a 1024^2 matmul on an AVX
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from pathlib import Path
@@ -53,3 +54,37 @@ def cpu_has_native_bf16() -> bool:
 def fast_bf16(device: torch.device) -> bool:
     """bf16 is the fast choice on ``device``: any CUDA device, or a CPU with native bf16."""
     return device.type == "cuda" or (device.type == "cpu" and cpu_has_native_bf16())
+
+
+def use_bf16(precision: str, device: torch.device) -> bool:
+    """``train.precision`` on ``device``: 'auto' is bf16 autocast on CUDA and on CPUs with native
+    bf16, fp32 elsewhere."""
+    return precision == "bf16" or (precision == "auto" and fast_bf16(device))
+
+
+def bf16_autocast(bf16: bool, device: torch.device) -> contextlib.AbstractContextManager:
+    """bf16 autocast on ``device`` when ``bf16`` (training, sampling), else a no-op context."""
+    if not bf16:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+
+
+def slow_bf16_warning(precision: str, ns_dtype: str, device: torch.device) -> str | None:
+    """A one-line warning when bf16 was asked for explicitly on a CPU that emulates it."""
+    if device.type != "cpu" or cpu_has_native_bf16():
+        return None
+    asked = [
+        name
+        for name, value in (
+            ("train.precision", precision),
+            ("optim.muon_ns_dtype", ns_dtype),
+        )
+        if value in ("bf16", "bfloat16")
+    ]
+    if not asked:
+        return None
+    return (
+        f"elflow train: warning: {' and '.join(asked)} set bf16, which this CPU emulates "
+        "(no AVX-512 BF16/AMX/Arm BF16): steps run several times slower than fp32; set "
+        f"{'=auto and '.join(asked)}=auto to use fp32 here"
+    )

@@ -17,8 +17,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from elflow.distributed import all_reduce_sum
-from elflow.objective import Batch
+from elflow.batches import make_batch
+from elflow.data.latent_cache import LatentCache
+from elflow.data.rows import RowDataset, build_dataset
+from elflow.distributed import DistInfo, all_reduce_sum
+from elflow.ema import ema_network
+from elflow.errors import ELFError
+from elflow.objective import Batch, TrainForward
+from elflow.run_config import RunConfig
 
 BatchMaker = Callable[[np.ndarray, np.ndarray], Batch]
 """(row indices into the split's rows, draw keys) -> Batch."""
@@ -98,3 +104,59 @@ def heldout_loss(
         f"{split.name}_l2": l2_sum / max(l2_n, 1.0),
         f"{split.name}_ce": ce_sum / max(ce_n, 1.0),
     }
+
+
+def valid_rows(cfg: RunConfig, tokenizer, pad_id: int, info: DistInfo) -> RowDataset | None:
+    """The rows of ``data.valid_path`` (None without one), read at start-up so that a bad path
+    or bad data is an error before any encoding. With ``train.eval_every=0`` nothing uses them,
+    so they are not read (a line says so)."""
+    if not cfg.data.valid_path:
+        return None
+    if not cfg.train.eval_every:  # unused, so not read (a Hub dataset would be downloaded)
+        if info.is_main:
+            print("elflow train: data.valid_path is not used, as train.eval_every=0", flush=True)
+        return None
+    L = cfg.model.max_length
+    valid = build_dataset(cfg.data, tokenizer, L, cfg.max_input_length, pad_id, "valid")
+    if len(valid) == 0:
+        raise ELFError(
+            f"validation data {cfg.data.valid_path!r} yields no rows; fix data.valid_path"
+        )
+    return valid
+
+
+def heldout_splits(cfg, valid, dataset, encoder, info, chunk) -> list[HeldOutSplit]:
+    """The splits ``train.eval_every`` evaluates: the fixed validation rows (`valid`, from
+    ``data.valid_path``, or None) and training rows, with their latents cached once when the run
+    caches."""
+    sources = [("train_rows", dataset)]
+    if valid is not None:
+        sources.insert(0, ("valid", valid))
+    elif info.is_main:
+        print(
+            "elflow train: no data.valid_path, so the held-out loss covers training rows only",
+            flush=True,
+        )
+    splits = []
+    for name, data in sources:
+        rows, keys = spread_rows(len(data), cfg.train.eval_rows, info.rank, info.world_size)
+        subset = RowSubset(data, rows)
+        cache = None
+        if cfg.data.latent_cache and len(subset):
+            cache = LatentCache.build(subset, encoder, dtype=cfg.data.latent_cache_dtype)
+
+        def make(idx, keys, subset=subset, cache=cache):
+            return make_batch(cfg, subset, cache, encoder, info.device, idx, keys)
+
+        splits.append(HeldOutSplit(name, make, keys, chunk))
+    return splits
+
+
+def heldout_scores(splits, model_cfg, ema, objective, autocast, info) -> dict[str, float]:
+    """The held-out losses of the EMA weights, in a network built for the occasion."""
+    net = ema_network(model_cfg, ema.state_dict_for_save(), info.device)  # collective: FSDP2
+    net.requires_grad_(False)
+    metrics: dict[str, float] = {}
+    for split in splits:
+        metrics |= heldout_loss(objective, TrainForward(net), split, info.device, autocast)
+    return metrics

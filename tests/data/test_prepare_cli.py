@@ -103,6 +103,10 @@ def test_errors_name_the_flags(tokenizer, tmp_path, capsys):
     assert flag_names("max_length:1: bad; set data.path", keep=("max_length",)) == (
         "max_length:1: bad; set --data"
     )
+    # A short user value (--out data, --data a) does not stop a setting around it being named.
+    assert flag_names("data.path 'x' and out_dir", keep=("data", "out", "a")) == (
+        "--data 'x' and --out"
+    )
 
 
 def test_a_data_file_named_like_a_key_keeps_its_name(tokenizer, tmp_path, capsys, monkeypatch):

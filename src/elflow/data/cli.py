@@ -45,15 +45,17 @@ _SETTING = re.compile(
 def flag_names(message: str, keep: tuple[str, ...] = ()) -> str:
     """`message` with the settings it names written as `elflow prepare` flags.
 
-    The strings in `keep` (the user's own paths and names) are left as they are, even one that
-    happens to spell a key (a data file called `data.path`).
+    A setting inside one of the `keep` strings (the user's own paths and names) is left as it is:
+    a data file called `data.path` keeps its name.
     """
-    keep = tuple(sorted({k for k in keep if k}, key=len, reverse=True))
-    if not keep:
-        return _SETTING.sub(lambda m: FLAGS[m.group(1)], message)
-    pieces = re.split("(" + "|".join(map(re.escape, keep)) + ")", message)
-    # re.split with one group: the kept strings sit at the odd indices.
-    return "".join(p if i % 2 else flag_names(p) for i, p in enumerate(pieces))
+    kept = [m.span() for k in keep if k for m in re.finditer(re.escape(k), message)]
+
+    def flag(m: re.Match) -> str:
+        if any(a <= m.start() and m.end() <= b for a, b in kept):
+            return m.group(0)
+        return FLAGS[m.group(1)]
+
+    return _SETTING.sub(flag, message)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

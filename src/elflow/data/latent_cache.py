@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +28,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
+from elflow.data.config import DataConfig
 from elflow.data.rows import RowDataset
 from elflow.encoder import FrozenEncoder
 from elflow.errors import ELFError
@@ -150,3 +152,39 @@ class LatentCache:
                 raise ELFError("label drop needs a conditional dataset's latent cache")
             x[drop] = self.dropped[idx[drop]].float()
         return x
+
+
+CACHE_FILE = "latent-cache.safetensors"
+
+
+def run_latent_cache(
+    cfg: DataConfig, dataset, encoder: FrozenEncoder, out: Path, is_main: bool
+) -> LatentCache:
+    """Load the latent cache in run folder ``out`` when its key matches, else build (and save) it.
+
+    Every rank builds or loads its own copy; rank 0 writes the file. A failed write only costs
+    the next start its rebuild, so it is a warning, not an error.
+    """
+    dtype = cfg.latent_cache_dtype
+    path = out / CACHE_FILE
+    key = cache_key(dataset, encoder, dtype) if cfg.latent_cache_save else ""
+    cache = LatentCache.load(path, key) if key else None
+    if cache is not None:
+        if is_main:
+            print(f"elflow train: latent cache loaded from {path}", flush=True)
+        return cache
+    t0 = time.perf_counter()
+    cache = LatentCache.build(dataset, encoder, dtype=dtype)
+    if key and is_main:
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            cache.save(path, key)
+            saved = f"; saved to {path}"
+        except (OSError, SafetensorError) as e:
+            saved = f"; not saved ({str(e).splitlines()[0]})"
+        print(
+            f"elflow train: latent cache of {len(cache)} rows built in "
+            f"{time.perf_counter() - t0:.0f} s{saved}",
+            flush=True,
+        )
+    return cache

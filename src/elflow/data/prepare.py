@@ -17,9 +17,10 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from elflow.data.config import DataConfig
-from elflow.data.rows import RowDataset
+from elflow.data.rows import RowDataset, read_meta
 from elflow.data.sources import PREPARED_MARKER, resolve_source
 from elflow.data.tables import token_dtype, tokenize_source
 from elflow.encoder import FrozenEncoder, measure_latent_std
@@ -149,3 +150,29 @@ def measure_rows_latent_std(
         rows.get_batch(sample[i : i + LATENT_STD_BATCH]) for i in range(0, n, LATENT_STD_BATCH)
     )
     return measure_latent_std(encoder, batches)
+
+
+def prepared_latent_std(data_path: str, encoder: str, layer: int) -> float:
+    """latent_std measured by ``elflow prepare --encoder`` (0 when absent or another encoder)."""
+    path = Path(data_path)
+    if not (path / "meta.json").is_file():
+        return 0.0
+    meta = read_meta(path)
+    if meta.get("latent_std_encoder") != encoder or layer:
+        return 0.0  # prepare measures the encoder's output only
+    return float(meta.get("latent_std") or 0.0)
+
+
+@torch.no_grad()
+def measure_first_rows_latent_std(encoder: FrozenEncoder, dataset, device: torch.device) -> float:
+    """latent_std over the first rows, for data that `elflow prepare` did not measure (spec §10)."""
+    n = min(LATENT_STD_ROWS, len(dataset))
+    rows = dataset.get_rows(np.arange(n))
+    batches = []
+    for start in range(0, n, LATENT_STD_BATCH):
+        sl = slice(start, start + LATENT_STD_BATCH)
+        batch = {k: torch.from_numpy(v[sl]).to(device) for k, v in rows.items()}
+        if not dataset.conditional:
+            batch.pop("cond_mask", None)
+        batches.append(batch)
+    return float(measure_latent_std(encoder, batches))

@@ -1,0 +1,149 @@
+"""Starting a run from earlier weights: resuming a run, or fine-tuning a model (``train.init``).
+
+A resume continues the same run bitwise, so it must see the same init, architecture, encoder and
+latent scale, global batch, seed and number of rows (the data order and every draw depend on
+them); anything else is refused with a one-line error that says how to start a new run instead.
+A fine-tune takes the init model's architecture, encoder, tokenizer and latent normalisation,
+since its weights only make sense in its own latent space.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+from torch import Tensor
+
+from elflow import checkpoint as ckpt_io
+from elflow.artifact import ArtifactConfig, load_resolved, resolve_source
+from elflow.errors import ELFError
+from elflow.pipeline import load_tokenizer
+from elflow.run_config import EncoderConfig, RunConfig, run_config_from_dict
+from elflow.tokens import vocab_hash
+
+
+def resolve_resume(out: Path, resume: str | None) -> Path | None:
+    """``resume``: None/'auto' (latest checkpoint in ``out`` if any), 'never', or a path."""
+    if resume in (None, "auto"):
+        return ckpt_io.find_checkpoint(out) if out.exists() else None
+    if resume == "never":
+        return None
+    found = ckpt_io.find_checkpoint(Path(resume))
+    if found is None:
+        raise ELFError(f"--resume {resume}: no checkpoint-<step> with state.json there")
+    return found
+
+
+def apply_init(cfg: RunConfig) -> tuple[RunConfig, dict[str, Tensor], ArtifactConfig]:
+    """Fine-tuning: load ``cfg.train.init`` (EMA weights when present) and take its architecture
+    (all but max_length, which only bounds the rotary positions), encoder, encoder layer, tokenizer
+    and latent normalisation, since its weights only make sense in its own latent space. Data,
+    objective, optimiser, sampler and task stay ``cfg``'s."""
+    resolved = resolve_source(cfg.train.init)
+    model, source = load_resolved(resolved, use_ema=True, device="cpu", task=None)
+    state = {k: v.detach().float() for k, v in model.state_dict().items()}
+    encoder = EncoderConfig.of_model(source, _init_tokenizer(source, resolved.path / "tokenizer"))
+    arch = replace(source.model, max_length=cfg.model.max_length)
+    return replace(cfg, model=arch, encoder=encoder), state, source
+
+
+def absolute_init(cfg: RunConfig) -> RunConfig:
+    """``train.init`` as an absolute path when it is a local one (a resume may start elsewhere)."""
+    path = Path(cfg.train.init).expanduser()
+    if not cfg.train.init or not path.exists():
+        return cfg
+    return replace(cfg, train=replace(cfg.train, init=str(path.resolve())))
+
+
+def same_init(a: str, b: str) -> bool:
+    """The same model source, also when one is a relative path (moved since) and one absolute."""
+    if a == b:
+        return True
+    return bool(a and b) and Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
+
+
+def _init_tokenizer(source: ArtifactConfig, shipped: Path) -> str:
+    """The tokenizer the init names when it loads here with the recorded vocabulary, else the
+    model folder's own ``tokenizer/`` files (by absolute path), else the name (checked later)."""
+    if not shipped.is_dir():
+        return source.tokenizer
+    try:
+        if source.tokenizer_hash in (None, vocab_hash(load_tokenizer(source.tokenizer))):
+            return source.tokenizer
+    except (ELFError, OSError, ValueError):
+        pass
+    return str(shipped.resolve())
+
+
+def resumed_settings(cfg: RunConfig, ckpt: Path) -> RunConfig:
+    """``cfg`` with what the run saved in ``ckpt`` was started with and a resume must not redo.
+
+    A fine-tune's architecture and encoder came from its init, which a resume does not load again.
+    A latent_std that was measured (``encoder.latent_std=0``, the CPU presets) is the saved one,
+    not measured anew: the latent space, and the latent cache keyed by it, stay exactly the run's
+    (a new measurement on another machine can differ in the last bits).
+    """
+    saved = run_config_from_dict(ckpt_io.read_run_config(ckpt))
+    if cfg.train.init and same_init(saved.train.init, cfg.train.init):
+        model = replace(saved.model, max_length=cfg.model.max_length)
+        return replace(cfg, model=model, encoder=saved.encoder)
+    if not cfg.encoder.latent_std and saved.encoder.latent_std:
+        return replace(cfg, encoder=replace(cfg.encoder, latent_std=saved.encoder.latent_std))
+    return cfg  # a different init is refused by check_resumable
+
+
+def check_resumable(cfg: RunConfig, ckpt: Path) -> None:
+    """A resume must continue the same run: init, architecture, encoder and latent scale, global
+    batch and seed."""
+    saved = run_config_from_dict(ckpt_io.read_run_config(ckpt))
+    if not same_init(saved.train.init, cfg.train.init):
+        raise ELFError(
+            f"cannot resume {ckpt}: it was started from train.init {saved.train.init or 'none'!r}, "
+            f"now {cfg.train.init or 'none'!r}; give the same --init or use a new --out"
+        )
+    if saved.model != replace(
+        cfg.model, encoder_dim=saved.model.encoder_dim, vocab_size=saved.model.vocab_size
+    ):
+        raise ELFError(
+            f"cannot resume {ckpt}: it holds another architecture ({saved.model}); "
+            "use a new --out or the same model settings"
+        )
+    if (saved.encoder.name, saved.encoder.layer) != (cfg.encoder.name, cfg.encoder.layer):
+        raise ELFError(
+            f"cannot resume {ckpt}: it was trained on encoder {saved.encoder.name!r} layer "
+            f"{saved.encoder.layer}, now {cfg.encoder.name!r} layer {cfg.encoder.layer}; "
+            "use the same encoder settings or a new --out"
+        )
+    if saved.encoder.latent_mean != cfg.encoder.latent_mean:
+        raise ELFError(
+            f"cannot resume {ckpt}: it was trained with encoder.latent_mean "
+            f"{saved.encoder.latent_mean}, now {cfg.encoder.latent_mean}; set "
+            f"encoder.latent_mean={saved.encoder.latent_mean} or use a new --out"
+        )
+    if saved.encoder.latent_std and cfg.encoder.latent_std != saved.encoder.latent_std:
+        raise ELFError(
+            f"cannot resume {ckpt}: it was trained with encoder.latent_std "
+            f"{saved.encoder.latent_std}, now {cfg.encoder.latent_std}; the latent scale must not "
+            f"change within a run — set encoder.latent_std={saved.encoder.latent_std} (or 0) or "
+            "use a new --out"
+        )
+    for key in ("global_batch", "seed"):
+        old, new = getattr(saved.train, key), getattr(cfg.train, key)
+        if old != new:
+            raise ELFError(
+                f"cannot resume {ckpt}: train.{key} was {old}, now {new}; the data order and "
+                f"draws depend on it — set train.{key}={old} or use a new --out"
+            )
+
+
+def check_same_rows(ckpt: Path, state: dict, rows: int) -> None:
+    """The data order is a function of the row count: a resume must see the same rows."""
+    saved = state.get("rows")
+    if saved is None and state.get("epoch"):  # checkpoints from before "rows" was written
+        saved = round(state["examples_seen"] / state["epoch"])
+    if saved is not None and saved != rows:
+        raise ELFError(
+            f"cannot resume {ckpt}: it was trained on {saved} rows, the data now gives {rows}; "
+            "the data order depends on it — restore that data, or start a new --out "
+            "(with --init to continue from its weights)"
+        )

@@ -1,0 +1,142 @@
+"""What a training run reports: metrics, the progress bar and periodic samples (rank 0 only).
+
+Metrics go to ``OUT/metrics.jsonl`` always (one JSON object per logging step: the step's losses,
+lr, gradient norm, tokens/s, epoch; or the held-out losses), to TensorBoard when it is installed
+and ``train.tensorboard`` is on, and to wandb when ``train.wandb`` asks for it. Samples of the
+EMA weights go to ``OUT/samples/``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from elflow.distributed import DistInfo
+from elflow.ema import ema_network
+from elflow.errors import ELFError
+from elflow.run_config import RunConfig, run_config_to_dict
+from elflow.sampling import Condition, sample, sample_generators
+from elflow.tokens import detokenize, shift_out_source, token_spec
+
+
+class MetricsLogger:
+    """Rank-0 metrics: JSONL always, TensorBoard when installed, wandb when asked."""
+
+    def __init__(self, out: Path, cfg: RunConfig, enabled: bool) -> None:
+        self.enabled = enabled
+        self.tb = self.wandb = None
+        if not enabled:
+            return
+        self.jsonl = (out / "metrics.jsonl").open("a")
+        if cfg.train.tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(str(out / "tensorboard"))
+            except ImportError:
+                self.tb = None
+        if cfg.train.wandb:
+            try:
+                import wandb
+            except ImportError:
+                raise ELFError(
+                    "train.wandb is on but wandb is not installed: pip install wandb"
+                ) from None
+            self.wandb = wandb.init(project="elflow", config=run_config_to_dict(cfg))
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
+        self.jsonl.flush()
+        if self.tb is not None:
+            for k, v in metrics.items():
+                self.tb.add_scalar(k, v, step)
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=step)
+
+    def close(self) -> None:
+        if self.enabled:
+            self.jsonl.close()
+            if self.tb is not None:
+                self.tb.close()
+
+
+class Progress:
+    """The rank-0 progress bar (tqdm) of a training run; a no-op on the other ranks."""
+
+    def __init__(self, bar) -> None:
+        self.bar = bar
+
+    def update(self, done: int, line: dict[str, Any]) -> None:
+        if self.bar is None:
+            return
+        self.bar.n = done
+        self.bar.set_postfix(
+            loss=f"{line['loss']:.4f}",
+            l2=f"{line['l2']:.4f}",
+            ce=f"{line['ce']:.3f}",
+            lr=f"{line['lr']:.2e}",
+            gnorm=f"{line['grad_norm']:.2f}",
+            tok_s=f"{line['tokens_per_s']:.0f}",
+            refresh=False,
+        )
+        self.bar.refresh()
+
+    def note(self, text: str) -> None:
+        """A line above the bar (stdout)."""
+        if self.bar is None:
+            print(text, flush=True)
+        else:
+            self.bar.write(text, file=sys.stdout)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def progress_bar(info: DistInfo, start: int, total: int) -> Progress:
+    if not info.is_main:
+        return Progress(None)
+    from tqdm import tqdm
+
+    return Progress(tqdm(total=total, initial=start, desc="train", dynamic_ncols=True))
+
+
+def write_samples(out, step, model_cfg, ema, artifact, cfg, tokenizer, dataset, encoder, info):
+    """Every ``train.sample_every`` steps: samples of the EMA weights, printed and written to
+    ``OUT/samples/step-<k>.jsonl`` (seeded by ``train.seed``; no global random numbers)."""
+    ema_state = ema.state_dict_for_save()  # collective under FSDP2
+    if not info.is_main or cfg.train.num_samples == 0:
+        return
+    net = ema_network(model_cfg, ema_state, info.device)
+    spec = token_spec(tokenizer)
+    n = cfg.train.num_samples
+    gens = sample_generators(cfg.train.seed, range(n), info.device)
+    cond, cond_mask = None, None
+    if dataset.conditional:
+        rows = dataset.get_rows(np.arange(min(n, len(dataset))))
+        ids = torch.from_numpy(rows["input_ids"]).to(info.device)
+        cond_mask = torch.from_numpy(rows["cond_mask"]).to(info.device)
+        src = ids.masked_fill(cond_mask == 0, spec.pad_id)
+        cond = Condition(encoder(src, cond_mask, cond_mask), cond_mask)
+        gens = gens[: len(ids)]
+    result = sample(
+        net, gens, model_cfg.max_length, cfg.sampler, artifact.noise_scale, artifact.t_eps, cond
+    )
+    tokens = result.tokens
+    if cond_mask is not None:
+        keep = model_cfg.max_length - cfg.max_input_length
+        tokens = shift_out_source(tokens, cond_mask, keep, spec.pad_id)
+    texts = detokenize(tokenizer, tokens, spec.eos_id, spec.pad_id)
+    folder = out / "samples"
+    folder.mkdir(exist_ok=True)
+    with (folder / f"step-{step}.jsonl").open("w") as f:
+        for i, text in enumerate(texts):
+            f.write(json.dumps({"id": i, "step": step, "text": text}) + "\n")
+    print(f"\n[samples @ step {step}]", *(f"  {i}: {t}" for i, t in enumerate(texts)), sep="\n")
