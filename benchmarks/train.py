@@ -105,16 +105,16 @@ def matmul_rates(n: int = 1024, reps: int = 3) -> dict:
 
 def newton_schulz_seconds(shape: tuple[int, int] = (30522, 384), reps: int = 3) -> dict:
     """Seconds per fp32 Newton–Schulz of one ``shape`` matrix: Gram form and direct iteration."""
-    from elflow import optim
+    from elflow import muon
 
     grad = torch.randn(*shape)
     out = {}
-    for name, ratio in (("gram", optim.GRAM_RATIO), ("direct", math.inf)):
-        args = (grad, optim.NS_COEFFICIENTS, 5, optim.NS_EPS, torch.float32, ratio)
-        optim._newton_schulz(*args)
+    for name, ratio in (("gram", muon.GRAM_RATIO), ("direct", math.inf)):
+        args = (grad, muon.NS_COEFFICIENTS, 5, muon.NS_EPS, torch.float32, ratio)
+        muon._newton_schulz(*args)
         t0 = time.perf_counter()
         for _ in range(reps):
-            optim._newton_schulz(*args)
+            muon._newton_schulz(*args)
         out[f"{name}_s"] = (time.perf_counter() - t0) / reps
     return out
 

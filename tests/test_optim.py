@@ -11,12 +11,10 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from elflow.checkpoint import restore_optimizer
 from elflow.errors import ELFError
+from elflow.muon import NS_COEFFICIENTS, NS_EPS, ShardedMuon
 from elflow.optim import (
-    NS_COEFFICIENTS,
-    NS_EPS,
     CombinedOptimizer,
     OptimConfig,
-    ShardedMuon,
     build_optimizer,
     learning_rate,
     param_groups,
@@ -263,7 +261,7 @@ def test_fp32_newton_schulz_orthogonalises():
 @pytest.mark.parametrize("shape", [(40, 200), (200, 40), (16, 64)])
 @pytest.mark.parametrize("rank", [None, 3])
 def test_wide_fp32_newton_schulz_runs_on_the_gram_matrix_as_exactly_as_directly(shape, rank):
-    from elflow import optim
+    from elflow import muon
 
     g = torch.Generator().manual_seed(0)
     grad = torch.randn(*shape, generator=g)
@@ -273,7 +271,7 @@ def test_wide_fp32_newton_schulz_runs_on_the_gram_matrix_as_exactly_as_directly(
 
     def ns(x, dtype, ratio):
         with FlopCounterMode(display=False) as flops:
-            out = optim._newton_schulz(x, NS_COEFFICIENTS, 5, NS_EPS, dtype, ratio).double()
+            out = muon._newton_schulz(x, NS_COEFFICIENTS, 5, NS_EPS, dtype, ratio).double()
         return out, flops.get_total_flops()
 
     direct, direct_flops = ns(grad, torch.float32, 10**9)

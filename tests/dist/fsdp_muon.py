@@ -118,7 +118,7 @@ def run_direct(make_param, make_grad, opt_cls: type) -> list[Tensor]:
 def _direct(mesh) -> dict[str, object]:
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from elflow.optim import ShardedMuon
+    from elflow.muon import ShardedMuon
 
     def shard(t: Tensor) -> Tensor:
         return distribute_tensor(t, mesh, [Shard(0)])
