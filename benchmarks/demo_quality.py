@@ -32,7 +32,7 @@ from elflow.evaluation import load_judge
 from elflow.evaluation.copying import copies, ngram_set
 from elflow.model import build_model
 from elflow.pipeline import ELFPipeline
-from elflow.run_config import shared_data
+from elflow.presets import shared_data
 from quality import score, timed_generate
 
 

@@ -24,7 +24,7 @@ import torch
 from elflow.encoder import FrozenEncoder
 from elflow.flow import interpolate
 from elflow.pipeline import load_tokenizer
-from elflow.run_config import shared_data
+from elflow.presets import shared_data
 from elflow.tokens import build_unconditional_row, token_spec, tokenize
 
 

@@ -24,7 +24,8 @@ from elflow.distill_train import teacher_objective
 from elflow.heldout import HeldOutSplit, RowSubset, heldout_loss, spread_rows
 from elflow.objective import TrainForward, elf_loss, sample_draws_keyed
 from elflow.pipeline import ELFPipeline, model_encoder
-from elflow.run_config import EncoderConfig, preset
+from elflow.presets import preset
+from elflow.run_config import EncoderConfig
 from elflow.train import ELFObjective
 
 BANDS = (0.0, 0.1, 0.2, 0.3, 0.5, 1.0)

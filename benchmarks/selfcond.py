@@ -23,7 +23,7 @@ import torch
 
 from elflow.flow import interpolate
 from elflow.pipeline import ELFPipeline, model_encoder
-from elflow.run_config import shared_data
+from elflow.presets import shared_data
 
 
 def main() -> None:

@@ -128,7 +128,7 @@ def cache_speedup(batches: int = 3) -> dict:
 
     from elflow.data.latent_cache import LatentCache
     from elflow.encoder import FrozenEncoder, resolve_pretrained
-    from elflow.run_config import shared_data
+    from elflow.presets import shared_data
 
     tok = AutoTokenizer.from_pretrained(resolve_pretrained("minilm"))
     enc = FrozenEncoder.from_pretrained("minilm", latent_std=0.358)

@@ -8,11 +8,10 @@ import pytest
 
 from elflow.errors import ELFError
 from elflow.optim import peak_lr
+from elflow.presets import PRESETS, preset
 from elflow.run_config import (
-    PRESETS,
     apply_overrides,
     override_keys,
-    preset,
     run_config_from_dict,
     run_config_to_dict,
 )

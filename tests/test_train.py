@@ -636,7 +636,8 @@ def test_init_errors_are_one_line(tmp_path, assets, capsys):
     assert main([*argv, "--print-config"]) == 0
     assert json.loads(capsys.readouterr().out)["model"]["hidden_size"] == 32
     from elflow.distill_train import distill
-    from elflow.run_config import apply_overrides, preset
+    from elflow.presets import preset
+    from elflow.run_config import apply_overrides
 
     with pytest.raises(ELFError, match="no use in distillation"):
         distill(

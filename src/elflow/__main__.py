@@ -124,7 +124,8 @@ def _add_train(p: argparse.ArgumentParser) -> None:
 
 
 def _run_train(args: argparse.Namespace) -> int:
-    from elflow.run_config import apply_overrides, preset, run_config_to_dict
+    from elflow.presets import preset
+    from elflow.run_config import apply_overrides, run_config_to_dict
 
     base = preset(args.preset)
     cfg = apply_overrides(base, args.config, args.set)

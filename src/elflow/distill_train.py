@@ -32,12 +32,12 @@ from elflow.ema import initial_share
 from elflow.errors import ELFError
 from elflow.model import ELF
 from elflow.objective import Batch
+from elflow.presets import preset
 from elflow.run_config import (
     EncoderConfig,
     RunConfig,
     apply_overrides,
     override_keys,
-    preset,
     run_config_from_dict,
 )
 from elflow.train import StepLoss, train

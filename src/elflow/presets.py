@@ -1,0 +1,206 @@
+"""Named starting points for a run: the paper's five and the CPU presets (ELF_SPEC §3, §4, §10).
+
+The paper's (``owt-b/m/l``, ``de-en-b``, ``xsum-b``) carry the released settings: T5-small,
+latent_std 0.2, batch 512, EMA 0.9999. The CPU presets (``bible-tiny``, ``de-en-tiny``,
+``summ-tiny``) train on the offline data sets with the offline MiniLM encoder, a measured
+latent_std, a latent cache and an EMA suited to a few thousand steps (README "Configuration and
+presets"). ``--config``/``--set`` then override any key (:func:`elflow.run_config.apply_overrides`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from elflow.artifact import T5_SMALL
+from elflow.config import (
+    ModelConfig,
+    ObjectiveConfig,
+    SamplerConfig,
+    elf_b,
+    elf_l,
+    elf_m,
+    elf_small,
+)
+from elflow.data.config import DataConfig
+from elflow.errors import ELFError
+from elflow.optim import OptimConfig
+from elflow.run_config import EncoderConfig, RunConfig, TrainConfig
+
+
+def shared_data(*parts: str) -> str:
+    """A file of the offline data: ``$ELFLOW_SHARED_DATA`` or the repo's ``../shared/data``."""
+    root = os.environ.get("ELFLOW_SHARED_DATA")
+    base = Path(root) if root else Path(__file__).resolve().parents[3] / "shared" / "data"
+    return str(base.joinpath(*parts))
+
+
+def _paper(model: ModelConfig, steps: int = 32, gamma: float = 1.5) -> RunConfig:
+    """OpenWebText, T5-small, L 1024, batch 512, blr 1e-3 (lr 2e-3), warm-up half an epoch."""
+    return RunConfig(
+        model=replace(model, max_length=1024),
+        objective=ObjectiveConfig(),
+        sampler=SamplerConfig(steps=steps, sampler="sde", gamma=gamma, w=3.0),
+        data=DataConfig(packing=False),
+        optim=OptimConfig(blr=1e-3),
+        train=TrainConfig(global_batch=512, warmup_epochs=0.5, ema_decay=0.9999),
+        encoder=EncoderConfig(name=T5_SMALL, latent_std=0.2),
+    )
+
+
+def owt_b() -> RunConfig:
+    """ELF-B on OpenWebText (paper: 32-step SDE gamma 1.5, w 3)."""
+    return replace(_paper(elf_b()), preset="owt-b")
+
+
+def owt_m() -> RunConfig:
+    """ELF-M on OpenWebText (64-step SDE gamma 1.0)."""
+    return replace(_paper(elf_m(), steps=64, gamma=1.0), preset="owt-m")
+
+
+def owt_l() -> RunConfig:
+    """ELF-L on OpenWebText (64-step SDE gamma 1.0); FSDP2 recommended."""
+    return replace(_paper(elf_l(), steps=64, gamma=1.0), preset="owt-l")
+
+
+def _seq2seq(max_input_length: int, max_length: int, name: str) -> RunConfig:
+    """Translation/summarisation: pad with EOS, sigma_d 1, label drop 0.1, warm-up 5000 steps."""
+    return RunConfig(
+        model=elf_b(max_length=max_length),
+        objective=ObjectiveConfig(decoder_noise_scale=1.0, label_drop_prob=0.1, pad_with_eos=True),
+        sampler=SamplerConfig(steps=64, sampler="ode", gamma=0.0, w=1.0, cfg=2.0),
+        data=DataConfig(format="pairs"),
+        optim=OptimConfig(blr=1e-3, warmup_steps=5000),
+        train=TrainConfig(global_batch=512, ema_decay=0.9999),
+        encoder=EncoderConfig(name=T5_SMALL, latent_std=0.2),
+        task="conditional",
+        max_input_length=max_input_length,
+        preset=name,
+    )
+
+
+def de_en_b() -> RunConfig:
+    """ELF-B on WMT14 De-En: 64 + 64 tokens (paper: 64-step ODE, CFG 2, w 1)."""
+    return _seq2seq(64, 128, "de-en-b")
+
+
+def xsum_b() -> RunConfig:
+    """ELF-B on XSum: 1024 + 64 tokens."""
+    return _seq2seq(1024, 1088, "xsum-b")
+
+
+def _cpu(model: ModelConfig, data: DataConfig, name: str, **kw: Any) -> RunConfig:
+    """CPU presets: MiniLM encoder (offline), latent_std measured, latent cache, short-run EMA."""
+    base = dict(
+        model=model,
+        objective=ObjectiveConfig(),
+        sampler=SamplerConfig(steps=32, sampler="sde", gamma=1.5, w=3.0),
+        data=data,
+        # auto: bf16 autocast and bf16 Newton-Schulz on CPUs with native bf16 (1.8x faster steps),
+        # fp32 on the others, where emulated bf16 is ~8x slower (README "Precision").
+        optim=OptimConfig(lr=2e-3, warmup_steps=200, muon_ns_dtype="auto"),
+        train=TrainConfig(
+            global_batch=64,
+            precision="auto",
+            max_steps=10000,
+            ema_decay=0.999,
+            ema_warmup=True,
+            save_every=500,
+            log_every=20,
+            sample_every=1000,
+            eval_every=500,
+        ),
+        encoder=EncoderConfig(name="minilm", latent_std=0.0),
+        preset=name,
+    )
+    base.update(kw)
+    return RunConfig(**base)
+
+
+def bible_tiny() -> RunConfig:
+    """World English Bible, one verse per row (L 64), D 256 x 6 blocks (see README)."""
+    data = DataConfig(
+        path=shared_data("web_bible", "train.jsonl.gz"),
+        valid_path=shared_data("web_bible", "valid.jsonl.gz"),
+        format="jsonl",
+        text_field="text",
+        packing=False,
+        latent_cache=True,
+    )
+    # NOTE: rows are padded with EOS ([SEP]) and the padding is trained on, as the paper does for
+    # its seq2seq tasks, so the model learns where a verse ends. With [PAD] padding masked out of
+    # the loss, samples never ended (mean length 62 of 64 after 3000 steps).
+    cfg = _cpu(
+        elf_small(max_length=64), data, "bible-tiny", objective=ObjectiveConfig(pad_with_eos=True)
+    )
+    # 7000 steps (12.5 epochs): the lr holds at 2e-3 for 5000, then decays linearly to 0 over the
+    # last 2000 (the demo model's run; README "The demo model").
+    return replace(
+        cfg,
+        optim=replace(cfg.optim, schedule="wsd", decay_steps=2000),
+        train=replace(cfg.train, max_steps=7000),
+    )
+
+
+def de_en_tiny() -> RunConfig:
+    """Debian descriptions German -> English (32 + 32 tokens)."""
+    data = DataConfig(
+        path=shared_data("ddtp_de_en", "train.jsonl.gz"),
+        valid_path=shared_data("ddtp_de_en", "valid.jsonl.gz"),
+        format="pairs",
+        source_field="de",
+        target_field="en",
+        latent_cache=True,
+    )
+    return _cpu(
+        elf_small(max_length=64),
+        data,
+        "de-en-tiny",
+        objective=ObjectiveConfig(decoder_noise_scale=1.0, label_drop_prob=0.1, pad_with_eos=True),
+        sampler=SamplerConfig(steps=32, sampler="ode", gamma=0.0, w=1.0, cfg=2.0),
+        task="conditional",
+        max_input_length=32,
+    )
+
+
+def summ_tiny() -> RunConfig:
+    """Debian long description -> synopsis (96 + 32 tokens)."""
+    data = DataConfig(
+        path=shared_data("ddtp_summ", "train.jsonl.gz"),
+        valid_path=shared_data("ddtp_summ", "valid.jsonl.gz"),
+        format="pairs",
+        source_field="document",
+        target_field="summary",
+        latent_cache=True,
+    )
+    return _cpu(
+        elf_small(max_length=128),
+        data,
+        "summ-tiny",
+        objective=ObjectiveConfig(decoder_noise_scale=1.0, label_drop_prob=0.1, pad_with_eos=True),
+        sampler=SamplerConfig(steps=32, sampler="ode", gamma=0.0, w=1.0, cfg=2.0),
+        task="conditional",
+        max_input_length=96,
+    )
+
+
+PRESETS: dict[str, Callable[[], RunConfig]] = {
+    "owt-b": owt_b,
+    "owt-m": owt_m,
+    "owt-l": owt_l,
+    "de-en-b": de_en_b,
+    "xsum-b": xsum_b,
+    "bible-tiny": bible_tiny,
+    "de-en-tiny": de_en_tiny,
+    "summ-tiny": summ_tiny,
+}
+
+
+def preset(name: str) -> RunConfig:
+    """A registered preset by name (one-line error listing the choices)."""
+    if name not in PRESETS:
+        raise ELFError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+    return PRESETS[name]()
