@@ -244,3 +244,12 @@ def test_unforeseen_os_errors_are_one_line(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(cli.COMMANDS, "info", (*cli.COMMANDS["info"][:2], boom))
     code, err = run_cli(capsys, "info", "x")
     assert code == 2 and err == f"elflow: error: {tmp_path}: Is a directory"
+
+
+def test_version_is_the_installed_package_version(capsys):
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as stop:
+        main(["--version"])
+    assert stop.value.code == 0
+    assert capsys.readouterr().out.strip() == f"elflow {version('elflow')}"

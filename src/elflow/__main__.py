@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import fields, replace
 from pathlib import Path
 
+from elflow import __version__
 from elflow.errors import ELFError
 
 
@@ -209,6 +210,7 @@ COMMANDS: dict[str, tuple[str, Callable, Callable]] = {
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="elflow", description="ELF: Embedded Language Flows")
+    parser.add_argument("--version", action="version", version=f"elflow {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (help_text, add, _) in COMMANDS.items():
         add(sub.add_parser(name, help=help_text, description=help_text))
