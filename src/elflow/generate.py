@@ -11,8 +11,6 @@ HTML page or a terminal animation. Also runnable as ``python -m elflow.generate`
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 import time
 from collections.abc import Sequence
@@ -27,6 +25,7 @@ from elflow.config import SamplerConfig
 from elflow.distributed import DistInfo, setup, teardown
 from elflow.errors import ELFError
 from elflow.hardware import bf16_autocast, fast_bf16
+from elflow.jsonl import read_jsonl, write_jsonl
 from elflow.paths import input_file, output_file
 from elflow.pipeline import ELFPipeline
 from elflow.sampling import nfe
@@ -49,27 +48,7 @@ class SampleResult:
 def read_sources(path: str | Path, field: str = "text") -> list[dict]:
     """Read a JSONL file of source objects, each with a string ``field``; one-line errors."""
     path = input_file(path, "--sources")
-    rows = []
-    try:
-        lines = path.read_text(encoding="utf-8").split("\n")  # not splitlines(): U+2028 is text
-    except UnicodeDecodeError as e:
-        raise ELFError(
-            f"--sources {path} is not UTF-8 text ({e.reason} at byte {e.start})"
-        ) from None
-    for lineno, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError:
-            raise ELFError(
-                f"{path}:{lineno} is not JSON; --sources must be JSONL (one object a line)"
-            ) from None
-        if not isinstance(obj, dict) or not isinstance(obj.get(field), str):
-            raise ELFError(
-                f"{path}:{lineno} has no string field {field!r}; pass --source-field NAME"
-            )
-        rows.append(obj)
+    rows = read_jsonl(path, field, field_flag="--source-field")
     if not rows:
         raise ELFError(f"sources file {path} is empty")
     return rows
@@ -305,18 +284,6 @@ def _progress(total: int, enabled: bool):
     # A bar only on an interactive stderr: in logs and tests it would be noise.
     live = enabled and sys.stderr.isatty()
     return tqdm(total=total, unit="sample", disable=not live, file=sys.stderr, leave=False)
-
-
-def write_jsonl(path: str | Path, records: Sequence[dict]) -> Path:
-    """Write records one JSON object a line, atomically (temporary name, then rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w", encoding="utf-8") as f:
-        for rec in records:
-            f.write(json.dumps(rec, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)
-    return path
 
 
 def token_agreement(a: Sequence[dict], b: Sequence[dict]) -> float:

@@ -28,8 +28,8 @@ from elflow.generate import (
     resolve_device,
     resolve_sampler,
     sample_from_args,
-    write_jsonl,
 )
+from elflow.jsonl import write_jsonl
 from elflow.paths import output_dir
 
 COLUMNS = (

@@ -15,7 +15,8 @@ from elflow.evaluation.metrics import (
     rouge,
     unigram_entropy,
 )
-from elflow.evaluation.score import PROTOCOLS, read_jsonl, score_samples
+from elflow.evaluation.score import PROTOCOLS, score_samples
+from elflow.jsonl import read_jsonl
 
 __all__ = [
     "PROTOCOLS",

@@ -15,7 +15,8 @@ from typing import Any
 
 from elflow.errors import ELFError
 from elflow.evaluation.judge import DEFAULT_JUDGE
-from elflow.evaluation.score import PROTOCOLS, protocol_line, read_jsonl, score_samples
+from elflow.evaluation.score import PROTOCOLS, protocol_line, score_samples
+from elflow.jsonl import read_jsonl
 from elflow.paths import output_file
 
 SUMMARY_KEYS = (

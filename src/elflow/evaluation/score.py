@@ -13,12 +13,9 @@ one, else by order.
 
 from __future__ import annotations
 
-import gzip
-import json
 import math
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -50,35 +47,6 @@ PROTOCOLS: dict[str, Protocol] = {
     "paper-bf16": Protocol("bf16", "corpus", False, True, "paper, judge cast to bf16 (torch port)"),
     "per-sample": Protocol("fp32", "sample", False, True, "mean of per-sample PPL, fp32"),
 }
-
-
-def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    """Rows of a JSONL file (gzip if it ends in .gz), each an object with a string `text`.
-
-    Raises :class:`ELFError` naming `file:line` for a line that is not a JSON object with `text`.
-    """
-    path = Path(path)
-    if path.is_dir():
-        raise ELFError(f"{path} is a folder; give a JSONL file")
-    opener = gzip.open if path.suffix == ".gz" else open
-    rows: list[dict[str, Any]] = []
-    try:
-        with opener(path, "rt", encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError:
-                    raise ELFError(
-                        f"{path}:{lineno}: not JSON; expected one JSON object per line (JSONL)"
-                    ) from None
-                if not isinstance(row, dict) or not isinstance(row.get("text"), str):
-                    raise ELFError(f"{path}:{lineno}: expected a JSON object with a string 'text'")
-                rows.append(row)
-    except (UnicodeDecodeError, gzip.BadGzipFile, EOFError):
-        raise ELFError(f"{path}: not a UTF-8 JSONL file") from None
-    return rows
 
 
 def _texts(rows: list[dict[str, Any]], what: str) -> list[str]:
