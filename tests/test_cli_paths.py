@@ -78,10 +78,7 @@ def test_sources_that_are_not_utf8_or_a_folder(tmp_path, model, capsys):
     bad = tmp_path / "src.jsonl"
     bad.write_bytes(b'{"text": "caf\xe9"}\n')
     argv = ("sample", "--checkpoint", model, "--out", tmp_path / "s.jsonl", "--sources")
-    assert (
-        "not a UTF-8 JSONL file (invalid continuation byte at byte 13)"
-        in (run_cli(capsys, *argv, bad)[1])
-    )
+    assert "src.jsonl:1: invalid UTF-8 (byte 0xe9 at column 14)" in run_cli(capsys, *argv, bad)[1]
     assert "is a folder; give a file" in run_cli(capsys, *argv, tmp_path)[1]
 
 

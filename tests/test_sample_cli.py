@@ -239,7 +239,7 @@ def test_bad_input_is_one_line(uncond_dir, cond_dir, tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text("not json\n")
     err = _one_line_error(capsys, ["--checkpoint", str(cond_dir), *out, "--sources", str(bad)])
-    assert "JSONL" in err
+    assert "bad.jsonl:1: malformed JSON" in err and "JSONL" in err
     nofield = tmp_path / "nofield.jsonl"
     nofield.write_text('{"src": "x"}\n')
     err = _one_line_error(capsys, ["--checkpoint", str(cond_dir), *out, "--sources", str(nofield)])

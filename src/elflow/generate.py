@@ -329,7 +329,7 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:K")
     p.add_argument("--bf16", action="store_true", help="bf16 autocast around sampling")
     p.add_argument("--no-ema", action="store_true", help="sample with the training weights")
-    p.add_argument("--sources", help="conditional: JSONL file, one sample per line")
+    p.add_argument("--sources", help="conditional: JSONL(.gz) file, one sample per line")
     p.add_argument("--source-field", default="text", help="field of --sources holding the text")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
 

@@ -1,8 +1,10 @@
-"""JSONL files of texts: samples, sources and references, one JSON object a line (spec §10).
+"""Line-oriented text files: JSONL samples, sources and references, and training corpora.
 
-Reading gives one-line errors that name the file and line (and the option that picks the field);
-``.gz`` files are read through gzip. Writing is atomic (a temporary name, then a rename), so an
-interrupted run never leaves half a samples file where a whole one was.
+Readers take plain or gzip files (any ``.gz`` suffix case), strip a UTF-8 byte-order mark, end
+lines at ``\\n`` (a ``\\r\\n`` is stripped; U+2028 stays text) and raise one-line errors that name
+the file and line: invalid UTF-8, a corrupt gzip stream, malformed JSON, a missing field.
+Writing is atomic (a temporary name, then a rename), so an interrupted run never leaves half a
+samples file where a whole one was.
 """
 
 from __future__ import annotations
@@ -10,17 +12,61 @@ from __future__ import annotations
 import gzip
 import json
 import os
-from collections.abc import Sequence
+import zlib
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from elflow.errors import ELFError
 
 
+def open_binary(path: Path):
+    """``path`` opened for reading bytes, through gzip when its name ends in .gz."""
+    return gzip.open(path, "rb") if path.name.lower().endswith(".gz") else open(path, "rb")
+
+
+def _decode(raw: bytes, path: Path, lineno: int) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ELFError(
+            f"{path}:{lineno}: invalid UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
+            "re-encode the file as UTF-8"
+        ) from None
+
+
+def iter_lines(path: Path) -> Iterator[tuple[int, str]]:
+    """(line number, decoded line without its newline); a gzip or UTF-8 problem is an ELFError."""
+    try:
+        with open_binary(path) as f:
+            for lineno, raw in enumerate(f, 1):
+                line = _decode(raw, path, lineno).rstrip("\r\n")
+                yield lineno, (line.lstrip("\ufeff") if lineno == 1 else line)
+    except (gzip.BadGzipFile, EOFError, zlib.error) as e:
+        raise ELFError(f"{path}: corrupt gzip file ({e}); re-compress or decompress it") from None
+
+
+def iter_json_objects(path: Path) -> Iterator[tuple[int, dict]]:
+    """(line number, object) for every non-blank line of a JSONL file."""
+    for lineno, line in iter_lines(path):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ELFError(
+                f"{path}:{lineno}: malformed JSON ({e.msg} at column {e.colno}); fix or remove "
+                "the line (JSONL: one JSON object a line)"
+            ) from None
+        if not isinstance(record, dict):
+            raise ELFError(f"{path}:{lineno}: expected a JSON object per line, got {line[:40]!r}")
+        yield lineno, record
+
+
 def read_jsonl(
     path: str | Path, field: str = "text", *, field_flag: str | None = None
 ) -> list[dict[str, Any]]:
-    """The objects of a JSONL file, each with a string ``field``; blank lines are skipped.
+    """The objects of a JSONL file (samples, sources, references), each with a string ``field``.
 
     Raises :class:`ELFError` naming ``file:line`` for a line that is not such an object (and
     ``field_flag``, the option that names another field, when given).
@@ -28,29 +74,12 @@ def read_jsonl(
     path = Path(path)
     if path.is_dir():
         raise ELFError(f"{path} is a folder; give a JSONL file")
-    opener = gzip.open if path.suffix == ".gz" else open
     hint = f"; pass {field_flag} NAME for another field" if field_flag else ""
-    rows: list[dict[str, Any]] = []
-    try:
-        with opener(path, "rt", encoding="utf-8") as f:  # lines end at \n, not at U+2028
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError:
-                    raise ELFError(
-                        f"{path}:{lineno}: not JSON; expected one JSON object per line (JSONL)"
-                    ) from None
-                if not isinstance(row, dict) or not isinstance(row.get(field), str):
-                    raise ELFError(
-                        f"{path}:{lineno}: expected a JSON object with a string {field!r}{hint}"
-                    )
-                rows.append(row)
-    except UnicodeDecodeError as e:
-        raise ELFError(f"{path}: not a UTF-8 JSONL file ({e.reason} at byte {e.start})") from None
-    except (gzip.BadGzipFile, EOFError):
-        raise ELFError(f"{path}: not a UTF-8 JSONL file (a broken gzip stream)") from None
+    rows = []
+    for lineno, row in iter_json_objects(path):
+        if not isinstance(row.get(field), str):
+            raise ELFError(f"{path}:{lineno}: expected a JSON object with a string {field!r}{hint}")
+        rows.append(row)
     return rows
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import math
 
@@ -104,14 +105,21 @@ def test_cli_end_to_end(tmp_path, capsys, judge):
 def test_bad_jsonl(tmp_path):
     bad = tmp_path / "s.jsonl"
     bad.write_text('{"text": "ok"}\nthis is not json\n')
-    with pytest.raises(ELFError, match=r"s\.jsonl:2: not JSON"):
+    with pytest.raises(ELFError, match=r"s\.jsonl:2: malformed JSON"):
         read_jsonl(bad)
     bad.write_text('{"text": "ok"}\n\n{"id": 4}\n')
     with pytest.raises(ELFError, match=r"s\.jsonl:3: .*'text'"):
         read_jsonl(bad)
     bad.write_bytes(b"\xff\xfe\x00garbage")
-    with pytest.raises(ELFError, match="not a UTF-8 JSONL"):
+    with pytest.raises(ELFError, match=r"s\.jsonl:1: invalid UTF-8 \(byte 0xff at column 1\)"):
         read_jsonl(bad)
+    # The training data's reader: a byte-order mark, any .gz case; a corrupt stream is one line.
+    good = tmp_path / "s.jsonl.GZ"
+    good.write_bytes(gzip.compress('\ufeff{"text": "ok"}\r\n'.encode()))
+    assert read_jsonl(good) == [{"text": "ok"}]
+    good.write_bytes(gzip.compress(b'{"text": "ok"}\n' * 50)[:-20] + b"x" * 20)
+    with pytest.raises(ELFError, match="corrupt gzip file"):
+        read_jsonl(good)
     with pytest.raises(ELFError, match="sample 0"):
         score_samples([{"txt": "a"}], judge=None)
 

@@ -23,6 +23,7 @@ from elflow.data.config import DataConfig
 from elflow.data.hf import hf_kind as _hf_kind
 from elflow.data.hf import load_hf as _load_hf
 from elflow.errors import ELFError
+from elflow.jsonl import iter_json_objects, iter_lines, open_binary
 
 Example = tuple[Any, Any]  # (source or None, target): str, or list[int] when pre-tokenised
 TEXT_SUFFIXES = (".txt", ".txt.gz")
@@ -131,7 +132,7 @@ def _jsonl_kind(cfg: DataConfig, files: tuple[Path, ...], key: str) -> str:
     if cfg.format in explicit:
         return explicit[cfg.format]
     for path in files:
-        for lineno, record in _iter_json(path):
+        for lineno, record in iter_json_objects(path):
             return _record_kind(cfg, record, f"{path}:{lineno}")
     raise ELFError(f"no JSON records in {', '.join(map(str, files))}; add data or fix {key}")
 
@@ -159,47 +160,6 @@ def _first_pretokenized_is_conditional(src: Source) -> bool:
 # --- line and record readers --------------------------------------------------------------------
 
 
-def _open(path: Path):
-    return gzip.open(path, "rb") if path.name.lower().endswith(".gz") else open(path, "rb")
-
-
-def _decode(raw: bytes, path: Path, lineno: int) -> str:
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ELFError(
-            f"{path}:{lineno}: invalid UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
-            "re-encode the file as UTF-8"
-        ) from None
-
-
-def _iter_lines(path: Path) -> Iterator[tuple[int, str]]:
-    """(line number, decoded line without its newline); a gzip or UTF-8 problem is an ELFError."""
-    try:
-        with _open(path) as f:
-            for lineno, raw in enumerate(f, 1):
-                line = _decode(raw, path, lineno).rstrip("\r\n")
-                yield lineno, (line.lstrip("\ufeff") if lineno == 1 else line)
-    except (gzip.BadGzipFile, EOFError, zlib.error) as e:
-        raise ELFError(f"{path}: corrupt gzip file ({e}); re-compress or decompress it") from None
-
-
-def _iter_json(path: Path) -> Iterator[tuple[int, dict]]:
-    for lineno, line in _iter_lines(path):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ELFError(
-                f"{path}:{lineno}: malformed JSON ({e.msg} at column {e.colno}); fix or remove "
-                "the line"
-            ) from None
-        if not isinstance(record, dict):
-            raise ELFError(f"{path}:{lineno}: expected a JSON object per line, got {line[:40]!r}")
-        yield lineno, record
-
-
 def _field(record: dict, name: str, where: str, kind: type, key: str = "") -> Any:
     """``record[name]`` checked to be a string or an id list; `key` is the setting naming it."""
     if name not in record:
@@ -219,7 +179,7 @@ def _iter_records(src: Source) -> Iterator[tuple[str, dict]]:
     """(location for messages, record) of a JSONL or HF source."""
     if src.container == "jsonl":
         for path in src.files:
-            for lineno, record in _iter_json(path):
+            for lineno, record in iter_json_objects(path):
                 yield f"{path}:{lineno}", record
     else:
         for i, record in enumerate(_load_hf(src.location, src.hf_split)):
@@ -229,11 +189,11 @@ def _iter_records(src: Source) -> Iterator[tuple[str, dict]]:
 def _iter_text(src: Source, doc_per: str) -> Iterator[str]:
     for path in src.files:
         if doc_per == "line":
-            for _, line in _iter_lines(path):
+            for _, line in iter_lines(path):
                 if line.strip():
                     yield line.strip()
             continue
-        with _open(path) as f:
+        with open_binary(path) as f:
             try:
                 data = f.read()
             except (gzip.BadGzipFile, EOFError, zlib.error) as e:
