@@ -3,6 +3,7 @@
 Usage:
     python benchmarks/train.py                       # every size below, each in its own process
     python benchmarks/train.py --only bible-tiny --precision bf16 --steps 10
+    python benchmarks/train.py --only elf-b-L128 --activation-checkpointing
 
 One full optimizer step = objective forward + backward (efficient or reference procedure) +
 global-norm clipping + Muon/Adam + EMA, on random latents of the preset's shape. Each
@@ -33,7 +34,9 @@ SIZES = {
 }
 
 
-def one(size: str, procedure: str, precision: str, steps: int, ns_dtype: str) -> dict:
+def one(
+    size: str, procedure: str, precision: str, steps: int, ns_dtype: str, recompute: bool = False
+) -> dict:
     from elflow.config import ObjectiveConfig, model_preset
     from elflow.ema import EMA
     from elflow.hardware import cpu_has_native_bf16
@@ -44,6 +47,7 @@ def one(size: str, procedure: str, precision: str, steps: int, ns_dtype: str) ->
     preset, E, V, L, B = SIZES[size]
     torch.manual_seed(0)
     model = build_model(model_preset(preset, encoder_dim=E, vocab_size=V, max_length=L)).train()
+    model.activation_checkpointing = recompute
     ema = EMA(model, 0.999)
     opt = build_optimizer(model, OptimConfig(lr=1e-3, muon_ns_dtype=ns_dtype))
     set_lr(opt, 1e-3)
@@ -84,6 +88,7 @@ def one(size: str, procedure: str, precision: str, steps: int, ns_dtype: str) ->
         "s_per_step": dt,
         "tokens_per_s": B * L / dt,
         "peak_rss_mb": peak_mb,
+        "activation_checkpointing": recompute,
         "cpu_native_bf16": cpu_has_native_bf16(),
     }
 
@@ -161,6 +166,11 @@ def main() -> None:
         help="Muon Newton-Schulz dtype: auto (bf16 on native-bf16 CPUs), ...",
     )
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument(
+        "--activation-checkpointing",
+        action="store_true",
+        help="recompute block activations in the backward (train.activation_checkpointing)",
+    )
     p.add_argument("--cache", action="store_true", help="also time encoder vs latent cache")
     p.add_argument("--matmul", action="store_true", help="only print fp32/bf16 matmul GFLOP/s")
     p.add_argument(
@@ -174,7 +184,15 @@ def main() -> None:
         print(json.dumps({"gflops_1024": matmul_rates()}))
         return
     if args.only:
-        print(json.dumps(one(args.only, args.procedure, args.precision, args.steps, args.ns)))
+        r = one(
+            args.only,
+            args.procedure,
+            args.precision,
+            args.steps,
+            args.ns,
+            args.activation_checkpointing,
+        )
+        print(json.dumps(r))
         return
     from elflow.hardware import cpu_has_native_bf16
 
@@ -203,7 +221,7 @@ def main() -> None:
                     str(args.steps),
                     "--ns",
                     args.ns,
-                ]
+                ] + (["--activation-checkpointing"] if args.activation_checkpointing else [])
                 r = json.loads(
                     subprocess.run(cmd, capture_output=True, text=True, check=True)
                     .stdout.strip()

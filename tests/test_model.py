@@ -386,3 +386,38 @@ def test_from_dict():
         from_dict(ModelConfig, {"depth": True})
     with pytest.raises(ELFError):
         from_dict(ModelConfig, [("depth", 12)])
+
+
+# --- activation checkpointing (train.activation_checkpointing) -----------------------------------
+
+
+def _saved_bytes_and_grads(model: ELF, recompute: bool, seed: int = 0):
+    """Bytes autograd keeps for the backward pass, and the gradients, of one forward/backward."""
+    model.activation_checkpointing = recompute
+    model.zero_grad(set_to_none=True)
+    x_in, t, w = _inputs(4, MAX_LEN, 2 * E)
+    saved = []
+
+    def pack(tensor):
+        saved.append(tensor.numel() * tensor.element_size())
+        return tensor
+
+    torch.manual_seed(seed)  # dropout's masks
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        x_pred, hidden = model(x_in, t, w, 0.0)
+    (x_pred.square().sum() + model.decode_logits(hidden).logsumexp(-1).sum()).backward()
+    return sum(saved), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_activation_checkpointing_keeps_less_and_gives_the_same_gradients():
+    model = _tiny(depth=4, dropout=0.3).train()
+    kept, grads = _saved_bytes_and_grads(model, recompute=False)
+    kept_ac, grads_ac = _saved_bytes_and_grads(model, recompute=True)
+    assert kept_ac < 0.5 * kept  # only each block's input is kept (and the head's activations)
+    for name, g in grads.items():  # dropout masks are replayed in the recomputation
+        assert torch.equal(g, grads_ac[name]), name
+    with torch.no_grad():  # sampling (no grad) and eval mode never recompute
+        model.activation_checkpointing = True
+        model.eval()
+        x_in, t, w = _inputs(2, MAX_LEN, 2 * E)
+        assert_close(model(x_in, t, w)[0], _tiny(depth=4, dropout=0.3)(x_in, t, w)[0])

@@ -280,7 +280,9 @@ def test_two_processes_fsdp2_equal_one(tmp_path, assets):
     # The held-out loss at step 2 (no save there) gathers the sharded EMA; 1 row leaves rank 1 none.
     held = {"max_steps": 3, "eval_every": 2, "eval_rows": 1}
     assert train_cli(tmp_path, tmp_path / "single", run_config(assets, train=held)) == 0
-    torchrun(tmp_path, tmp_path / "fsdp", run_config(assets, train={**held, "parallel": "fsdp2"}))
+    # FSDP2 with activation checkpointing: the recomputed blocks re-gather their shards.
+    sharded = {**held, "parallel": "fsdp2", "activation_checkpointing": True}
+    torchrun(tmp_path, tmp_path / "fsdp", run_config(assets, train=sharded))
     for name in ("model.safetensors", "ema.safetensors"):
         assert_same(
             weights(tmp_path / "single" / "checkpoint-3", name),
@@ -293,6 +295,21 @@ def test_two_processes_fsdp2_equal_one(tmp_path, assets):
     }
     assert len(losses["fsdp"]) == 2
     assert losses["fsdp"] == pytest.approx(losses["single"], rel=1e-4)
+
+
+def test_activation_checkpointing_gives_the_same_run(tmp_path, assets):
+    for name, recompute in (("kept", False), ("recomputed", True)):
+        cfg = run_config(
+            assets,
+            model={"dropout": 0.2},
+            train={"max_steps": 3, "activation_checkpointing": recompute},
+        )
+        assert train_cli(tmp_path, tmp_path / name, cfg) == 0
+    for name in ("model.safetensors", "ema.safetensors"):
+        assert_same(
+            weights(tmp_path / "kept" / "checkpoint-3", name),
+            weights(tmp_path / "recomputed" / "checkpoint-3", name),
+        )
 
 
 def test_interrupted_save_keeps_previous_checkpoint(tmp_path, assets, monkeypatch):

@@ -16,6 +16,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from elflow.config import ModelConfig
 from elflow.errors import ELFError
@@ -189,6 +190,9 @@ class ELF(nn.Module):
         )
         self.final_layer = FinalLayer(D, E)
         self.decoder = DecoderHead(D, E, cfg.vocab_size)
+        self.activation_checkpointing = False
+        """Recompute each block's activations in the backward pass instead of keeping them
+        (``train.activation_checkpointing``): less memory, about one more forward per step."""
 
     @torch.no_grad()
     def init_weights(self) -> None:
@@ -271,8 +275,12 @@ class ELF(nn.Module):
                 raise ELFError(f"key_mask must be (B, L) = {(B, L)}, got {tuple(key_mask.shape)}")
             full = torch.cat([key_mask.new_ones(B, P), key_mask], dim=1).bool()  # (B, P+L)
             mask = full[:, None, None, :]  # (B, 1, 1, P+L)
+        recompute = self.activation_checkpointing and self.training and torch.is_grad_enabled()
         for block in self.blocks:
-            tokens = block(tokens, rotations, mask)
+            if recompute:  # the RNG state is replayed, so dropout masks match (tested)
+                tokens = checkpoint(block, tokens, rotations, mask, use_reentrant=False)
+            else:
+                tokens = block(tokens, rotations, mask)
         hidden = tokens[:, P:]  # (B, L, D)
         return self.final_layer(hidden), hidden
 

@@ -163,6 +163,7 @@ def train(
         load_state_dict_strict(model, ckpt_io.load_weights(resume_from, "model.safetensors"))
         start_step = resume_state["step"]
         rank_state = ckpt_io.load_rank_state(resume_from, info)
+    model.activation_checkpointing = cfg.train.activation_checkpointing
     forward = TrainForward(model)
     if cfg.train.compile:
         model.compile()
