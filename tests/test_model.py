@@ -409,15 +409,29 @@ def _saved_bytes_and_grads(model: ELF, recompute: bool, seed: int = 0):
     return sum(saved), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def test_activation_checkpointing_keeps_less_and_gives_the_same_gradients():
+def test_activation_checkpointing_keeps_less_and_gives_the_same_gradients(monkeypatch):
+    import elflow.model
+
+    calls = []
+    real = elflow.model.checkpoint
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(elflow.model, "checkpoint", counted)
     model = _tiny(depth=4, dropout=0.3).train()
     kept, grads = _saved_bytes_and_grads(model, recompute=False)
+    assert not calls
     kept_ac, grads_ac = _saved_bytes_and_grads(model, recompute=True)
+    assert len(calls) == 4  # one per block
     assert kept_ac < 0.5 * kept  # only each block's input is kept (and the head's activations)
     for name, g in grads.items():  # dropout masks are replayed in the recomputation
         assert torch.equal(g, grads_ac[name]), name
-    with torch.no_grad():  # sampling (no grad) and eval mode never recompute
-        model.activation_checkpointing = True
-        model.eval()
-        x_in, t, w = _inputs(2, MAX_LEN, 2 * E)
-        assert_close(model(x_in, t, w)[0], _tiny(depth=4, dropout=0.3)(x_in, t, w)[0])
+    calls.clear()
+    x_in, t, w = _inputs(2, MAX_LEN, 2 * E)
+    with torch.no_grad():  # no-grad passes (sampling, the objective's own) never recompute
+        model(x_in, t, w)
+    model.eval()  # nor does eval mode
+    model(x_in, t, w)
+    assert not calls

@@ -280,24 +280,37 @@ def test_two_processes_fsdp2_equal_one(tmp_path, assets):
     # The held-out loss at step 2 (no save there) gathers the sharded EMA; 1 row leaves rank 1 none.
     held = {"max_steps": 3, "eval_every": 2, "eval_rows": 1}
     assert train_cli(tmp_path, tmp_path / "single", run_config(assets, train=held)) == 0
-    # FSDP2 with activation checkpointing: the recomputed blocks re-gather their shards.
-    sharded = {**held, "parallel": "fsdp2", "activation_checkpointing": True}
-    torchrun(tmp_path, tmp_path / "fsdp", run_config(assets, train=sharded))
-    for name in ("model.safetensors", "ema.safetensors"):
-        assert_same(
-            weights(tmp_path / "single" / "checkpoint-3", name),
-            weights(tmp_path / "fsdp" / "checkpoint-3", name),
-            atol=1e-5,
-        )
+    torchrun(tmp_path, tmp_path / "fsdp", run_config(assets, train={**held, "parallel": "fsdp2"}))
+    # And with activation checkpointing: the recomputed blocks re-gather their shards.
+    recompute = {**held, "parallel": "fsdp2", "activation_checkpointing": True}
+    torchrun(tmp_path, tmp_path / "fsdp-ac", run_config(assets, train=recompute))
+    for run in ("fsdp", "fsdp-ac"):
+        for name in ("model.safetensors", "ema.safetensors"):
+            assert_same(
+                weights(tmp_path / "single" / "checkpoint-3", name),
+                weights(tmp_path / run / "checkpoint-3", name),
+                atol=1e-5,
+            )
     losses = {
         name: [x["train_rows_loss"] for x in heldout_lines(tmp_path / name)]
-        for name in ("single", "fsdp")
+        for name in ("single", "fsdp", "fsdp-ac")
     }
     assert len(losses["fsdp"]) == 2
     assert losses["fsdp"] == pytest.approx(losses["single"], rel=1e-4)
+    assert losses["fsdp-ac"] == pytest.approx(losses["single"], rel=1e-4)
 
 
-def test_activation_checkpointing_gives_the_same_run(tmp_path, assets):
+def test_activation_checkpointing_gives_the_same_run(tmp_path, assets, monkeypatch):
+    import elflow.model
+
+    calls = []
+    real = elflow.model.checkpoint
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(elflow.model, "checkpoint", counted)
     for name, recompute in (("kept", False), ("recomputed", True)):
         cfg = run_config(
             assets,
@@ -305,6 +318,8 @@ def test_activation_checkpointing_gives_the_same_run(tmp_path, assets):
             train={"max_steps": 3, "activation_checkpointing": recompute},
         )
         assert train_cli(tmp_path, tmp_path / name, cfg) == 0
+        # 2 blocks per trained forward: once per step (the no-grad passes never recompute).
+        assert len(calls) == (3 * 2 if recompute else 0)
     for name in ("model.safetensors", "ema.safetensors"):
         assert_same(
             weights(tmp_path / "kept" / "checkpoint-3", name),

@@ -19,6 +19,7 @@ import torch
 from elflow.distributed import DistInfo
 from elflow.ema import ema_network
 from elflow.errors import ELFError
+from elflow.jsonl import write_jsonl
 from elflow.run_config import RunConfig, run_config_to_dict
 from elflow.sampling import Condition, sample, sample_generators
 from elflow.tokens import detokenize, shift_out_source, token_spec
@@ -134,9 +135,6 @@ def write_samples(out, step, model_cfg, ema, artifact, cfg, tokenizer, dataset, 
         keep = model_cfg.max_length - cfg.max_input_length
         tokens = shift_out_source(tokens, cond_mask, keep, spec.pad_id)
     texts = detokenize(tokenizer, tokens, spec.eos_id, spec.pad_id)
-    folder = out / "samples"
-    folder.mkdir(exist_ok=True)
-    with (folder / f"step-{step}.jsonl").open("w") as f:
-        for i, text in enumerate(texts):
-            f.write(json.dumps({"id": i, "step": step, "text": text}) + "\n")
+    records = [{"id": i, "step": step, "text": text} for i, text in enumerate(texts)]
+    write_jsonl(out / "samples" / f"step-{step}.jsonl", records)
     print(f"\n[samples @ step {step}]", *(f"  {i}: {t}" for i, t in enumerate(texts)), sep="\n")

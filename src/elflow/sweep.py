@@ -271,6 +271,8 @@ def run(args: argparse.Namespace) -> int:
         if sources is not None and args.num_samples is not None:
             sources = sources[: args.num_samples]
         reference = read_jsonl(args.reference) if args.reference else None
+        if reference is not None and not reference:
+            raise ELFError(f"--reference {args.reference} holds no texts")
         pipe = load_pipeline(args, info)
         judge = None
         # Every cell's settings are checked before the first is sampled.

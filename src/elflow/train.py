@@ -127,6 +127,7 @@ def train(
         or prepared_latent_std(cfg.data.path, cfg.encoder.name, cfg.encoder.layer)
         or measure_first_rows_latent_std(encoder, dataset, info.device)
     )
+    latent_std = broadcast_object(latent_std)  # rank 0's: CPUs may differ in the last bits
     encoder.latent_std = latent_std
     model_cfg = replace(cfg.model, encoder_dim=encoder.hidden_size, vocab_size=len(tokenizer))
     cfg = replace(cfg, model=model_cfg, encoder=replace(cfg.encoder, latent_std=latent_std))
