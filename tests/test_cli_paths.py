@@ -253,3 +253,12 @@ def test_version_is_the_installed_package_version(capsys):
         main(["--version"])
     assert stop.value.code == 0
     assert capsys.readouterr().out.strip() == f"elflow {version('elflow')}"
+
+
+def test_sweep_refuses_an_empty_reference(tmp_path, model, capsys):
+    empty = tmp_path / "real.jsonl"
+    empty.write_text("\n")
+    argv = ["sweep", "--checkpoint", model, "--out", tmp_path / "sweep", "--judge", "none"]
+    code, err = run_cli(capsys, *argv, "--steps", "2", "--reference", empty)
+    assert code == 2 and f"--reference {empty} holds no texts" in err
+    assert not (tmp_path / "sweep" / "samples").exists()
