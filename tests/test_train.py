@@ -273,10 +273,23 @@ def test_two_processes_ddp_equal_one_and_resume(tmp_path, assets):
             weights(tmp_path / "ddp" / "checkpoint-6", name),
             weights(tmp_path / "resumed" / "checkpoint-6", name),
         )
+    # Another number of processes (DDP): 2 -> 1 and 1 -> 2 continue the same run.
+    for run, source in (("shrunk", "ddp"), ("grown", "single")):
+        (tmp_path / run).mkdir()
+        shutil.copytree(tmp_path / source / "checkpoint-3", tmp_path / run / "checkpoint-3")
+    assert train_cli(tmp_path, tmp_path / "shrunk", cfg) == 0
+    torchrun(tmp_path, tmp_path / "grown", cfg)
+    for run in ("shrunk", "grown"):
+        for name in ("model.safetensors", "ema.safetensors"):
+            assert_same(
+                weights(tmp_path / "single" / "checkpoint-6", name),
+                weights(tmp_path / run / "checkpoint-6", name),
+                atol=1e-5,
+            )
 
 
 @pytest.mark.slow
-def test_two_processes_fsdp2_equal_one(tmp_path, assets):
+def test_two_processes_fsdp2_equal_one(tmp_path, assets, capsys):
     # The held-out loss at step 2 (no save there) gathers the sharded EMA; 1 row leaves rank 1 none.
     held = {"max_steps": 3, "eval_every": 2, "eval_rows": 1}
     assert train_cli(tmp_path, tmp_path / "single", run_config(assets, train=held)) == 0
@@ -298,6 +311,15 @@ def test_two_processes_fsdp2_equal_one(tmp_path, assets):
     assert len(losses["fsdp"]) == 2
     assert losses["fsdp"] == pytest.approx(losses["single"], rel=1e-4)
     assert losses["fsdp-ac"] == pytest.approx(losses["single"], rel=1e-4)
+    # FSDP2 state is sharded by rank: a resume with another number of processes is refused.
+    (tmp_path / "one").mkdir()
+    shutil.copytree(tmp_path / "fsdp" / "checkpoint-3", tmp_path / "one" / "checkpoint-3")
+    more = run_config(assets, train={**held, "max_steps": 4, "parallel": "fsdp2"})
+    more["train"]["parallel"] = "ddp"
+    assert train_cli(tmp_path, tmp_path / "one", more) == 2
+    errs = error_lines(capsys.readouterr().err)
+    assert len(errs) == 1 and "FSDP2 shards the optimizer state by rank" in errs[0]
+    assert "--nproc_per_node 2" in errs[0] and not (tmp_path / "one" / "checkpoint-4").exists()
 
 
 def test_activation_checkpointing_gives_the_same_run(tmp_path, assets, monkeypatch):

@@ -222,15 +222,26 @@ def load_weights(ckpt: Path, name: str) -> dict[str, Tensor]:
         raise ELFError(f"cannot resume: {path} is missing or corrupt ({e})") from None
 
 
-def load_rank_state(ckpt: Path, info: DistInfo) -> dict[str, Any]:
-    """This rank's optimizer and RNG state (weights-only load)."""
+def load_rank_state(ckpt: Path, info: DistInfo, sharded: bool = False) -> dict[str, Any]:
+    """This rank's optimizer, EMA and RNG state (weights-only load).
+
+    A run saved by another number of processes resumes when neither run shards (DDP or one
+    process): every DDP rank holds the same optimizer, EMA and RNG state, so each rank takes rank
+    0's. The global batch and its examples are keyed by stream position, not by rank, so the
+    steps that follow are the ones the original run would have taken (up to the order of the
+    gradient all-reduce's sums). FSDP2 state is sharded by rank: that resume is refused.
+    """
     saved_world = read_state(ckpt).get("world_size", 1)
     path = ckpt / rank_file(info.rank)
     if saved_world != info.world_size:
-        raise ELFError(
-            f"cannot resume {ckpt}: it was saved by {saved_world} processes, this run has "
-            f"{info.world_size}; resume with --nproc_per_node {saved_world}"
-        )
+        saved_sharded = read_run_config(ckpt).get("train", {}).get("parallel") == "fsdp2"
+        if sharded or saved_sharded:
+            raise ELFError(
+                f"cannot resume {ckpt}: it was saved by {saved_world} processes, this run has "
+                f"{info.world_size}, and FSDP2 shards the optimizer state by rank; resume with "
+                f"--nproc_per_node {saved_world}"
+            )
+        path = ckpt / rank_file(0)
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:

@@ -156,6 +156,7 @@ def train(
 
         load_state_dict_strict(model, {k: v.to(info.device) for k, v in init_state.items()})
     init_state = None  # the copy is no longer needed (train.init loads a whole model)
+    sharded = cfg.train.parallel == "fsdp2"
     start_step = 0
     rank_state = None
     if resume_from is not None:
@@ -163,12 +164,11 @@ def train(
 
         load_state_dict_strict(model, ckpt_io.load_weights(resume_from, "model.safetensors"))
         start_step = resume_state["step"]
-        rank_state = ckpt_io.load_rank_state(resume_from, info)
+        rank_state = ckpt_io.load_rank_state(resume_from, info, sharded)
     model.activation_checkpointing = cfg.train.activation_checkpointing
     forward = TrainForward(model)
     if cfg.train.compile:
         model.compile()
-    sharded = cfg.train.parallel == "fsdp2"
     wrapped = parallelize(forward, model.blocks, info, cfg.train.parallel)
     ema = EMA(model, cfg.train.ema_decay, cfg.train.ema_warmup)
     optimizer = build_optimizer(model, optim_cfg, sharded=sharded)
