@@ -18,10 +18,12 @@ import numpy as np
 import torch
 
 from elflow.batches import make_batch
+from elflow.config import ModelConfig
 from elflow.data.latent_cache import LatentCache
 from elflow.data.rows import RowDataset, build_dataset
 from elflow.distributed import DistInfo, all_reduce_sum
-from elflow.ema import ema_network
+from elflow.ema import EMA, ema_network
+from elflow.encoder import FrozenEncoder
 from elflow.errors import ELFError
 from elflow.objective import Batch, TrainForward
 from elflow.run_config import RunConfig
@@ -125,7 +127,14 @@ def valid_rows(cfg: RunConfig, tokenizer, pad_id: int, info: DistInfo) -> RowDat
     return valid
 
 
-def heldout_splits(cfg, valid, dataset, encoder, info, chunk) -> list[HeldOutSplit]:
+def heldout_splits(
+    cfg: RunConfig,
+    valid: RowDataset | None,
+    dataset: RowDataset,
+    encoder: FrozenEncoder,
+    info: DistInfo,
+    chunk: int,
+) -> list[HeldOutSplit]:
     """The splits ``train.eval_every`` evaluates: the fixed validation rows (`valid`, from
     ``data.valid_path``, or None) and training rows, with their latents cached once when the run
     caches."""
@@ -152,7 +161,14 @@ def heldout_splits(cfg, valid, dataset, encoder, info, chunk) -> list[HeldOutSpl
     return splits
 
 
-def heldout_scores(splits, model_cfg, ema, objective, autocast, info) -> dict[str, float]:
+def heldout_scores(
+    splits: list[HeldOutSplit],
+    model_cfg: ModelConfig,
+    ema: EMA,
+    objective,
+    autocast: contextlib.AbstractContextManager,
+    info: DistInfo,
+) -> dict[str, float]:
     """The held-out losses of the EMA weights, in a network built for the occasion."""
     net = ema_network(model_cfg, ema.state_dict_for_save(), info.device)  # collective: FSDP2
     net.requires_grad_(False)

@@ -15,12 +15,12 @@ import os
 import zlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from elflow.errors import ELFError
 
 
-def open_binary(path: Path):
+def open_binary(path: Path) -> BinaryIO:
     """``path`` opened for reading bytes, through gzip when its name ends in .gz."""
     return gzip.open(path, "rb") if path.name.lower().endswith(".gz") else open(path, "rb")
 

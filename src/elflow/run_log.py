@@ -16,8 +16,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from elflow.artifact import ArtifactConfig
+from elflow.config import ModelConfig
+from elflow.data.rows import RowDataset
 from elflow.distributed import DistInfo
-from elflow.ema import ema_network
+from elflow.ema import EMA, ema_network
+from elflow.encoder import FrozenEncoder
 from elflow.errors import ELFError
 from elflow.jsonl import write_jsonl
 from elflow.run_config import RunConfig, run_config_to_dict
@@ -109,7 +113,18 @@ def progress_bar(info: DistInfo, start: int, total: int) -> Progress:
     return Progress(tqdm(total=total, initial=start, desc="train", dynamic_ncols=True))
 
 
-def write_samples(out, step, model_cfg, ema, artifact, cfg, tokenizer, dataset, encoder, info):
+def write_samples(
+    out: Path,
+    step: int,
+    model_cfg: ModelConfig,
+    ema: EMA,
+    artifact: ArtifactConfig,
+    cfg: RunConfig,
+    tokenizer,
+    dataset: RowDataset,
+    encoder: FrozenEncoder,
+    info: DistInfo,
+) -> None:
     """Every ``train.sample_every`` steps: samples of the EMA weights, printed and written to
     ``OUT/samples/step-<k>.jsonl`` (seeded by ``train.seed``; no global random numbers)."""
     ema_state = ema.state_dict_for_save()  # collective under FSDP2

@@ -158,7 +158,7 @@ CACHE_FILE = "latent-cache.safetensors"
 
 
 def run_latent_cache(
-    cfg: DataConfig, dataset, encoder: FrozenEncoder, out: Path, is_main: bool
+    cfg: DataConfig, dataset: RowDataset, encoder: FrozenEncoder, out: Path, is_main: bool
 ) -> LatentCache:
     """Load the latent cache in run folder ``out`` when its key matches, else build (and save) it.
 

@@ -164,7 +164,9 @@ def prepared_latent_std(data_path: str, encoder: str, layer: int) -> float:
 
 
 @torch.no_grad()
-def measure_first_rows_latent_std(encoder: FrozenEncoder, dataset, device: torch.device) -> float:
+def measure_first_rows_latent_std(
+    encoder: FrozenEncoder, dataset: RowDataset, device: torch.device
+) -> float:
     """latent_std over the first rows, for data that `elflow prepare` did not measure (spec §10)."""
     n = min(LATENT_STD_ROWS, len(dataset))
     rows = dataset.get_rows(np.arange(n))
