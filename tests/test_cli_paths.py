@@ -63,6 +63,7 @@ def test_sample_refuses_an_unwritable_place(tmp_path, model, capsys):
         (["--w", "inf"], "--w must be a finite number"),
         (["--gamma", "inf"], "--gamma must be a finite number"),
         (["--time-std", "0"], "--time-std must be positive"),
+        (["--length", "0"], "--length must be >= 1, got 0"),
         (["--device", "foo"], "--device is 'foo'; use auto, cpu or cuda"),
         (["--device", "cuda:x"], "--device is 'cuda:x'"),
     ],

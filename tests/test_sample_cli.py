@@ -244,6 +244,10 @@ def test_bad_input_is_one_line(uncond_dir, cond_dir, tmp_path, capsys):
     nofield.write_text('{"src": "x"}\n')
     err = _one_line_error(capsys, ["--checkpoint", str(cond_dir), *out, "--sources", str(nofield)])
     assert "'text'" in err and "--source-field" in err
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"text": "x"}\n')
+    argv = ["--checkpoint", str(cond_dir), *out, "--sources", str(good), "--length", "4"]
+    assert "--length applies to unconditional models" in _one_line_error(capsys, argv)
     assert "steps" in _one_line_error(
         capsys, ["--checkpoint", str(uncond_dir), *out, "--steps", "0"]
     )

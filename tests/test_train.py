@@ -291,7 +291,9 @@ def test_two_processes_ddp_equal_one_and_resume(tmp_path, assets):
 @pytest.mark.slow
 def test_two_processes_fsdp2_equal_one(tmp_path, assets, capsys):
     # The held-out loss at step 2 (no save there) gathers the sharded EMA; 1 row leaves rank 1 none.
-    held = {"max_steps": 3, "eval_every": 2, "eval_rows": 1}
+    # One example per rank: at step 0 only rank 0's needs the no-grad pass, which every rank must
+    # still run (a sharded forward is collective; skipping it deadlocked).
+    held = {"max_steps": 3, "eval_every": 2, "eval_rows": 1, "global_batch": 2}
     assert train_cli(tmp_path, tmp_path / "single", run_config(assets, train=held)) == 0
     torchrun(tmp_path, tmp_path / "fsdp", run_config(assets, train={**held, "parallel": "fsdp2"}))
     # And with activation checkpointing: the recomputed blocks re-gather their shards.
@@ -528,6 +530,17 @@ def test_resume_from_another_architecture_is_an_error(tmp_path, assets, capsys):
         from elflow.resume import resolve_resume
 
         resolve_resume(tmp_path / "run", str(tmp_path / "nothing-here"))
+
+
+def test_resume_with_another_parallel_mode_is_refused(tmp_path, assets, capsys):
+    run = tmp_path / "run"
+    assert train_cli(tmp_path, run, run_config(assets, train={"max_steps": 3})) == 0
+    capsys.readouterr()
+    sharded = run_config(assets, train={"max_steps": 6, "parallel": "fsdp2"})
+    assert train_cli(tmp_path, run, sharded) == 2
+    errs = error_lines(capsys.readouterr().err)
+    assert len(errs) == 1 and "saved with train.parallel=ddp, this run uses fsdp2" in errs[0]
+    assert not (run / "checkpoint-6").exists()
 
 
 def test_resume_keeps_the_measured_latent_std(tmp_path, assets, capsys, monkeypatch):

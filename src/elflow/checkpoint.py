@@ -233,9 +233,15 @@ def load_rank_state(ckpt: Path, info: DistInfo, sharded: bool = False) -> dict[s
     """
     saved_world = read_state(ckpt).get("world_size", 1)
     path = ckpt / rank_file(info.rank)
+    saved_sharded = read_run_config(ckpt).get("train", {}).get("parallel") == "fsdp2"
+    if saved_sharded != sharded:
+        was, now = ("fsdp2", "ddp") if saved_sharded else ("ddp", "fsdp2")
+        raise ELFError(
+            f"cannot resume {ckpt}: it was saved with train.parallel={was}, this run uses {now}; "
+            f"the optimizer state is laid out for {was}: set train.parallel={was} to continue"
+        )
     if saved_world != info.world_size:
-        saved_sharded = read_run_config(ckpt).get("train", {}).get("parallel") == "fsdp2"
-        if sharded or saved_sharded:
+        if sharded:
             raise ELFError(
                 f"cannot resume {ckpt}: it was saved by {saved_world} processes, this run has "
                 f"{info.world_size}, and FSDP2 shards the optimizer state by rank; resume with "

@@ -170,6 +170,13 @@ def sample_from_args(
     **extra,
 ) -> SampleResult:
     """:func:`sample_records` with the options shared by ``elflow sample`` and ``elflow sweep``."""
+    if args.length is not None and args.length < 1:
+        raise ELFError(f"--length must be >= 1, got {args.length}")
+    if args.length is not None and pipe.config.conditional:
+        raise ELFError(
+            "--length applies to unconditional models; a conditional model writes its "
+            "max_length - max_input_length target tokens"
+        )
     if args.bf16 and pipe.device.type == "cpu" and not fast_bf16(pipe.device) and info.is_main:
         _warn_once(
             "elflow: warning: --bf16 on a CPU that emulates bf16 (no AVX-512 BF16/AMX/Arm "
@@ -362,6 +369,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def load_pipeline(args: argparse.Namespace, info: DistInfo) -> ELFPipeline:
+    """The model of ``--checkpoint`` (without transformers' weight-loading bars on stderr)."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
     return ELFPipeline.from_pretrained(args.checkpoint, device=info.device, use_ema=not args.no_ema)
 
 

@@ -86,7 +86,7 @@ def apply_rope(x: Tensor, rotations: Tensor) -> Tensor:
 
     As a complex product (a + ib) e^{i angle}: one fused multiply instead of four strided ones.
     """
-    pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], x.shape[-1] // 2, 2))
     return torch.view_as_real(pairs * rotations).flatten(-2).type_as(x)
 
 

@@ -250,12 +250,15 @@ def nograd_prediction(
     """x-prediction at (z, t, w) in denoise mode, computed only for ``rows`` (zeros elsewhere).
 
     ``with_head`` also evaluates (and discards) the decoder head, as the reference forward does.
+    The network runs even when ``rows`` selects none (on an empty batch): each forward of an
+    FSDP2-sharded network gathers its shards collectively, so a rank that skipped it would leave
+    the others waiting for ever.
     """
     out = torch.zeros_like(z)
     if bool(rows.all()):
         x_in = torch.cat([z, sc_half], dim=-1)
         out = forward(x_in, t, w, 0.0, torch.ones_like(rows) if with_head else None)[0].float()
-    elif bool(rows.any()):
+    else:  # NOTE: also with no rows: under FSDP2 every rank must run the same forwards
         x_in = torch.cat([z[rows], sc_half[rows]], dim=-1)
         n = x_in.shape[0]
         head_rows = x_in.new_ones(n, dtype=torch.bool) if with_head else None

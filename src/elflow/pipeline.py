@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from elflow.artifact import ArtifactConfig, load_resolved, resolve_source
+from elflow.artifact import ArtifactConfig, load_resolved, read_config, resolve_source
 from elflow.encoder import FrozenEncoder, resolve_pretrained
 from elflow.errors import ELFError
 from elflow.model import ELF
@@ -42,17 +42,57 @@ class Generation:
     """trajectory[k][i]: sample i's decoded x_hat after step k (when asked for)."""
 
 
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "vocab.txt",
+    "vocab.json",
+    "spiece.model",
+    "tokenizer.model",
+    "sentencepiece.bpe.model",
+)
+"""A folder holding none of these is not a tokenizer (transformers would build an empty one)."""
+
+
 def load_tokenizer(name_or_path: str | Path):
-    """``AutoTokenizer`` from a Hub id or folder, with a one-line error when it is unavailable."""
+    """A fast Hugging Face tokenizer, with a one-line error when it is unavailable.
+
+    Takes a Hub id, a tokenizer folder, the offline alias ``minilm``, or an elflow model,
+    checkpoint or run folder (its shipped ``tokenizer/`` files, else the tokenizer its config
+    names). Remote code is never trusted.
+    """
     from transformers import AutoTokenizer
 
+    name = resolve_pretrained(str(name_or_path))
+    folder = Path(name).expanduser()
+    if folder.is_dir() and not any((folder / f).is_file() for f in TOKENIZER_FILES):
+        name = _model_tokenizer(folder)
     try:
-        return AutoTokenizer.from_pretrained(resolve_pretrained(str(name_or_path)))
+        return AutoTokenizer.from_pretrained(name, use_fast=True, trust_remote_code=False)
     except (OSError, ValueError) as e:
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise ELFError(
-            f"cannot load tokenizer {str(name_or_path)!r} ({type(e).__name__}); it must be a local "
+            f"cannot load tokenizer {str(name_or_path)!r} ({reason}); it must be a local "
             "folder or a Hub id reachable from here (unset HF_HUB_OFFLINE to download)"
         ) from None
+
+
+def _model_tokenizer(folder: Path) -> str:
+    """The tokenizer of an elflow model, checkpoint or run folder: its shipped files, else the
+    name its config records; a one-line error for any other folder without tokenizer files."""
+    try:
+        resolved = resolve_source(folder)
+    except ELFError:
+        resolved = None
+    if resolved is None or resolved.kind != "elflow":
+        raise ELFError(
+            f"folder {folder} holds no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...) "
+            "and no elflow model; pass a tokenizer's folder or Hub id"
+        )
+    shipped = resolved.path / "tokenizer"
+    if shipped.is_dir():
+        return str(shipped)
+    return resolve_pretrained(read_config(resolved.path).tokenizer)
 
 
 def check_tokenizer(tokenizer, config: ArtifactConfig) -> None:

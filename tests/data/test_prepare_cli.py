@@ -7,8 +7,8 @@ import pytest
 
 from elflow.__main__ import main
 from elflow.data import DataConfig, build_dataset
-from elflow.data.cli import load_tokenizer
 from elflow.errors import ELFError
+from elflow.pipeline import load_tokenizer
 from tests.data.conftest import write_jsonl
 
 
@@ -103,9 +103,14 @@ def test_errors_name_the_flags(tokenizer, tmp_path, capsys):
     assert flag_names("max_length:1: bad; set data.path", keep=("max_length",)) == (
         "max_length:1: bad; set --data"
     )
-    # A short user value (--out data, --data a) does not stop a setting around it being named.
+    # A short user value (--out data, --data a) does not stop a setting around it being named,
+    # nor does a path that spells the setting itself.
     assert flag_names("data.path 'x' and out_dir", keep=("data", "out", "a")) == (
         "--data 'x' and --out"
+    )
+    message = "data file 'data.path' is empty; point data.path at a file with text"
+    assert flag_names(message, keep=("data.path",)) == (
+        "data file 'data.path' is empty; point --data at a file with text"
     )
 
 
@@ -117,7 +122,21 @@ def test_a_data_file_named_like_a_key_keeps_its_name(tokenizer, tmp_path, capsys
     assert "data.path:1: malformed JSON" in _error(capsys)
 
 
-def test_tokenizer_of_an_elflow_model_folder(tokenizer):
+def test_tokenizer_of_an_elflow_model_folder(tokenizer, tmp_path, capsys):
     from elflow.demo import DEMO_DIR
+    from tests.test_sample_cli import make_uncond
 
-    assert load_tokenizer(str(DEMO_DIR)).get_vocab() == tokenizer.get_vocab()
+    assert load_tokenizer(str(DEMO_DIR)).get_vocab() == tokenizer.get_vocab()  # its tokenizer/
+    model = make_uncond(tmp_path / "model")  # no tokenizer/: the one its config names (minilm)
+    assert not (model / "tokenizer").exists()
+    assert load_tokenizer(model).get_vocab() == tokenizer.get_vocab()
+    # A folder with neither tokenizer files nor a model (an encoder saved without its
+    # tokenizer) would load as an empty tokenizer and turn every word into [UNK]: refused.
+    (tmp_path / "encoder").mkdir()
+    (tmp_path / "encoder" / "config.json").write_text('{"model_type": "bert"}')
+    (tmp_path / "d.txt").write_text("in the beginning\n")
+    argv = ["prepare", "--data", str(tmp_path / "d.txt"), "--max-length", "8"]
+    assert (
+        main([*argv, "--tokenizer", str(tmp_path / "encoder"), "--out", str(tmp_path / "p")]) == 2
+    )
+    assert "holds no tokenizer files" in _error(capsys) and not (tmp_path / "p").exists()

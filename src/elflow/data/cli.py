@@ -11,10 +11,10 @@ from __future__ import annotations
 import argparse
 import json
 import re
-from pathlib import Path
 
 from elflow.data.config import FORMATS, DataConfig
 from elflow.errors import ELFError
+from elflow.pipeline import load_tokenizer
 
 FLAGS = {
     "data.path": "--data",
@@ -45,15 +45,15 @@ _SETTING = re.compile(
 def flag_names(message: str, keep: tuple[str, ...] = ()) -> str:
     """`message` with the settings it names written as `elflow prepare` flags.
 
-    A setting inside one of the `keep` strings (the user's own paths and names) is left as it is:
-    a data file called `data.path` keeps its name.
+    A user's path that spells a setting (a data file called `data.path`) keeps its name where it
+    stands as a path: quoted (which the pattern never rewrites) or as `path:line`.
     """
-    kept = [m.span() for k in keep if k for m in re.finditer(re.escape(k), message)]
 
     def flag(m: re.Match) -> str:
-        if any(a <= m.start() and m.end() <= b for a, b in kept):
-            return m.group(0)
-        return FLAGS[m.group(1)]
+        name = m.group(1)
+        if name in keep and re.match(r":\d", message[m.end() :]):
+            return name
+        return FLAGS[name]
 
     return _SETTING.sub(flag, message)
 
@@ -76,25 +76,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=1024, help="documents per tokenizer call")
     p.add_argument("--encoder", help="encoder name or folder: measure latent_std (spec §10)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out folder")
-
-
-def load_tokenizer(name_or_path: str):
-    """A fast Hugging Face tokenizer, or a one-line error."""
-    from transformers import AutoTokenizer
-
-    from elflow.encoder import resolve_pretrained
-
-    path = resolve_pretrained(name_or_path)
-    shipped = Path(path) / "tokenizer"
-    if (Path(path) / "config.json").is_file() and shipped.is_dir():
-        path = str(shipped)  # an elflow model folder: the tokenizer it ships with
-    try:
-        return AutoTokenizer.from_pretrained(path, use_fast=True, trust_remote_code=False)
-    except (OSError, ValueError) as e:
-        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise ELFError(
-            f"cannot load tokenizer '{name_or_path}' ({reason}); pass a folder or Hub id"
-        ) from None
 
 
 def run(args: argparse.Namespace) -> int:
