@@ -317,8 +317,7 @@ def test_two_processes_fsdp2_equal_one(tmp_path, assets, capsys):
     (tmp_path / "one").mkdir()
     shutil.copytree(tmp_path / "fsdp" / "checkpoint-3", tmp_path / "one" / "checkpoint-3")
     more = run_config(assets, train={**held, "max_steps": 4, "parallel": "fsdp2"})
-    more["train"]["parallel"] = "ddp"
-    assert train_cli(tmp_path, tmp_path / "one", more) == 2
+    assert train_cli(tmp_path, tmp_path / "one", more) == 2  # refused before any sharding
     errs = error_lines(capsys.readouterr().err)
     assert len(errs) == 1 and "FSDP2 shards the optimizer state by rank" in errs[0]
     assert "--nproc_per_node 2" in errs[0] and not (tmp_path / "one" / "checkpoint-4").exists()
