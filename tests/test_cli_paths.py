@@ -263,3 +263,14 @@ def test_sweep_refuses_an_empty_reference(tmp_path, model, capsys):
     code, err = run_cli(capsys, *argv, "--steps", "2", "--reference", empty)
     assert code == 2 and f"--reference {empty} holds no texts" in err
     assert not (tmp_path / "sweep" / "samples").exists()
+
+
+def test_score_refuses_empty_references(tmp_path, capsys):
+    samples = tmp_path / "s.jsonl"
+    samples.write_text('{"id": 0, "text": "a b"}\n')
+    refs = tmp_path / "refs.jsonl"
+    refs.write_text("\n\n")
+    argv = ["score", "--samples", samples, "--out", tmp_path / "m.json", "--judge", "none"]
+    code, err = run_cli(capsys, *argv, "--refs", refs)
+    assert code == 2 and f"--refs {refs} holds no references" in err
+    assert not (tmp_path / "m.json").exists()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import fields, replace
@@ -149,7 +150,8 @@ def _run_train(args: argparse.Namespace) -> int:
         last = train(cfg, args.out, resume=args.resume)
     finally:
         teardown()
-    print(f"done: {last}")
+    if os.environ.get("RANK", "0") == "0":  # once under torchrun
+        print(f"done: {last}")
     return 0
 
 

@@ -312,5 +312,6 @@ def run(args: argparse.Namespace) -> int:
         )
     finally:
         teardown()
-    print(f"done: {last}")
+    if os.environ.get("RANK", "0") == "0":  # once under torchrun
+        print(f"done: {last}")
     return 0

@@ -102,6 +102,8 @@ def run(args: argparse.Namespace) -> int:
     if not samples:
         raise ELFError(f"--samples {args.samples} holds no samples")
     refs = read_jsonl(args.refs) if args.refs else None
+    if refs is not None and not refs:
+        raise ELFError(f"--refs {args.refs} holds no references")
     judge = None if args.judge.lower() == "none" else args.judge
     metrics = score_samples(
         samples,
