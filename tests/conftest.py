@@ -22,6 +22,22 @@ def _seed_and_threads():
     torch.set_num_threads(n)
 
 
+@pytest.fixture
+def checkpoint_calls(monkeypatch) -> list:
+    """One entry per block the network recomputes (``train.activation_checkpointing``)."""
+    import elflow.model
+
+    calls: list = []
+    real = elflow.model.checkpoint
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(elflow.model, "checkpoint", counted)
+    return calls
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -409,17 +409,8 @@ def _saved_bytes_and_grads(model: ELF, recompute: bool, seed: int = 0):
     return sum(saved), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def test_activation_checkpointing_keeps_less_and_gives_the_same_gradients(monkeypatch):
-    import elflow.model
-
-    calls = []
-    real = elflow.model.checkpoint
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(elflow.model, "checkpoint", counted)
+def test_activation_checkpointing_keeps_less_and_gives_the_same_gradients(checkpoint_calls):
+    calls = checkpoint_calls
     model = _tiny(depth=4, dropout=0.3).train()
     kept, grads = _saved_bytes_and_grads(model, recompute=False)
     assert not calls

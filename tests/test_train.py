@@ -126,6 +126,12 @@ def assert_same(a: dict, b: dict, atol: float = 0.0) -> None:
     assert worst <= atol, worst
 
 
+def assert_same_checkpoint(a: Path, b: Path, atol: float = 0.0) -> None:
+    """Training and EMA weights of two checkpoint folders agree within ``atol``."""
+    for name in ("model.safetensors", "ema.safetensors"):
+        assert_same(weights(a, name), weights(b, name), atol=atol)
+
+
 def test_train_learns_and_writes_checkpoints(tmp_path, assets):
     cfg = run_config(
         assets,
@@ -179,11 +185,7 @@ def test_resume_is_bitwise_with_accumulation_and_latent_cache(tmp_path, assets, 
     capsys.readouterr()
     assert train_cli(tmp_path, tmp_path / "part", cfg) == 0  # auto-resume from checkpoint-3
     assert "latent cache loaded from" in capsys.readouterr().out  # not re-encoded
-    for name in ("model.safetensors", "ema.safetensors"):
-        assert_same(
-            weights(tmp_path / "full" / "checkpoint-6", name),
-            weights(tmp_path / "part" / "checkpoint-6", name),
-        )
+    assert_same_checkpoint(tmp_path / "full" / "checkpoint-6", tmp_path / "part" / "checkpoint-6")
     full = (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()
     part = (tmp_path / "part" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(x)["loss"] for x in full] == [json.loads(x)["loss"] for x in part]
@@ -268,11 +270,7 @@ def test_two_processes_ddp_equal_one_and_resume(tmp_path, assets):
     (tmp_path / "resumed").mkdir()
     shutil.copytree(tmp_path / "ddp" / "checkpoint-3", tmp_path / "resumed" / "checkpoint-3")
     torchrun(tmp_path, tmp_path / "resumed", cfg)
-    for name in ("model.safetensors", "ema.safetensors"):
-        assert_same(
-            weights(tmp_path / "ddp" / "checkpoint-6", name),
-            weights(tmp_path / "resumed" / "checkpoint-6", name),
-        )
+    assert_same_checkpoint(tmp_path / "ddp" / "checkpoint-6", tmp_path / "resumed" / "checkpoint-6")
     # Another number of processes (DDP): 2 -> 1 and 1 -> 2 continue the same run.
     for run, source in (("shrunk", "ddp"), ("grown", "single")):
         (tmp_path / run).mkdir()
@@ -280,12 +278,9 @@ def test_two_processes_ddp_equal_one_and_resume(tmp_path, assets):
     assert train_cli(tmp_path, tmp_path / "shrunk", cfg) == 0
     torchrun(tmp_path, tmp_path / "grown", cfg)
     for run in ("shrunk", "grown"):
-        for name in ("model.safetensors", "ema.safetensors"):
-            assert_same(
-                weights(tmp_path / "single" / "checkpoint-6", name),
-                weights(tmp_path / run / "checkpoint-6", name),
-                atol=1e-5,
-            )
+        assert_same_checkpoint(
+            tmp_path / "single" / "checkpoint-6", tmp_path / run / "checkpoint-6", atol=1e-5
+        )
 
 
 @pytest.mark.slow
@@ -300,12 +295,9 @@ def test_two_processes_fsdp2_equal_one(tmp_path, assets, capsys):
     recompute = {**held, "parallel": "fsdp2", "activation_checkpointing": True}
     torchrun(tmp_path, tmp_path / "fsdp-ac", run_config(assets, train=recompute))
     for run in ("fsdp", "fsdp-ac"):
-        for name in ("model.safetensors", "ema.safetensors"):
-            assert_same(
-                weights(tmp_path / "single" / "checkpoint-3", name),
-                weights(tmp_path / run / "checkpoint-3", name),
-                atol=1e-5,
-            )
+        assert_same_checkpoint(
+            tmp_path / "single" / "checkpoint-3", tmp_path / run / "checkpoint-3", atol=1e-5
+        )
     losses = {
         name: [x["train_rows_loss"] for x in heldout_lines(tmp_path / name)]
         for name in ("single", "fsdp", "fsdp-ac")
@@ -323,17 +315,8 @@ def test_two_processes_fsdp2_equal_one(tmp_path, assets, capsys):
     assert "--nproc_per_node 2" in errs[0] and not (tmp_path / "one" / "checkpoint-4").exists()
 
 
-def test_activation_checkpointing_gives_the_same_run(tmp_path, assets, monkeypatch):
-    import elflow.model
-
-    calls = []
-    real = elflow.model.checkpoint
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(elflow.model, "checkpoint", counted)
+def test_activation_checkpointing_gives_the_same_run(tmp_path, assets, checkpoint_calls):
+    calls = checkpoint_calls
     for name, recompute in (("kept", False), ("recomputed", True)):
         cfg = run_config(
             assets,
@@ -343,11 +326,9 @@ def test_activation_checkpointing_gives_the_same_run(tmp_path, assets, monkeypat
         assert train_cli(tmp_path, tmp_path / name, cfg) == 0
         # 2 blocks per trained forward: once per step (the no-grad passes never recompute).
         assert len(calls) == (3 * 2 if recompute else 0)
-    for name in ("model.safetensors", "ema.safetensors"):
-        assert_same(
-            weights(tmp_path / "kept" / "checkpoint-3", name),
-            weights(tmp_path / "recomputed" / "checkpoint-3", name),
-        )
+    assert_same_checkpoint(
+        tmp_path / "kept" / "checkpoint-3", tmp_path / "recomputed" / "checkpoint-3"
+    )
 
 
 def test_interrupted_save_keeps_previous_checkpoint(tmp_path, assets, monkeypatch):
@@ -403,10 +384,7 @@ def test_sigterm_saves_the_finished_step_and_resumes_exactly(tmp_path, assets, m
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # handlers are put back
     monkeypatch.setattr(train_mod, "elf_loss", real)
     assert train_cli(tmp_path, run, cfg) == 0  # resumes from checkpoint-4
-    for name in ("model.safetensors", "ema.safetensors"):
-        assert_same(
-            weights(tmp_path / "full" / "checkpoint-6", name), weights(run / "checkpoint-6", name)
-        )
+    assert_same_checkpoint(tmp_path / "full" / "checkpoint-6", run / "checkpoint-6")
 
 
 def test_stop_signal_leaves_an_ignored_sigint_ignored():

@@ -222,8 +222,11 @@ def load_weights(ckpt: Path, name: str) -> dict[str, Tensor]:
         raise ELFError(f"cannot resume: {path} is missing or corrupt ({e})") from None
 
 
-def load_rank_state(ckpt: Path, info: DistInfo, sharded: bool = False) -> dict[str, Any]:
-    """This rank's optimizer, EMA and RNG state (weights-only load).
+def load_rank_state(
+    ckpt: Path, info: DistInfo, saved_world: int, sharded: bool = False
+) -> dict[str, Any]:
+    """This rank's optimizer, EMA and RNG state (weights-only load) from ``ckpt``, saved by
+    ``saved_world`` processes (``state.json``) in the same parallel mode (checked before).
 
     A run saved by another number of processes resumes when neither run shards (DDP or one
     process): every DDP rank holds the same optimizer, EMA and RNG state, so each rank takes rank
@@ -231,15 +234,7 @@ def load_rank_state(ckpt: Path, info: DistInfo, sharded: bool = False) -> dict[s
     steps that follow are the ones the original run would have taken (up to the order of the
     gradient all-reduce's sums). FSDP2 state is sharded by rank: that resume is refused.
     """
-    saved_world = read_state(ckpt).get("world_size", 1)
     path = ckpt / rank_file(info.rank)
-    saved_sharded = read_run_config(ckpt).get("train", {}).get("parallel") == "fsdp2"
-    if saved_sharded != sharded:
-        was, now = ("fsdp2", "ddp") if saved_sharded else ("ddp", "fsdp2")
-        raise ELFError(
-            f"cannot resume {ckpt}: it was saved with train.parallel={was}, this run uses {now}; "
-            f"the optimizer state is laid out for {was}: set train.parallel={was} to continue"
-        )
     if saved_world != info.world_size:
         if sharded:
             raise ELFError(

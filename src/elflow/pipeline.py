@@ -89,10 +89,14 @@ def _model_tokenizer(folder: Path) -> str:
             f"folder {folder} holds no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...) "
             "and no elflow model; pass a tokenizer's folder or Hub id"
         )
-    shipped = resolved.path / "tokenizer"
-    if shipped.is_dir():
-        return str(shipped)
-    return resolve_pretrained(read_config(resolved.path).tokenizer)
+    return resolve_pretrained(model_tokenizer(resolved.path, read_config(resolved.path)))
+
+
+def model_tokenizer(path: Path, config: ArtifactConfig) -> str:
+    """A model's tokenizer: the ``tokenizer/`` files shipped in its folder (small models ship
+    their vocabulary), else the one its config names."""
+    shipped = path / "tokenizer"
+    return str(shipped) if shipped.is_dir() else config.tokenizer
 
 
 def check_tokenizer(tokenizer, config: ArtifactConfig) -> None:
@@ -162,8 +166,7 @@ class ELFPipeline:
         resolved = resolve_source(source)
         model, config = load_resolved(resolved, use_ema, device, task)
         if tokenizer is None:
-            local = resolved.path / "tokenizer" if resolved.path.is_dir() else None
-            tokenizer = load_tokenizer(local if local and local.is_dir() else config.tokenizer)
+            tokenizer = load_tokenizer(model_tokenizer(resolved.path, config))
         if encoder is None and config.conditional:
             encoder = model_encoder(config).to(device)
         return cls(model, config, tokenizer, encoder)

@@ -145,46 +145,38 @@ def bible_tiny() -> RunConfig:
     )
 
 
-def de_en_tiny() -> RunConfig:
-    """Debian descriptions German -> English (32 + 32 tokens)."""
+def _ddtp_pairs(
+    folder: str, fields: tuple[str, str], lengths: tuple[int, int], name: str
+) -> RunConfig:
+    """A conditional CPU preset on an offline Debian-descriptions pair set: (source, target)
+    fields, (source, total) lengths; the paper's seq2seq objective and sampler."""
     data = DataConfig(
-        path=shared_data("ddtp_de_en", "train.jsonl.gz"),
-        valid_path=shared_data("ddtp_de_en", "valid.jsonl.gz"),
+        path=shared_data(folder, "train.jsonl.gz"),
+        valid_path=shared_data(folder, "valid.jsonl.gz"),
         format="pairs",
-        source_field="de",
-        target_field="en",
+        source_field=fields[0],
+        target_field=fields[1],
         latent_cache=True,
     )
     return _cpu(
-        elf_small(max_length=64),
+        elf_small(max_length=lengths[1]),
         data,
-        "de-en-tiny",
+        name,
         objective=ObjectiveConfig(decoder_noise_scale=1.0, label_drop_prob=0.1, pad_with_eos=True),
         sampler=SamplerConfig(steps=32, sampler="ode", gamma=0.0, w=1.0, cfg=2.0),
         task="conditional",
-        max_input_length=32,
+        max_input_length=lengths[0],
     )
+
+
+def de_en_tiny() -> RunConfig:
+    """Debian descriptions German -> English (32 + 32 tokens)."""
+    return _ddtp_pairs("ddtp_de_en", ("de", "en"), (32, 64), "de-en-tiny")
 
 
 def summ_tiny() -> RunConfig:
     """Debian long description -> synopsis (96 + 32 tokens)."""
-    data = DataConfig(
-        path=shared_data("ddtp_summ", "train.jsonl.gz"),
-        valid_path=shared_data("ddtp_summ", "valid.jsonl.gz"),
-        format="pairs",
-        source_field="document",
-        target_field="summary",
-        latent_cache=True,
-    )
-    return _cpu(
-        elf_small(max_length=128),
-        data,
-        "summ-tiny",
-        objective=ObjectiveConfig(decoder_noise_scale=1.0, label_drop_prob=0.1, pad_with_eos=True),
-        sampler=SamplerConfig(steps=32, sampler="ode", gamma=0.0, w=1.0, cfg=2.0),
-        task="conditional",
-        max_input_length=96,
-    )
+    return _ddtp_pairs("ddtp_summ", ("document", "summary"), (96, 128), "summ-tiny")
 
 
 PRESETS: dict[str, Callable[[], RunConfig]] = {

@@ -75,15 +75,19 @@ def _init_tokenizer(source: ArtifactConfig, shipped: Path) -> str:
     return str(shipped.resolve())
 
 
-def resumed_settings(cfg: RunConfig, ckpt: Path) -> RunConfig:
-    """``cfg`` with what the run saved in ``ckpt`` was started with and a resume must not redo.
+def saved_run_config(ckpt: Path) -> RunConfig:
+    """The run config a checkpoint was saved with (read once per resume)."""
+    return run_config_from_dict(ckpt_io.read_run_config(ckpt))
+
+
+def resumed_settings(cfg: RunConfig, saved: RunConfig) -> RunConfig:
+    """``cfg`` with what the ``saved`` run was started with and a resume must not redo.
 
     A fine-tune's architecture and encoder came from its init, which a resume does not load again.
     A latent_std that was measured (``encoder.latent_std=0``, the CPU presets) is the saved one,
     not measured anew: the latent space, and the latent cache keyed by it, stay exactly the run's
     (a new measurement on another machine can differ in the last bits).
     """
-    saved = run_config_from_dict(ckpt_io.read_run_config(ckpt))
     if cfg.train.init and same_init(saved.train.init, cfg.train.init):
         model = replace(saved.model, max_length=cfg.model.max_length)
         return replace(cfg, model=model, encoder=saved.encoder)
@@ -92,10 +96,9 @@ def resumed_settings(cfg: RunConfig, ckpt: Path) -> RunConfig:
     return cfg  # a different init is refused by check_resumable
 
 
-def check_resumable(cfg: RunConfig, ckpt: Path) -> None:
-    """A resume must continue the same run: init, architecture, encoder and latent scale, global
-    batch and seed."""
-    saved = run_config_from_dict(ckpt_io.read_run_config(ckpt))
+def check_resumable(cfg: RunConfig, saved: RunConfig, ckpt: Path) -> None:
+    """A resume of ``ckpt`` (saved with ``saved``) must continue the same run: init,
+    architecture, encoder and latent scale, parallel mode, global batch and seed."""
     if not same_init(saved.train.init, cfg.train.init):
         raise ELFError(
             f"cannot resume {ckpt}: it was started from train.init {saved.train.init or 'none'!r}, "
@@ -126,6 +129,12 @@ def check_resumable(cfg: RunConfig, ckpt: Path) -> None:
             f"{saved.encoder.latent_std}, now {cfg.encoder.latent_std}; the latent scale must not "
             f"change within a run — set encoder.latent_std={saved.encoder.latent_std} (or 0) or "
             "use a new --out"
+        )
+    was, now = saved.train.parallel, cfg.train.parallel
+    if was != now:
+        raise ELFError(
+            f"cannot resume {ckpt}: it was saved with train.parallel={was}, this run uses {now}; "
+            f"the optimizer state is laid out for {was}: set train.parallel={was} to continue"
         )
     for key in ("global_batch", "seed"):
         old, new = getattr(saved.train, key), getattr(cfg.train, key)

@@ -50,6 +50,7 @@ from elflow.resume import (
     check_same_rows,
     resolve_resume,
     resumed_settings,
+    saved_run_config,
 )
 from elflow.run_config import RunConfig, run_config_to_dict
 from elflow.run_log import MetricsLogger, progress_bar, write_samples
@@ -91,8 +92,9 @@ def train(
     if cfg.train.init and resume_from is None:
         cfg, init_state, init_source = apply_init(cfg)
     elif resume_from is not None:  # the init is not loaded again, nor latent_std measured
-        cfg = resumed_settings(cfg, resume_from)
-        check_resumable(cfg, resume_from)
+        saved = saved_run_config(resume_from)
+        cfg = resumed_settings(cfg, saved)
+        check_resumable(cfg, saved, resume_from)
     torch.manual_seed(cfg.train.seed)
     from transformers.utils import logging as hf_logging
 
@@ -164,7 +166,8 @@ def train(
 
         load_state_dict_strict(model, ckpt_io.load_weights(resume_from, "model.safetensors"))
         start_step = resume_state["step"]
-        rank_state = ckpt_io.load_rank_state(resume_from, info, sharded)
+        saved_world = resume_state.get("world_size", 1)
+        rank_state = ckpt_io.load_rank_state(resume_from, info, saved_world, sharded)
     model.activation_checkpointing = cfg.train.activation_checkpointing
     forward = TrainForward(model)
     if cfg.train.compile:
