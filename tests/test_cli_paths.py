@@ -150,6 +150,17 @@ def test_sweep_keeps_an_earlier_sweep_unless_overwrite(tmp_path, model, capsys):
         "--score-batch-size must be >= 1"
         in run_cli(capsys, *argv, "--overwrite", "--score-batch-size", "0")[1]
     )
+    # The per-sample checks also run before the earlier sweep is removed.
+    kept = sorted(p.name for p in (out / "samples").iterdir())
+    for flag, value, message in (
+        ("--batch-size", "0", "--batch-size must be >= 1"),
+        ("--length", "0", "--length must be >= 1"),
+        ("--num-samples", "0", "--num-samples must be >= 1"),
+    ):
+        code, err = run_cli(capsys, *argv, "--overwrite", "--steps", "2", flag, value)
+        assert code == 2 and message in err
+        assert sorted(p.name for p in (out / "samples").iterdir()) == kept
+        assert (out / "table.md").is_file()
 
 
 def test_sweep_refuses_a_training_run_folder(tmp_path, model, capsys):

@@ -237,6 +237,18 @@ def minilm_path():
     return gt.get_model_path()
 
 
+def test_rows_longer_than_the_positions_are_one_line():
+    model = _tiny_hf("bert", "sdpa")
+    model.config.max_position_embeddings = L - 1  # as if BERT's 512 were L - 1
+    enc = FrozenEncoder(model)
+    assert enc.max_positions == L - 1
+    assert FrozenEncoder(_tiny_hf("t5", "sdpa")).max_positions is None  # relative positions
+    ids, am, _ = _batch()
+    with pytest.raises(ELFError, match=f"rows of {L} tokens .* at most {L - 1}"):
+        enc(ids, am)
+    enc.check_length(L - 1)
+
+
 def test_from_pretrained_bert_folder(minilm_path):
     enc = FrozenEncoder.from_pretrained(minilm_path, attn_implementation="eager")
     assert isinstance(enc.model, BertModel) and enc.hidden_size == 384
@@ -324,6 +336,12 @@ def test_tokenize_uses_own_special_tokens(bert_tok, t5_tok):
     assert bert_tok.decode(ids[0]) == "[CLS] hello world [SEP]"
     short = tokenize(bert_tok, ["a cat sat on the mat"], max_length=4)[0]
     assert len(short) == 4 and short[0] == 101 and short[-1] == 102
+    from transformers.testing_utils import CaptureLogger
+    from transformers.utils import logging as hf_logging
+
+    with CaptureLogger(hf_logging.get_logger("transformers.tokenization_utils_base")) as cl:
+        long = tokenize(bert_tok, ["word " * 600])[0]
+    assert len(long) == 602 and "longer than the specified maximum" not in cl.out  # cut later
     t5 = tokenize(t5_tok, ["the cat sat", "hello world"])
     assert [r[-1] for r in t5] == [1, 1] and len(t5[0]) == 4
     assert t5_tok.decode(t5[0]) == "the cat sat</s>"

@@ -106,6 +106,19 @@ def test_generate_conditional(cond_dir):
         pipe.generate(2)
 
 
+def test_generate_refuses_misused_arguments(uncond_dir, cond_dir):
+    cond = ELFPipeline.from_pretrained(cond_dir)
+    with pytest.raises(ELFError, match="wrap a single source in a list"):
+        cond.generate(sources="hello")  # not one sample per character
+    with pytest.raises(ELFError, match="source 1 is a NoneType, not a string"):
+        cond.generate(sources=["hello", None])
+    with pytest.raises(ELFError, match="length applies to unconditional models"):
+        cond.generate(sources=["hello"], length=3)
+    uncond = ELFPipeline.from_pretrained(uncond_dir)
+    with pytest.raises(ELFError, match="conditional models only"):
+        uncond.generate(2, cfg=2.0)
+
+
 def test_tokenizer_mismatch_is_one_line(tmp_path):
     cfg = elf_tiny(encoder_dim=8, vocab_size=100, max_length=8)
     save_model(

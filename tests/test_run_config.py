@@ -91,6 +91,7 @@ def test_overrides_from_set_and_yaml(tmp_path):
         (["optim.blr=-1"], "optim"),
         (["objective.self_cond_prob=2"], "self_cond_prob must be in [0, 1]"),
         (["task=conditional"], "max_input_length"),
+        (["sampler.cfg=2"], "sampler.cfg 2.0 applies to conditional tasks only"),
         (['objective={"time_mean": -3}'], "names a whole section"),
     ],
 )

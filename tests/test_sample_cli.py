@@ -248,6 +248,8 @@ def test_bad_input_is_one_line(uncond_dir, cond_dir, tmp_path, capsys):
     good.write_text('{"text": "x"}\n')
     argv = ["--checkpoint", str(cond_dir), *out, "--sources", str(good), "--length", "4"]
     assert "--length applies to unconditional models" in _one_line_error(capsys, argv)
+    argv = ["--checkpoint", str(cond_dir), *out, "--sources", str(good), "--num-samples", "-1"]
+    assert "--num-samples must be >= 1, got -1" in _one_line_error(capsys, argv)
     assert "steps" in _one_line_error(
         capsys, ["--checkpoint", str(uncond_dir), *out, "--steps", "0"]
     )

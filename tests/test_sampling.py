@@ -222,6 +222,11 @@ def test_make_denoiser_cfg_equals_two_separate_calls(cfg):
     assert_close(v, expected_v, rtol=1e-5, atol=1e-4)
     assert_close(x_hat, expected_x, rtol=1e-5, atol=1e-5)
     assert (v[c3.expand_as(v)] == 0).all()
+    # One time for the whole batch (a 0-dim t, as ELF.forward takes) gives the per-row result.
+    same = torch.full((B,), 0.5)
+    per_row = make_denoiser(model, 3.0, t_eps, cond, cfg)(z, x_prev, same)
+    scalar = make_denoiser(model, 3.0, t_eps, cond, cfg)(z, x_prev, torch.tensor(0.5))
+    assert_close(scalar[0], per_row[0]) and assert_close(scalar[1], per_row[1])
 
 
 # --- the full loop --------------------------------------------------------------------------------

@@ -49,6 +49,14 @@ def test_grid_gamma_only_for_sde():
         sweep.grid("euler", "2", None, None)
     with pytest.raises(ELFError, match="comma-separated"):
         sweep.grid("ode", "two", None, None)
+    assert sweep.Cell("ode", None, None, None).name == "ode-ndefault-wdefault"
+
+
+def test_grid_cells_have_distinct_names():
+    # A value given twice is one cell; values that print alike would share files: refused.
+    assert [c.name for c in sweep.grid("ode", "4,4", "1,1.0,2", None)] == ["ode-n4-w1", "ode-n4-w2"]
+    with pytest.raises(ELFError, match="share the name 'ode-n4-w1'"):
+        sweep.grid("ode", "4", "1,1.0000001", None)
 
 
 def test_sweep_writes_grid_tables_plot_and_equals_sample_plus_score(model_dir, judge_dir, tmp_path):

@@ -229,6 +229,26 @@ class FrozenEncoder(nn.Module):
     def dtype(self) -> torch.dtype:
         return next(self.model.parameters()).dtype
 
+    @property
+    def max_positions(self) -> int | None:
+        """The longest sequence an encoder with learned absolute positions embeds (BERT: 512);
+        None for relative positions (T5), which take any length."""
+        config = self.model.config
+        if getattr(config, "position_embedding_type", "absolute") != "absolute":
+            return None
+        n = getattr(config, "max_position_embeddings", None)
+        return n if isinstance(n, int) and n > 0 else None
+
+    def check_length(self, length: int) -> None:
+        """Refuse rows longer than :attr:`max_positions` with a one-line error."""
+        limit = self.max_positions
+        if limit is not None and length > limit:
+            raise ELFError(
+                f"rows of {length} tokens are longer than encoder "
+                f"'{self.name or self.model.config.model_type}' can embed ({limit} positions); "
+                f"set model.max_length (and max_input_length) to at most {limit}"
+            )
+
     @torch.no_grad()
     def encode_raw(
         self,
@@ -239,6 +259,7 @@ class FrozenEncoder(nn.Module):
     ) -> Tensor:
         """Unnormalised hidden states (of ``layer``) in fp32: (B, L) ids -> (B, L, E)."""
         assert input_ids.shape == attention_mask.shape, (input_ids.shape, attention_mask.shape)
+        self.check_length(input_ids.shape[1])
         mask = encoder_attention_mask(attention_mask, cond_mask, label_drop, dtype=self.dtype)
         if self.layer == 0:
             out = self.model(input_ids=input_ids, attention_mask=mask)

@@ -54,6 +54,49 @@ def read_sources(path: str | Path, field: str = "text") -> list[dict]:
     return rows
 
 
+def sources_from_args(args: argparse.Namespace) -> list[dict] | None:
+    """``--sources`` (the first ``--num-samples`` of them when given), or None."""
+    if args.num_samples is not None and args.num_samples < 1:
+        raise ELFError(f"--num-samples must be >= 1, got {args.num_samples}")
+    if not args.sources:
+        return None
+    sources = read_sources(args.sources, args.source_field)
+    return sources if args.num_samples is None else sources[: args.num_samples]
+
+
+def check_request(
+    pipe: ELFPipeline, total: int | None, sources: Sequence[dict] | None, batch_size: int
+) -> None:
+    """One-line errors for a sampling request the model cannot serve (before any work starts)."""
+    if batch_size < 1:
+        raise ELFError(f"--batch-size must be >= 1, got {batch_size}")
+    if total is None or total < 1:
+        raise ELFError("pass --num-samples >= 1 (unconditional) or a non-empty --sources file")
+    if pipe.config.conditional and sources is None:
+        raise ELFError("this model is conditional: pass --sources FILE.jsonl")
+    if not pipe.config.conditional and sources is not None:
+        raise ELFError("this model is unconditional: drop --sources")
+
+
+def check_sample_args(
+    pipe: ELFPipeline, args: argparse.Namespace, sources: Sequence[dict] | None
+) -> None:
+    """Everything :func:`sample_from_args` checks, so ``sweep`` can check it before it clears."""
+    if args.length is not None and args.length < 1:
+        raise ELFError(f"--length must be >= 1, got {args.length}")
+    if args.length is not None and pipe.config.conditional:
+        raise ELFError(
+            "--length applies to unconditional models; a conditional model writes its "
+            "max_length - max_input_length target tokens"
+        )
+    total = len(sources) if sources is not None else _num_samples(args)
+    check_request(pipe, total, sources, args.batch_size)
+
+
+def _num_samples(args: argparse.Namespace) -> int:
+    return 16 if args.num_samples is None else args.num_samples
+
+
 def resolve_sampler(
     pipe: ELFPipeline,
     *,
@@ -170,13 +213,7 @@ def sample_from_args(
     **extra,
 ) -> SampleResult:
     """:func:`sample_records` with the options shared by ``elflow sample`` and ``elflow sweep``."""
-    if args.length is not None and args.length < 1:
-        raise ELFError(f"--length must be >= 1, got {args.length}")
-    if args.length is not None and pipe.config.conditional:
-        raise ELFError(
-            "--length applies to unconditional models; a conditional model writes its "
-            "max_length - max_input_length target tokens"
-        )
+    check_sample_args(pipe, args, sources)
     if args.bf16 and pipe.device.type == "cpu" and not fast_bf16(pipe.device) and info.is_main:
         _warn_once(
             "elflow: warning: --bf16 on a CPU that emulates bf16 (no AVX-512 BF16/AMX/Arm "
@@ -185,7 +222,7 @@ def sample_from_args(
     return sample_records(
         pipe,
         scfg,
-        n=16 if args.num_samples is None else args.num_samples,
+        n=_num_samples(args),
         sources=sources,
         source_field=args.source_field,
         seed=args.seed,
@@ -223,15 +260,8 @@ def sample_records(
     a ``sample`` run by construction.
     """
     info = info or DistInfo(0, 1, 0, pipe.device)
-    if batch_size < 1:
-        raise ELFError(f"--batch-size must be >= 1, got {batch_size}")
     total = len(sources) if sources is not None else n
-    if total is None or total < 1:
-        raise ELFError("pass --num-samples >= 1 (unconditional) or a non-empty --sources file")
-    if pipe.config.conditional and sources is None:
-        raise ELFError("this model is conditional: pass --sources FILE.jsonl")
-    if not pipe.config.conditional and sources is not None:
-        raise ELFError("this model is unconditional: drop --sources")
+    check_request(pipe, total, sources, batch_size)
     settings = settings_record(
         pipe, scfg, seed=seed, length=length, bf16=bf16, model=model, ema=ema
     )
@@ -385,9 +415,7 @@ def run(args: argparse.Namespace) -> int:
         output_file(args.trajectory, "--trajectory")
     info = resolve_device(args.device)
     try:
-        sources = read_sources(args.sources, args.source_field) if args.sources else None
-        if sources is not None and args.num_samples is not None:
-            sources = sources[: args.num_samples]
+        sources = sources_from_args(args)
         pipe = load_pipeline(args, info)
         scfg = resolve_sampler(
             pipe,

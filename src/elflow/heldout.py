@@ -119,7 +119,9 @@ def valid_rows(cfg: RunConfig, tokenizer, pad_id: int, info: DistInfo) -> RowDat
             print("elflow train: data.valid_path is not used, as train.eval_every=0", flush=True)
         return None
     L = cfg.model.max_length
-    valid = build_dataset(cfg.data, tokenizer, L, cfg.max_input_length, pad_id, "valid")
+    valid = build_dataset(
+        cfg.data, tokenizer, L, cfg.max_input_length, pad_id, "valid", cfg.task == "conditional"
+    )
     if len(valid) == 0:
         raise ELFError(
             f"validation data {cfg.data.valid_path!r} yields no rows; fix data.valid_path"

@@ -60,7 +60,19 @@ def iter_json_objects(path: Path) -> Iterator[tuple[int, dict]]:
             ) from None
         if not isinstance(record, dict):
             raise ELFError(f"{path}:{lineno}: expected a JSON object per line, got {line[:40]!r}")
+        if "\\ud" in line.lower():  # only an escape can make a lone surrogate: check those lines
+            _check_surrogates(record, f"{path}:{lineno}")
         yield lineno, record
+
+
+def _check_surrogates(record: dict, where: str) -> None:
+    try:
+        json.dumps(record, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise ELFError(
+            f"{where}: a string holds an unpaired surrogate escape (\\ud800-\\udfff); "
+            "fix the text (it is not valid Unicode)"
+        ) from None
 
 
 def read_jsonl(

@@ -220,7 +220,12 @@ class ELFPipeline:
         """Like :meth:`generate`, returning tokens and (optionally) the per-step trajectory."""
         cfg = self.config
         scfg = self.sampler_config(**sampler_overrides)
+        if isinstance(sources, str):  # would give one sample per character
+            raise ELFError("sources must be a list of strings; wrap a single source in a list")
         if sources is not None:
+            for i, source in enumerate(sources):
+                if not isinstance(source, str):
+                    raise ELFError(f"source {i} is a {type(source).__name__}, not a string")
             n = len(sources)
         if n is None or n < 1:
             raise ELFError(
@@ -233,9 +238,12 @@ class ELFPipeline:
         guidance = sampler_overrides.get("cfg")
         if guidance not in (None, 1.0) and not cfg.conditional:
             raise ELFError("cfg (classifier-free guidance) applies to conditional models only")
+        if cfg.conditional and length is not None:
+            raise ELFError(
+                "length applies to unconditional models; a conditional model writes its "
+                "max_length - max_input_length target tokens"
+            )
         L = cfg.model.max_length if length is None else length
-        if cfg.conditional:
-            L = cfg.model.max_length
         if L < 1:
             raise ELFError(f"length must be >= 1, got {L}")
         if L > cfg.model.max_length:

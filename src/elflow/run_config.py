@@ -179,6 +179,11 @@ class RunConfig:
                 f"conditional runs need 0 < max_input_length ({self.max_input_length}) < "
                 f"model.max_length ({self.model.max_length})"
             )
+        if self.task == "unconditional" and self.sampler.cfg != 1.0:
+            raise ELFError(
+                f"sampler.cfg {self.sampler.cfg} applies to conditional tasks only "
+                "(classifier-free guidance on the source); leave it at 1"
+            )
 
 
 SECTIONS: dict[str, type] = {

@@ -66,6 +66,7 @@ def make_denoiser(
         else:
             z_u, x_prev_u = z.masked_fill(c3, 0.0), x_prev.masked_fill(c3, 0.0)
             x_in = torch.cat([torch.cat([z, x_prev], -1), torch.cat([z_u, x_prev_u], -1)])
+            t = t.expand(B) if t.dim() == 0 else t  # per row, so that it can be repeated
             km = None if key_mask is None else key_mask.repeat(2, 1)
             w2 = w.repeat(2) if isinstance(w, Tensor) and w.dim() > 0 else w
             x_both = model(x_in, t.repeat(2), w2, 0.0, km)[0].float()

@@ -23,11 +23,12 @@ from elflow.distributed import teardown
 from elflow.errors import ELFError
 from elflow.generate import (
     add_sampling_arguments,
+    check_sample_args,
     load_pipeline,
-    read_sources,
     resolve_device,
     resolve_sampler,
     sample_from_args,
+    sources_from_args,
 )
 from elflow.jsonl import write_jsonl
 from elflow.paths import output_dir
@@ -54,20 +55,21 @@ COLUMNS = (
 @dataclass(frozen=True)
 class Cell:
     sampler: str
-    steps: int
+    steps: int | None
     w: float | None
     gamma: float | None
 
     @property
     def name(self) -> str:
         """A file-name-safe id, e.g. ``sde-n16-w3-g1.5`` (``default`` for a model default)."""
+        n = "default" if self.steps is None else str(self.steps)
         w = "default" if self.w is None else f"{self.w:g}"
         g = (
             ""
             if self.sampler != "sde"
             else "-g" + ("default" if self.gamma is None else f"{self.gamma:g}")
         )
-        return f"{self.sampler}-n{self.steps}-w{w}{g}"
+        return f"{self.sampler}-n{n}-w{w}{g}"
 
 
 def _list(text: str | None, kind: type, what: str) -> list:
@@ -98,7 +100,17 @@ def grid(samplers: str, steps: str | None, ws: str | None, gammas: str | None) -
         for n in step_list:
             for w in _list(ws, float, "w"):
                 for g in _list(gammas, float, "gamma") if sampler == "sde" else [None]:
-                    cells.append(Cell(sampler, n, w, g))
+                    cell = Cell(sampler, n, w, g)
+                    if cell not in cells:  # a value listed twice is one cell
+                        cells.append(cell)
+    names_seen: dict[str, Cell] = {}
+    for cell in cells:
+        other = names_seen.setdefault(cell.name, cell)
+        if other is not cell:  # e.g. --w 1,1.0000001: two cells, one file name
+            raise ELFError(
+                f"sweep cells {other} and {cell} share the name {cell.name!r}; "
+                "give values that differ in their first 6 significant digits"
+            )
     return cells
 
 
@@ -267,9 +279,7 @@ def run(args: argparse.Namespace) -> int:
     previous = _check_previous(out, args.overwrite)
     info = resolve_device(args.device)
     try:
-        sources = read_sources(args.sources, args.source_field) if args.sources else None
-        if sources is not None and args.num_samples is not None:
-            sources = sources[: args.num_samples]
+        sources = sources_from_args(args)
         reference = read_jsonl(args.reference) if args.reference else None
         if reference is not None and not reference:
             raise ELFError(f"--reference {args.reference} holds no texts")
@@ -282,6 +292,7 @@ def run(args: argparse.Namespace) -> int:
             )
             for c in cells
         ]
+        check_sample_args(pipe, args, sources)
         if info.is_main:
             judge = None if args.judge.lower() == "none" else load_judge(args.judge)
             if previous:  # only now that the new sweep has everything it needs to start

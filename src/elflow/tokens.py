@@ -49,12 +49,14 @@ def tokenize(tokenizer, texts: list[str], max_length: int | None = None) -> list
     """Tokenise `texts` in one batched call, with the tokenizer's special tokens.
 
     With `max_length`, Hugging Face truncation keeps the special tokens (the trailing EOS survives).
+    Without it, texts longer than the encoder's limit are not warned about: callers cut them.
     """
     enc = tokenizer(
         list(texts),
         add_special_tokens=True,
         truncation=max_length is not None,
         max_length=max_length,
+        verbose=False,  # "Token indices sequence length is longer than ...": rows are cut later
     )
     return [list(ids) for ids in enc["input_ids"]]
 

@@ -111,7 +111,9 @@ def train(
     spec = token_spec(tokenizer)
     pad_id = spec.eos_id if cfg.objective.pad_with_eos else spec.pad_id
     L = cfg.model.max_length
-    dataset = build_dataset(cfg.data, tokenizer, L, cfg.max_input_length, pad_id, "train")
+    dataset = build_dataset(
+        cfg.data, tokenizer, L, cfg.max_input_length, pad_id, "train", cfg.task == "conditional"
+    )
     if len(dataset) == 0:
         raise ELFError(f"training data {cfg.data.path!r} yields no rows")
     resume_state = ckpt_io.read_state(resume_from) if resume_from is not None else None
@@ -124,6 +126,7 @@ def train(
         latent_std=1.0,
         layer=cfg.encoder.layer,
     ).to(info.device)
+    encoder.check_length(L)
     latent_std = (
         cfg.encoder.latent_std
         or prepared_latent_std(cfg.data.path, cfg.encoder.name, cfg.encoder.layer)

@@ -27,6 +27,9 @@ def test_one_document_per_row_padding_and_masks(tokenizer, tmp_path):
     spec = token_spec(tokenizer)
     ds = build_dataset(DataConfig(path=str(path)), tokenizer, max_length=32)
     assert len(ds) == 20 and not ds.conditional
+    # A conditional run on plain text would train a "conditional" model that never saw a source.
+    with pytest.raises(ELFError, match=r"data\.path .* holds plain text .* task is conditional"):
+        build_dataset(DataConfig(path=str(path)), tokenizer, 32, 8, conditional=True)
     rows = ds.get_rows(np.arange(20))
     assert all(v.dtype == np.int64 and v.shape == (20, 32) for v in rows.values())
     docs = tokenize(tokenizer, verses)
@@ -72,6 +75,8 @@ def test_conditional_rows_match_build_conditional_row(tokenizer, tmp_path):
     eos = token_spec(tokenizer).eos_id
     ds = build_dataset(cfg, tokenizer, max_length=24, max_input_length=12, pad_id=eos)
     assert ds.conditional and len(ds) == 40
+    with pytest.raises(ELFError, match=r"holds source/target pairs .* task is unconditional"):
+        build_dataset(cfg, tokenizer, 24, 12, eos, conditional=False)
     rows = ds.get_rows(np.arange(40))
     src = tokenize(tokenizer, [p["de"] for p in pairs])
     tgt = tokenize(tokenizer, [p["en"] for p in pairs])

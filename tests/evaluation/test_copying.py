@@ -2,6 +2,8 @@
 
 import math
 
+import pytest
+
 from elflow.evaluation.copying import copies, copy_share, ngram_set, words
 
 CORPUS = ["In the beginning God created the heavens and the earth.", "Jesus wept."]
@@ -22,3 +24,5 @@ def test_copy_share_counts_any_shared_span():
     assert copy_share(samples, CORPUS, 8) == 1 / 3
     assert copy_share(samples, CORPUS, 3) == 2 / 3
     assert math.isnan(copy_share([], CORPUS))
+    with pytest.raises(ValueError, match="n must be >= 1"):
+        copy_share(samples, CORPUS, 0)  # every text would "copy" the empty span

@@ -6,6 +6,7 @@ import argparse
 import gzip
 import json
 import math
+import shutil
 
 import pytest
 
@@ -44,7 +45,7 @@ def test_score_samples_flat_metrics_and_card(judge):
         lo, hi = m[f"{key}_ci"]
         assert lo <= m[key] <= hi, key
     assert m["rougeLsum"] == pytest.approx(m["rougeL"])  # one-line texts
-    assert m["mean_length"] == pytest.approx((7 + 6 + 4) / 3)
+    assert m["mean_length"] == pytest.approx((7 + 6 + 0 + 4) / 4)  # an empty sample counts 0
     card = m["protocol"]
     assert card["judge"] == "tiny-gpt2" and card["dtype"] == "fp32" and card["eos_id"] == 0
     assert card["bos_id"] is None and card["truncation"] == 64 and card["num_empty"] == 1
@@ -78,6 +79,11 @@ def test_refs_only_and_alignment():
         score_samples(SAMPLES, judge=None, refs=REFS[:3])
     with pytest.raises(ELFError, match="twice"):
         score_samples(SAMPLES, judge=None, refs=[*REFS, REFS[0]])
+    # Ids on some rows only would silently fall back to order: refused on either side.
+    with pytest.raises(ELFError, match="reference 3 has no 'id' while others do"):
+        score_samples(SAMPLES, judge=None, refs=[*REFS[:3], {"text": "z"}])
+    with pytest.raises(ELFError, match="sample 0 has no 'id' while others do"):
+        score_samples([{"text": "x"}, *SAMPLES[1:]], judge=None, refs=REFS)
 
 
 def test_cli_end_to_end(tmp_path, capsys, judge):
@@ -122,6 +128,10 @@ def test_bad_jsonl(tmp_path):
         read_jsonl(good)
     with pytest.raises(ELFError, match="sample 0"):
         score_samples([{"txt": "a"}], judge=None)
+    # A lone surrogate escape is not text: named by line, not a tokenizer traceback.
+    bad.write_text('{"text": "ok \\ud83d\\ude00"}\n{"text": "the cat \\ud800 sat"}\n')
+    with pytest.raises(ELFError, match=r"s\.jsonl:2: .*unpaired surrogate"):
+        read_jsonl(bad)
 
 
 def test_unknown_judge_offline_says_how_to_get_it(monkeypatch, tmp_path):
@@ -135,6 +145,48 @@ def test_unknown_judge_offline_says_how_to_get_it(monkeypatch, tmp_path):
     (tmp_path / "file.bin").write_bytes(b"x")
     with pytest.raises(ELFError, match="is a file"):
         load_judge(str(tmp_path / "file.bin"))
+
+
+def test_broken_judge_folders_are_one_line(tmp_path, judge):
+    good = tmp_path / "judge"
+    judge.model.save_pretrained(good)
+    judge.tokenizer.save_pretrained(good)
+    # Damaged weights: safetensors' own error, not an OSError.
+    cut = tmp_path / "cut"
+    shutil.copytree(good, cut)
+    weights = cut / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(ELFError, match="cannot load judge folder"):
+        load_judge(str(cut))
+    # No tokenizer files: transformers builds an empty tokenizer, which would score nothing.
+    notok = tmp_path / "notok"
+    shutil.copytree(good, notok)
+    for f in notok.glob("tokenizer*"):
+        f.unlink()
+    with pytest.raises(ELFError, match="no usable tokenizer"):
+        load_judge(str(notok))
+
+
+def test_tokenizer_must_fit_the_judge(judge):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    small = GPT2LMHeadModel(GPT2Config(vocab_size=8, n_embd=8, n_layer=1, n_head=2))
+    with pytest.raises(ELFError, match="embeds only 8"):
+        judge_mod.from_model(small, judge.tokenizer, "small")
+
+
+def test_hub_judge_revision_is_the_snapshot_commit(tmp_path, monkeypatch, judge):
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--someone--judge"
+    judge.model.save_pretrained(repo / "snapshots" / commit)
+    judge.tokenizer.save_pretrained(repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))  # read at import
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert load_judge("someone/judge").revision == commit
 
 
 def test_smollm2_without_package(monkeypatch):

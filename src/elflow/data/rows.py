@@ -189,12 +189,15 @@ def build_dataset(
     max_input_length: int = 0,
     pad_id: int | None = None,
     split: str = "train",
+    conditional: bool | None = None,
 ) -> RowDataset:
     """The rows of `cfg.path` (split "train") or `cfg.valid_path` (split "valid").
 
     Prepared folders are memory-mapped; every other format is read and tokenised in memory at
     start-up (use `elflow prepare` for corpora that do not fit). `pad_id` defaults to the
     tokenizer's pad id (spec §10); pass the EOS id for the paper's seq2seq tasks (spec §4).
+    With `conditional` given, data of the other kind (pairs for a plain-text task, or the
+    reverse) is refused.
     """
     if split not in ("train", "valid"):
         raise ELFError(f"split must be 'train' or 'valid', got {split!r}")
@@ -214,6 +217,16 @@ def build_dataset(
     )
     src = resolve_source(cfg, location, hf_split, key)
     if src.container == "prepared":
-        return RowDataset.from_prepared(location, tokenizer=tokenizer, **kwargs)
-    target, source = tokenize_source(src, cfg, tokenizer)
-    return RowDataset(target, source=source, **kwargs)
+        rows = RowDataset.from_prepared(location, tokenizer=tokenizer, **kwargs)
+    else:
+        target, source = tokenize_source(src, cfg, tokenizer)
+        rows = RowDataset(target, source=source, **kwargs)
+    if conditional is not None and rows.conditional != conditional:
+        held, task = ("source/target pairs", "unconditional")
+        if conditional:
+            held, task = ("plain text (no sources)", "conditional")
+        raise ELFError(
+            f"{key} {location!r} holds {held} but the run's task is {task}; "
+            "give data of the task's kind, or change task (a preset of the other kind)"
+        )
+    return rows

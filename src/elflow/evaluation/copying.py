@@ -41,6 +41,8 @@ def copies(texts: Sequence[str], corpus_ngrams: set[int], n: int) -> np.ndarray:
 
 def copy_share(texts: Sequence[str], corpus: Iterable[str], n: int = 8) -> float:
     """Share of ``texts`` that copy an ``n``-token span of ``corpus`` verbatim."""
+    if n < 1:
+        raise ValueError(f"the span length n must be >= 1, got {n}")
     if not texts:
         return float("nan")
     return float(copies(texts, ngram_set(corpus, n), n).mean())

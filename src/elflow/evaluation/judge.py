@@ -84,8 +84,26 @@ def context_length(config: Any) -> int:
     raise ELFError("cannot tell the judge's context length from its config; pick another judge")
 
 
+def check_tokenizer(model: Any, tokenizer: Any, name: str) -> None:
+    """Refuse a tokenizer that cannot feed the judge: empty (a folder without tokenizer files
+    loads as one) or with ids beyond the judge's embedding table."""
+    probe = tokenizer("In the beginning", add_special_tokens=False)["input_ids"]
+    if len(tokenizer) < 2 or not probe:
+        raise ELFError(
+            f"judge '{name}' has no usable tokenizer (it encodes text to nothing); "
+            "add its tokenizer files or pick another judge"
+        )
+    rows = model.get_input_embeddings().num_embeddings
+    if len(tokenizer) > rows:
+        raise ELFError(
+            f"judge '{name}': its tokenizer has {len(tokenizer)} ids but the model embeds only "
+            f"{rows}; pair the model with its own tokenizer"
+        )
+
+
 def from_model(model: Any, tokenizer: Any, name: str, revision: str | None = None) -> Judge:
     """Wrap an already-built model and tokenizer (tests, notebooks) as a :class:`Judge`."""
+    check_tokenizer(model, tokenizer, name)
     model.eval()
     return Judge(
         model=model,
@@ -180,14 +198,27 @@ def load_judge(name: str = DEFAULT_JUDGE) -> Judge:
         model = AutoModelForCausalLM.from_pretrained(
             name, dtype=torch.float32, trust_remote_code=False
         )
-    except (OSError, ValueError) as e:
+    except Exception as e:  # a damaged folder raises safetensors' or a config validator's own
         if path.is_dir():
             reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
             raise ELFError(f"cannot load judge folder '{name}' ({reason})") from None
+        if not isinstance(e, (OSError, ValueError)):
+            raise
         raise ELFError(_offline_hint(name)) from None
     if path.is_dir():
         weights = sorted(path.glob("*.safetensors")) or sorted(path.glob("*.bin"))
         revision = file_sha256(weights) if weights else None
     else:
-        revision = getattr(model.config, "_commit_hash", None)
+        revision = hub_revision(name)
     return from_model(model, tokenizer, name, revision)
+
+
+def hub_revision(name: str) -> str | None:
+    """The commit of a Hub model's cached snapshot (transformers 5 no longer records it on the
+    config), or None when it cannot be told."""
+    from transformers.utils.hub import cached_file, extract_commit_hash
+
+    try:
+        return extract_commit_hash(cached_file(name, "config.json"), None)
+    except (OSError, ValueError):
+        return None

@@ -7,8 +7,8 @@ Protocols (how generative perplexity is computed; entropy, BLEU and ROUGE do not
 - `paper-bf16`: the same with the judge cast to bf16, as the authors' PyTorch port scores.
 - `per-sample`: fp32, the mean of per-sample perplexities (what some diffusion-LM codebases report).
 Empty/whitespace-only samples are counted (`num_empty`) and excluded from gen PPL and entropy; they
-stay in BLEU/ROUGE (scoring 0 there). References align by `id` when every sample and reference has
-one, else by order.
+count 0 in `mean_length` and stay in BLEU/ROUGE (scoring 0 there). References align by `id` when
+every sample and reference has one, by order when none has.
 """
 
 from __future__ import annotations
@@ -63,6 +63,13 @@ def align_refs(samples: list[dict[str, Any]], refs: list[dict[str, Any]]) -> lis
     `source_id` (written by `elflow sample`), which is what references are matched on.
     """
     key = "source_id" if samples and all("source_id" in s for s in samples) else "id"
+    for rows, k, what in ((samples, key, "sample"), (refs, "id", "reference")):
+        have = [k in r for r in rows]
+        if any(have) and not all(have):  # order alignment would then be silently wrong
+            raise ELFError(
+                f"{what} {have.index(False)} has no {k!r} while others do; give every {what} "
+                "one, or none (then samples and references align by order)"
+            )
     if all(key in r for r in samples) and all("id" in r for r in refs):
         by_id: dict[Any, str] = {}
         for r in refs:
@@ -124,7 +131,8 @@ def score_samples(
         "name": protocol,
         "description": spec.description,
         "num_samples": len(texts),
-        "empty_policy": "empty/whitespace-only samples counted, excluded from gen_ppl and entropy",
+        "empty_policy": "empty/whitespace-only samples counted, excluded from gen_ppl and "
+        "entropy, length 0 in mean_length",
         "bootstrap": {"method": "percentile", "resamples": bootstrap, "seed": seed, "alpha": 0.05},
         "versions": library_versions(),
     }
@@ -145,7 +153,8 @@ def score_samples(
         ent = unigram_entropies(texts, j.tokenizer)
         out["gen_ppl"] = res.value
         out["entropy"] = float(ent.mean()) if len(ent) else math.nan
-        out["mean_length"] = float(res.lengths.mean()) if len(res.lengths) else math.nan
+        # Per sample, an empty one counting 0: a model that writes empties is not "longer".
+        out["mean_length"] = float(res.lengths.sum()) / len(texts) if texts else math.nan
         out["num_truncated"] = res.num_truncated
         out["num_scored_tokens"] = res.num_tokens
         if bootstrap:
