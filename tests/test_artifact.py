@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 import torch
 
-from elflow import artifact
+from elflow import artifact, errors
 from elflow.artifact import ArtifactConfig, import_official, load_model, resolve_source, save_model
 from elflow.config import elf_tiny
 from elflow.errors import ELFError
@@ -108,6 +109,7 @@ def test_params_used_when_no_ema(tmp_path, capsys, monkeypatch):
     weights = read_official_checkpoint(tmp_path / "checkpoint_5")
     torch.testing.assert_close(weights["proj_bias"], raw.decoder.proj.bias)
     assert "holds no EMA weights" in capsys.readouterr().err  # said, not silent
+    monkeypatch.setattr(errors, "_NOTED", set())
     monkeypatch.setenv("RANK", "1")
     read_official_checkpoint(tmp_path / "checkpoint_5")
     assert capsys.readouterr().err == ""  # said once under torchrun, by rank 0
@@ -142,7 +144,7 @@ def test_hub_id_goes_through_snapshot_download(tmp_path, monkeypatch):
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
     model, config = load_model("embedded-language-flows/ELF-B-de-en-torch/sub")
-    assert calls == [("embedded-language-flows/ELF-B-de-en-torch", ["sub/*"])]
+    assert calls == [("embedded-language-flows/ELF-B-de-en-torch", ["sub", "sub/*"])]
     assert config.task == "conditional" and config.max_input_length == 64
     assert config.sampler.sampler == "ode" and config.sampler.cfg == 2.0
     torch.testing.assert_close(_outputs(model)[0], _outputs(raw)[0])
@@ -262,3 +264,93 @@ def test_official_presets_match_paper():
         3.0,
     )
     assert cfg.latent_std == 0.2 and cfg.encoder == artifact.T5_SMALL
+
+
+def test_official_task_comes_from_the_last_parts_and_is_said(tmp_path, capsys, monkeypatch):
+    assert artifact.official_task_from_name("wmt-runs/ELF-B-owt/checkpoint_5") == "owt"
+    assert artifact.official_task_from_name("/data/xsum-exp/owt-model/checkpoint_5") == "owt"
+    assert artifact.official_task_from_name("/data/xsum-exp/run1/checkpoint_5") == "owt"
+    monkeypatch.setattr(errors, "_NOTED", set())
+    _save_reference(tmp_path / "checkpoint_5", _perturbed_model(0), _perturbed_model(1))
+    assert load_model(tmp_path / "checkpoint_5")[1].task == "unconditional"
+    assert "names no paper task; taken as 'owt'" in capsys.readouterr().err
+    assert load_model(tmp_path / "checkpoint_5", task="de-en")[1].max_input_length == 64
+    assert capsys.readouterr().err == ""
+    save_model(tmp_path / "m", _perturbed_model(), ArtifactConfig(model=CFG))
+    with pytest.raises(ELFError, match="applies to authors' checkpoints"):
+        load_model(tmp_path / "m", task="xsum")
+
+
+def test_save_model_checks_first_and_leaves_no_stale_ema(tmp_path):
+    a, b = _perturbed_model(0), _perturbed_model(1)
+    config = ArtifactConfig(model=CFG)
+    folder = save_model(tmp_path / "m", a, config, ema_state=_perturbed_model(2).state_dict())
+    save_model(folder, b, config)  # no EMA this time: the earlier one must not win on load
+    assert not (folder / "ema.safetensors").exists()
+    torch.testing.assert_close(_outputs(load_model(folder)[0])[0], _outputs(b)[0])
+    before = (folder / "model.safetensors").read_bytes()
+    with pytest.raises(ELFError, match=r"e\.g\. EMA\.shadow"):
+        save_model(folder, a, config, ema_state={"shadow": {}, "decay": 0.9})
+    other = build_model(elf_tiny(encoder_dim=8, vocab_size=21, max_length=16)).state_dict()
+    with pytest.raises(ELFError, match="another model's EMA"):
+        save_model(folder, a, config, ema_state=other)
+    assert (folder / "model.safetensors").read_bytes() == before  # nothing written
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "state.json").write_text("{}")
+    with pytest.raises(ELFError, match="is a training checkpoint"):
+        save_model(tmp_path / "ckpt", a, config)
+
+
+def test_save_model_unwraps_compiled_and_ddp_models(tmp_path):
+    model = _perturbed_model()
+
+    class Wrapper(torch.nn.Module):  # what torch.compile (_orig_mod) and DDP (module) hold
+        def __init__(self, inner, attr):
+            super().__init__()
+            setattr(self, attr, inner)
+
+    for attr in ("_orig_mod", "module"):
+        folder = save_model(tmp_path / attr, Wrapper(model, attr), ArtifactConfig(model=CFG))
+        torch.testing.assert_close(_outputs(load_model(folder)[0])[0], _outputs(model)[0])
+    with pytest.raises(ELFError, match="expected an elflow ELF network"):
+        save_model(tmp_path / "x", torch.nn.Linear(2, 2), ArtifactConfig(model=CFG))
+
+
+def test_bad_configs_and_paths_are_one_line(tmp_path):
+    folder = save_model(tmp_path / "m", _perturbed_model(), ArtifactConfig(model=CFG))
+    with pytest.raises(ELFError, match="pass its folder"):
+        load_model(folder / "model.safetensors")
+    for text in ("[1, 2]", '"hello"', "null"):
+        (folder / "config.json").write_text(text)
+        with pytest.raises(ELFError, match="not an elflow model config"):
+            load_model(folder)
+    (folder / "config.json").write_text('{"format": "elflow-model"}')
+    with pytest.raises(ELFError, match="no 'format_version'"):
+        load_model(folder)
+    for field, value, message in (
+        ("t_eps", 0.0, "t_eps must be in"),
+        ("noise_scale", -2.0, "noise_scale must be positive"),
+        ("encoder_layer", -3, "encoder_layer must be >= 0"),
+        ("latent_mean", float("nan"), "latent_mean must be a finite"),
+        ("max_input_length", 5, "applies to conditional models"),
+    ):
+        with pytest.raises(ELFError, match=message):
+            ArtifactConfig(model=CFG, **{field: value})
+
+
+def test_integer_weights_are_not_a_model(tmp_path):
+    params = elflow_to_official(_perturbed_model().state_dict())
+    params["proj_bias"] = params["proj_bias"].long()
+    torch.save(_reference_payload(params), tmp_path / "checkpoint_1")
+    with pytest.raises(ELFError, match="integer tensors"):
+        read_official_checkpoint(tmp_path / "checkpoint_1")
+
+
+def test_infer_model_config_at_widths_that_round_down():
+    # 540 / 304 * 304 is just below 540 in floating point: the ratio must still give 540.
+    cfg = elf_tiny(encoder_dim=8, vocab_size=20, max_length=16)
+    cfg = dataclasses.replace(cfg, hidden_size=304, num_heads=4, mlp_ratio=540 / 304 + 1e-12)
+    assert int(cfg.mlp_ratio * 304) == 540
+    model = build_model(cfg)
+    inferred = infer_model_config(elflow_to_official(model.state_dict()), max_length=16)
+    assert inferred.mlp_hidden == cfg.mlp_hidden

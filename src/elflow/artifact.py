@@ -11,6 +11,7 @@ checkpoint (pickle file, folder of ``checkpoint_<step>`` files, or a Hub id).
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from dataclasses import dataclass, field, replace
@@ -21,7 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from elflow.config import ModelConfig, SamplerConfig, from_dict, to_dict
-from elflow.errors import ELFError
+from elflow.errors import ELFError, note_once
 from elflow.model import ELF
 from elflow.official import (
     infer_model_config,
@@ -80,8 +81,21 @@ class ArtifactConfig:
                 f"a conditional model needs 0 < max_input_length ({self.max_input_length}) "
                 f"< max_length ({self.model.max_length})"
             )
-        if self.latent_std <= 0:
-            raise ELFError(f"latent_std must be positive, got {self.latent_std}")
+        if not (math.isfinite(self.latent_std) and self.latent_std > 0):
+            raise ELFError(f"latent_std must be a positive number, got {self.latent_std}")
+        if not math.isfinite(self.latent_mean):
+            raise ELFError(f"latent_mean must be a finite number, got {self.latent_mean}")
+        if not self.conditional and self.max_input_length != 0:
+            raise ELFError(
+                f"max_input_length {self.max_input_length} applies to conditional models; "
+                "an unconditional model has 0"
+            )
+        if not (math.isfinite(self.noise_scale) and self.noise_scale > 0):
+            raise ELFError(f"noise_scale must be positive, got {self.noise_scale}")
+        if not 0 < self.t_eps <= 1:
+            raise ELFError(f"t_eps must be in (0, 1], got {self.t_eps}")
+        if self.encoder_layer < 0:
+            raise ELFError(f"encoder_layer must be >= 0 (0: the output), got {self.encoder_layer}")
 
     @property
     def conditional(self) -> bool:
@@ -95,12 +109,15 @@ class ArtifactConfig:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ArtifactConfig:
-        data = dict(data)
-        if data.pop("format", None) != FORMAT:
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
             raise ELFError(
                 "config.json is not an elflow model config (no 'format': 'elflow-model')"
             )
-        version = data.pop("format_version", None)
+        data = dict(data)
+        del data["format"]
+        if "format_version" not in data:
+            raise ELFError("config.json has no 'format_version'; it was not written by elflow")
+        version = data.pop("format_version")
         if version != FORMAT_VERSION:
             raise ELFError(f"unsupported elflow model format_version {version}; upgrade elflow")
         data.pop("run", None)  # a training checkpoint's full run config (see checkpoint.py)
@@ -117,9 +134,17 @@ OFFICIAL_TASKS: dict[str, dict[str, Any]] = {
 }
 
 
+def _task_words(name: str) -> str:
+    # The last two parts (a Hub repo name and its file, or a folder and its file): a parent
+    # folder named "wmt-experiments" says nothing about an OWT checkpoint inside it.
+    return "/".join(Path(str(name).lower()).parts[-2:])
+
+
 def official_task_from_name(name: str) -> str:
     """Guess the paper task of an authors' checkpoint from its id or path (owt by default)."""
-    low = name.lower()
+    low = _task_words(name)
+    if "owt" in low or "openwebtext" in low:
+        return "owt"
     if "xsum" in low:
         return "xsum"
     if "de-en" in low or "de_en" in low or "wmt" in low:
@@ -165,22 +190,63 @@ def save_model(
     config: ArtifactConfig,
     ema_state: dict[str, torch.Tensor] | None = None,
 ) -> Path:
-    """Write ``model.safetensors`` (+ ``ema.safetensors``) and ``config.json``, each atomically."""
+    """Write ``model.safetensors`` (+ ``ema.safetensors``) and ``config.json``, each atomically.
+
+    ``model`` may be wrapped (``torch.compile``, DDP): its :class:`ELF` is saved. Everything is
+    checked before the first file is written; without ``ema_state`` an earlier save's
+    ``ema.safetensors`` is removed, so that loading never prefers it over these weights.
+    """
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
+    model = unwrap(model)
     if config.model != model.cfg:
         raise ELFError("artifact config's model section does not match the network's config")
+    if (folder / "state.json").is_file():  # checkpoint.STATE
+        raise ELFError(f"{folder} is a training checkpoint; save the model to another folder")
+    state = model.state_dict()
+    if ema_state is not None:
+        _check_ema_state(ema_state, state)
+    folder.mkdir(parents=True, exist_ok=True)
 
     def weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
 
     meta = {"format": FORMAT}
-    _atomic_write(folder / WEIGHTS, lambda p: save_file(weights(model.state_dict()), p, meta))
+    _atomic_write(folder / WEIGHTS, lambda p: save_file(weights(state), p, meta))
     if ema_state is not None:
         _atomic_write(folder / EMA_WEIGHTS, lambda p: save_file(weights(ema_state), p, meta))
+    elif (folder / EMA_WEIGHTS).exists():
+        (folder / EMA_WEIGHTS).unlink()
     text = json.dumps(config.to_json(), indent=2) + "\n"
     _atomic_write(folder / CONFIG, lambda p: Path(p).write_text(text))
     return folder
+
+
+def unwrap(model: Any) -> ELF:
+    """The :class:`ELF` inside ``torch.compile`` and DDP wrappers (whose keys carry prefixes)."""
+    while not isinstance(model, ELF):
+        inner = getattr(model, "_orig_mod", None) or getattr(model, "module", None)
+        if inner is None:
+            raise ELFError(f"expected an elflow ELF network, got {type(model).__name__}")
+        model = inner
+    return model
+
+
+def _check_ema_state(ema: Any, state: dict[str, torch.Tensor]) -> None:
+    """``ema`` must be a tensor per weight of the network, shape for shape (a plain state dict:
+    ``EMA.state_dict()["shadow"]``, not the EMA's whole state)."""
+    if not isinstance(ema, dict) or not all(isinstance(v, torch.Tensor) for v in ema.values()):
+        raise ELFError("ema_state must map weight names to tensors (e.g. EMA.shadow)")
+    if set(ema) != set(state):
+        missing, extra = sorted(set(state) - set(ema)), sorted(set(ema) - set(state))
+        raise ELFError(
+            f"ema_state does not match the network: missing {missing[:3]}, extra {extra[:3]}"
+        )
+    for name, value in state.items():
+        if ema[name].shape != value.shape:
+            raise ELFError(
+                f"ema_state[{name!r}] has shape {tuple(ema[name].shape)}, the network's "
+                f"{tuple(value.shape)}; it is another model's EMA"
+            )
 
 
 def run_checkpoints(folder: Path) -> list[tuple[int, Path]]:
@@ -217,6 +283,8 @@ def resolve_source(source: str | Path) -> ResolvedSource:
         else:
             raise ELFError(f"model source {name!r} does not exist (not a file, folder or Hub id)")
     if path.is_file():
+        if path.name in (WEIGHTS, EMA_WEIGHTS, CONFIG) and (path.parent / CONFIG).is_file():
+            raise ELFError(f"{name!r} is a file of an elflow model; pass its folder {path.parent}")
         return ResolvedSource("official", path, name)
     if (path / CONFIG).is_file() and (path / WEIGHTS).is_file():
         return ResolvedSource("elflow", path, name)
@@ -238,15 +306,15 @@ def _download(hub_id: str) -> Path:
     parts = hub_id.split("/")
     repo_id, sub = "/".join(parts[:2]), "/".join(parts[2:])
     try:
-        root = snapshot_download(repo_id, allow_patterns=[f"{sub}/*"] if sub else None)
+        root = snapshot_download(repo_id, allow_patterns=[sub, f"{sub}/*"] if sub else None)
     except Exception as e:
         raise ELFError(
-            f"cannot get {hub_id!r} from the Hugging Face Hub ({type(e).__name__}); check the id, "
-            "your network and HF_HUB_OFFLINE, or pass a local folder"
+            f"{hub_id!r} is not a local path, and the Hugging Face Hub did not provide it "
+            f"({type(e).__name__}); check the path or the id, your network and HF_HUB_OFFLINE"
         ) from None
     path = Path(root) / sub if sub else Path(root)
     if not path.exists():
-        raise ELFError(f"Hub repo {repo_id!r} has no folder {sub!r}")
+        raise ELFError(f"Hub repo {repo_id!r} has no file or folder {sub!r}")
     return path
 
 
@@ -274,11 +342,21 @@ def load_resolved(
 ) -> tuple[ELF, ArtifactConfig]:
     if resolved.kind == "official":
         state = read_official_checkpoint(resolved.path, use_ema=use_ema)
-        config = official_artifact_config(
-            state, task or official_task_from_name(resolved.name), origin=resolved.name
-        )
+        if task is None:
+            task = official_task_from_name(resolved.name)
+            if task == "owt" and "owt" not in _task_words(resolved.name):
+                note_once(
+                    f"elflow: note: {resolved.name} names no paper task; taken as 'owt' "
+                    "(unconditional); pass --task de-en or xsum (task=) for the others"
+                )
+        config = official_artifact_config(state, task, origin=resolved.name)
         state = official_to_elflow(state)
     else:
+        if task is not None:
+            raise ELFError(
+                f"--task (task=) applies to authors' checkpoints; {resolved.name} is an elflow "
+                "model, whose config.json gives its task"
+            )
         config = read_config(resolved.path)
         ema = resolved.path / EMA_WEIGHTS
         training = (resolved.path / "state.json").is_file()  # checkpoint.STATE (it imports us)

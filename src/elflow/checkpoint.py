@@ -191,6 +191,26 @@ def _prune(out_dir: Path, keep_last: int, current: int) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
+def set_aside_later(out_dir: Path, step: int) -> Path | None:
+    """Move the ``checkpoint-<s>`` folders with s > ``step`` into ``out_dir/abandoned-<n>``.
+
+    A run resumed from an earlier checkpoint of its folder starts another branch; the abandoned
+    branch's later checkpoints would otherwise stay the folder's "latest" (what sampling the run
+    and ``--resume auto`` pick). Nothing is deleted. Returns the folder they went to, if any.
+    """
+    later = [path for s, path in run_checkpoints(out_dir) if s > step]
+    if not later:
+        return None
+    n = 1
+    while (out_dir / f"abandoned-{n}").exists():
+        n += 1
+    target = out_dir / f"abandoned-{n}"
+    target.mkdir()
+    for path in later:
+        path.rename(target / path.name)
+    return target
+
+
 def find_checkpoint(path: Path) -> Path | None:
     """A checkpoint folder itself, or the latest complete one in a run folder."""
     if (path / STATE).is_file():

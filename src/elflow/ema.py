@@ -109,7 +109,8 @@ class EMA:
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output into shadows of the same shapes (and sharding)."""
+        """Restore :meth:`state_dict` output (shadows and the update count) into shadows of the
+        same shapes (and sharding); ``decay`` and ``warmup`` stay this EMA's own."""
         saved = state["shadow"]
         if set(saved) != set(self.shadow):
             missing = sorted(set(self.shadow) - set(saved))
@@ -123,8 +124,8 @@ class EMA:
                     f"expected {tuple(target.shape)}; saved from another model or world size?"
                 )
             target.copy_(saved[name])
-        self.decay = float(state["decay"])
-        self.warmup = bool(state["warmup"])
+        # decay and warmup stay the constructor's: a resumed run follows its config (which its
+        # checkpoints record), as the optimizer does; the saved values are informational.
         self.num_updates = int(state["num_updates"])
 
 

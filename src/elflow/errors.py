@@ -7,6 +7,9 @@ and how to fix it. The CLI prints these messages without a traceback.
 
 from __future__ import annotations
 
+import os
+import sys
+
 import torch
 from torch import Tensor
 
@@ -33,3 +36,13 @@ def check_finite(tensor: Tensor, what: str) -> None:
     """Raise :class:`ELFError` if ``tensor`` holds NaN or inf (one host sync: use at API edges)."""
     if not bool(torch.isfinite(tensor).all()):
         raise ELFError(f"{what} contains NaN or inf values; check the inputs that produced it")
+
+
+_NOTED: set[str] = set()
+
+
+def note_once(message: str) -> None:
+    """Print ``message`` to stderr once per process, and on rank 0 only under ``torchrun``."""
+    if message not in _NOTED and os.environ.get("RANK", "0") == "0":
+        _NOTED.add(message)
+        print(message, file=sys.stderr)

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from elflow.config import SamplerConfig
 from elflow.distributed import DistInfo, setup, teardown
-from elflow.errors import ELFError
+from elflow.errors import ELFError, note_once
 from elflow.hardware import bf16_autocast, fast_bf16
 from elflow.jsonl import read_jsonl, write_jsonl
 from elflow.paths import input_file, output_file
@@ -194,16 +194,6 @@ def _gather(obj: Any, info: DistInfo) -> list[Any]:
     return box if info.is_main else []
 
 
-_WARNED: set[str] = set()
-
-
-def _warn_once(message: str) -> None:
-    """Print ``message`` to stderr the first time only (a sweep samples once per cell)."""
-    if message not in _WARNED:
-        _WARNED.add(message)
-        print(message, file=sys.stderr)
-
-
 def sample_from_args(
     pipe: ELFPipeline,
     scfg: SamplerConfig,
@@ -215,7 +205,7 @@ def sample_from_args(
     """:func:`sample_records` with the options shared by ``elflow sample`` and ``elflow sweep``."""
     check_sample_args(pipe, args, sources)
     if args.bf16 and pipe.device.type == "cpu" and not fast_bf16(pipe.device) and info.is_main:
-        _warn_once(
+        note_once(  # once: a sweep samples once per cell
             "elflow: warning: --bf16 on a CPU that emulates bf16 (no AVX-512 BF16/AMX/Arm "
             "BF16) is many times slower than fp32 here; drop --bf16"
         )
@@ -358,7 +348,10 @@ def resolve_device(name: str) -> DistInfo:
 
 def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
     """Options shared by ``sample`` and ``sweep``."""
+    from elflow.__main__ import add_task_argument
+
     p.add_argument("--checkpoint", required=True, help="any model source (folder, run, Hub id)")
+    add_task_argument(p)
     p.add_argument("--num-samples", type=int, help="unconditional: how many (default 16)")
     p.add_argument("--seed", type=int, default=0, help="sample i depends on (seed, i) only")
     p.add_argument("--batch-size", type=int, default=32)
@@ -403,7 +396,9 @@ def load_pipeline(args: argparse.Namespace, info: DistInfo) -> ELFPipeline:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    return ELFPipeline.from_pretrained(args.checkpoint, device=info.device, use_ema=not args.no_ema)
+    return ELFPipeline.from_pretrained(
+        args.checkpoint, device=info.device, use_ema=not args.no_ema, task=args.task
+    )
 
 
 def run(args: argparse.Namespace) -> int:

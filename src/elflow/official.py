@@ -10,9 +10,8 @@ The architecture is inferred from tensor shapes; the rest comes from the matchin
 
 from __future__ import annotations
 
-import os
+import math
 import re
-import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -20,7 +19,7 @@ import torch
 from torch import Tensor
 
 from elflow.config import ModelConfig
-from elflow.errors import ELFError
+from elflow.errors import ELFError, note_once
 
 Transform = Callable[[Tensor], Tensor]
 
@@ -113,6 +112,9 @@ def infer_model_config(state: Mapping[str, Tensor], max_length: int, **overrides
     # that is a multiple of 1/4 (4.0 for every released model).
     widths = [h for h in range(mlp_hidden, 2 * mlp_hidden + 2) if int(h * 2 / 3) == mlp_hidden]
     hidden4 = next((h for h in widths if (4 * h) % D == 0), widths[0])
+    ratio = hidden4 / D
+    while int(ratio * D) < hidden4:  # h / D * D can round to just below h (e.g. 540 at D 304)
+        ratio = math.nextafter(ratio, math.inf)
     kwargs = dict(
         encoder_dim=int(E),
         vocab_size=int(V),
@@ -120,7 +122,7 @@ def infer_model_config(state: Mapping[str, Tensor], max_length: int, **overrides
         hidden_size=int(D),
         depth=depth,
         num_heads=int(D // head_dim),
-        mlp_ratio=hidden4 / D,
+        mlp_ratio=ratio,
         bottleneck_dim=int(bottleneck),
         num_time_tokens=int(n_time),
         num_scale_tokens=int(n_scale),
@@ -171,17 +173,19 @@ def read_official_checkpoint(path: str | Path, use_ema: bool = True) -> dict[str
     if not isinstance(payload, dict):
         raise ELFError(f"{path} is not a reference ELF checkpoint (expected a dict payload)")
     key = "ema_params1" if use_ema and payload.get("ema_params1") else "params"
-    if use_ema and key == "params" and os.environ.get("RANK", "0") == "0":  # once under torchrun
-        print(
-            f"elflow: note: {path} holds no EMA weights (ema_params1); using its raw 'params'",
-            file=sys.stderr,
-        )
     weights = payload.get(key)
     if not isinstance(weights, Mapping) or not weights:
-        raise ELFError(f"{path} has no '{key}' weights (keys: {sorted(payload)})")
+        raise ELFError(f"{path} has no '{key}' weights (keys: {sorted(payload)[:8]})")
     bad = [k for k, v in weights.items() if not isinstance(v, Tensor)]
     if bad:
         raise ELFError(f"{path}: '{key}' holds non-tensor entries {bad[:5]}")
+    bad = [k for k, v in weights.items() if not v.is_floating_point()]
+    if bad:
+        raise ELFError(f"{path}: '{key}' holds integer tensors {bad[:5]}; not model weights")
+    if use_ema and key == "params":
+        note_once(
+            f"elflow: note: {path} holds no EMA weights (ema_params1); using its raw 'params'"
+        )
     return dict(weights)
 
 

@@ -65,6 +65,8 @@ def load_tokenizer(name_or_path: str | Path):
 
     name = resolve_pretrained(str(name_or_path))
     folder = Path(name).expanduser()
+    if folder.exists():
+        name = str(folder)  # "~/tok" is a folder here, not a Hub id
     if folder.is_dir() and not any((folder / f).is_file() for f in TOKENIZER_FILES):
         name = _model_tokenizer(folder)
     try:
@@ -167,6 +169,8 @@ class ELFPipeline:
         model, config = load_resolved(resolved, use_ema, device, task)
         if tokenizer is None:
             tokenizer = load_tokenizer(model_tokenizer(resolved.path, config))
+        elif isinstance(tokenizer, (str, Path)):
+            tokenizer = load_tokenizer(tokenizer)
         if encoder is None and config.conditional:
             encoder = model_encoder(config).to(device)
         return cls(model, config, tokenizer, encoder)

@@ -16,6 +16,7 @@ from torch import Tensor
 
 from elflow import checkpoint as ckpt_io
 from elflow.artifact import ArtifactConfig, load_resolved, resolve_source
+from elflow.encoder import PACKAGED_MODELS
 from elflow.errors import ELFError
 from elflow.pipeline import load_tokenizer
 from elflow.run_config import EncoderConfig, RunConfig, run_config_from_dict
@@ -47,12 +48,16 @@ def apply_init(cfg: RunConfig) -> tuple[RunConfig, dict[str, Tensor], ArtifactCo
     return replace(cfg, model=arch, encoder=encoder), state, source
 
 
+def local_absolute(name: str) -> str:
+    """A local path as an absolute one (a resume or a model may be used from anywhere, where a
+    relative name would also read as a Hub id); aliases (``minilm``) and Hub ids as given."""
+    path = Path(name).expanduser()
+    return str(path.resolve()) if name and name not in PACKAGED_MODELS and path.exists() else name
+
+
 def absolute_init(cfg: RunConfig) -> RunConfig:
     """``train.init`` as an absolute path when it is a local one (a resume may start elsewhere)."""
-    path = Path(cfg.train.init).expanduser()
-    if not cfg.train.init or not path.exists():
-        return cfg
-    return replace(cfg, train=replace(cfg.train, init=str(path.resolve())))
+    return replace(cfg, train=replace(cfg.train, init=local_absolute(cfg.train.init)))
 
 
 def same_init(a: str, b: str) -> bool:

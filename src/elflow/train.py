@@ -48,6 +48,7 @@ from elflow.resume import (
     apply_init,
     check_resumable,
     check_same_rows,
+    local_absolute,
     resolve_resume,
     resumed_settings,
     saved_run_config,
@@ -212,6 +213,14 @@ def train(
     if cfg.train.eval_every:
         heldout = heldout_splits(cfg, valid, dataset, encoder, info, micro)
     last_ckpt = resume_from
+    if resume_from is not None and resume_from.parent == out and info.is_main:
+        aside = ckpt_io.set_aside_later(out, start_step)
+        if aside is not None:
+            print(
+                f"elflow train: resuming from {resume_from.name}; the later checkpoints of the "
+                f"abandoned branch are kept in {aside}",
+                flush=True,
+            )
     t_last, tokens_since = time.perf_counter(), 0
     sums: dict[str, float] = {}
     step, saved_step = start_step, start_step
@@ -324,9 +333,9 @@ def _artifact(cfg: RunConfig, tokenizer_hash: str) -> ArtifactConfig:
     return ArtifactConfig(
         model=cfg.model,
         sampler=cfg.sampler,
-        encoder=cfg.encoder.name,
+        encoder=local_absolute(cfg.encoder.name),
         encoder_layer=cfg.encoder.layer,
-        tokenizer=cfg.encoder.tokenizer_name,
+        tokenizer=local_absolute(cfg.encoder.tokenizer_name),
         tokenizer_hash=tokenizer_hash,
         latent_mean=cfg.encoder.latent_mean,
         latent_std=cfg.encoder.latent_std,
