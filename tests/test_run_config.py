@@ -92,6 +92,7 @@ def test_overrides_from_set_and_yaml(tmp_path):
         (["objective.self_cond_prob=2"], "self_cond_prob must be in [0, 1]"),
         (["task=conditional"], "max_input_length"),
         (["sampler.cfg=2"], "sampler.cfg 2.0 applies to conditional tasks only"),
+        (["train.seed=-1"], "train.seed must be >= 0"),
         (['objective={"time_mean": -3}'], "names a whole section"),
     ],
 )

@@ -135,6 +135,7 @@ class TrainConfig:
         )
         require(self.micro_batch >= 0, f"train.micro_batch must be >= 0, got {self.micro_batch}")
         require(self.max_steps >= 0, f"train.max_steps must be >= 0, got {self.max_steps}")
+        require(self.seed >= 0, f"train.seed must be >= 0, got {self.seed}")
         require(self.epochs > 0, f"train.epochs must be positive, got {self.epochs}")
         require(self.warmup_epochs >= 0, "train.warmup_epochs must be >= 0")
         require(

@@ -130,7 +130,7 @@ def train(
     encoder.check_length(L)
     latent_std = (
         cfg.encoder.latent_std
-        or prepared_latent_std(cfg.data.path, cfg.encoder.name, cfg.encoder.layer)
+        or prepared_latent_std(cfg.data.path, cfg.encoder.name, cfg.encoder.layer, dataset)
         or measure_first_rows_latent_std(encoder, dataset, info.device)
     )
     latent_std = broadcast_object(latent_std)  # rank 0's: CPUs may differ in the last bits

@@ -103,6 +103,9 @@ def test_errors_name_the_flags(tokenizer, tmp_path, capsys):
     assert flag_names("max_length:1: bad; set data.path", keep=("max_length",)) == (
         "max_length:1: bad; set --data"
     )
+    assert flag_names("set model.max_length (and max_input_length) to at most 512") == (
+        "set --max-length (and --max-input-length) to at most 512"  # the encoder's limit
+    )
     # A short user value (--out data, --data a) does not stop a setting around it being named,
     # nor does a path that spells the setting itself.
     assert flag_names("data.path 'x' and out_dir", keep=("data", "out", "a")) == (

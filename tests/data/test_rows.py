@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from elflow.data import DataConfig, RowDataset, TokenTable, build_dataset, prepare
+from elflow.data.prepare import prepared_latent_std
 from elflow.data.rows import read_meta
 from elflow.errors import ELFError
 from elflow.tokens import build_conditional_row, build_unconditional_row, token_spec, tokenize
@@ -146,6 +147,28 @@ def test_prepare_round_trip_equals_in_memory(tokenizer, tmp_path, kind):
         assert np.array_equal(a[key], b[key]), key
     with pytest.raises(ELFError, match="already exists"):
         prepare(cfg, tokenizer, out, **lengths)
+    # data.max_rows reads the first documents of a prepared folder as of raw data.
+    few = dict(kw, tokenize_batch_size=7, max_rows=5)
+    head = build_dataset(DataConfig(path=str(path), **few), tokenizer, **lengths)
+    mapped = build_dataset(DataConfig(path=str(out), **few), tokenizer, **lengths)
+    assert mapped.num_docs == head.num_docs == 5 and len(mapped) == len(head)
+    a, b = head.get_rows(np.arange(len(head))), mapped.get_rows(np.arange(len(head)))
+    assert all(np.array_equal(a[key], b[key]) for key in a)
+    # A preset names its raw format (data.format=jsonl); the prepared folder is still one.
+    named = build_dataset(DataConfig(path=str(out), format="jsonl", **kw), tokenizer, **lengths)
+    assert isinstance(named.target.tokens, np.memmap)
+
+
+def test_damaged_prepared_folder_is_one_line(tokenizer, tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", shared_rows("web_bible", 10))
+    out = prepare(DataConfig(path=str(path)), tokenizer, tmp_path / "prep", max_length=16)
+    tokens = out / "tokens.bin"
+    tokens.write_bytes(tokens.read_bytes()[:4])
+    with pytest.raises(ELFError, match=r"is damaged \(tokens.bin has 4 bytes.*re-run elflow"):
+        build_dataset(DataConfig(path=str(out)), tokenizer, 16)
+    tokens.unlink()
+    with pytest.raises(ELFError, match="is damaged"):
+        build_dataset(DataConfig(path=str(out)), tokenizer, 16)
 
 
 def test_prepare_checks_tokenizer_and_cli(tokenizer, tmp_path, capsys):
@@ -192,3 +215,11 @@ def test_prepare_measures_latent_std(tokenizer, tmp_path, tiny_encoder):
     h = tiny_encoder.encode_raw(batch["input_ids"], batch["attention_mask"])
     valid = batch["attention_mask"].bool()
     assert std == pytest.approx(float(h[valid].pow(2).mean().sqrt()), rel=1e-5)
+    # Training reuses it only for rows of the shape it was measured on.
+    name = tiny_encoder.name
+    assert prepared_latent_std(str(out), name, 0, ds) == std
+    longer = build_dataset(DataConfig(path=str(out)), tokenizer, 32)
+    packed = build_dataset(DataConfig(path=str(out), packing=True), tokenizer, 16)
+    assert prepared_latent_std(str(out), name, 0, longer) == 0.0  # measured again
+    assert prepared_latent_std(str(out), name, 0, packed) == 0.0
+    assert prepared_latent_std(str(out), name, 2, ds) == 0.0

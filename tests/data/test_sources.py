@@ -66,6 +66,27 @@ def test_pretokenized_jsonl(tmp_path):
     assert ex == [([101, 9, 9, 102], [101, 7, 102])] * 2
     src, ex = _read(write_jsonl(tmp_path / "u.jsonl", [{"input_ids": [1, 2]}]))
     assert not src.conditional and ex == [(None, [1, 2])]
+    # The first record sets the kind; a later one of the other kind is an error, not dropped.
+    mixed = [{"input_ids": [1, 2]}, {"input_ids": [3], "condition_input_ids": [4]}]
+    with pytest.raises(ELFError, match=r"m\.jsonl:2: has condition_input_ids but the first"):
+        _read(write_jsonl(tmp_path / "m.jsonl", mixed))
+    with pytest.raises(ELFError, match=r"r\.jsonl:2: has no condition_input_ids but the first"):
+        _read(write_jsonl(tmp_path / "r.jsonl", mixed[::-1]))
+
+
+def test_folders_skip_hidden_and_prepared_subfolders(tmp_path):
+    (tmp_path / "a.txt").write_text("alpha\nbeta\n")
+    (tmp_path / ".ipynb_checkpoints").mkdir()
+    (tmp_path / ".ipynb_checkpoints" / "a-checkpoint.txt").write_text("alpha\nbeta\n")
+    (tmp_path / ".hidden.txt").write_text("gamma\n")
+    (tmp_path / "prep").mkdir()  # elflow prepare's output inside the data folder
+    (tmp_path / "prep" / "meta.json").write_text('{"elflow_prepared": 1}')
+    (tmp_path / "prep" / "notes.txt").write_text("delta\n")
+    _, ex = _read(tmp_path)
+    assert ex == [(None, "alpha"), (None, "beta")]
+    (tmp_path / "meta.json").write_text("{bad")  # someone else's meta.json: not a prepared folder
+    _, ex = _read(tmp_path, format="text")
+    assert ex == [(None, "alpha"), (None, "beta")]
 
 
 def test_hf_dataset_folder(tmp_path):

@@ -28,6 +28,7 @@ FLAGS = {
     "data.overlong": "--overlong",
     "data.max_rows": "--max-rows",
     "data.tokenize_batch_size": "--batch-size",
+    "model.max_length": "--max-length",
     "max_length": "--max-length",
     "max_input_length": "--max-input-length",
     "out_dir": "--out",

@@ -152,14 +152,19 @@ def measure_rows_latent_std(
     return measure_latent_std(encoder, batches)
 
 
-def prepared_latent_std(data_path: str, encoder: str, layer: int) -> float:
-    """latent_std measured by ``elflow prepare --encoder`` (0 when absent or another encoder)."""
+def prepared_latent_std(data_path: str, encoder: str, layer: int, rows: RowDataset) -> float:
+    """latent_std measured by ``elflow prepare --encoder``; 0 (measure it again) when absent, for
+    another encoder or layer, or over rows of another shape than ``rows`` (the training rows)."""
     path = Path(data_path)
     if not (path / "meta.json").is_file():
         return 0.0
     meta = read_meta(path)
     if meta.get("latent_std_encoder") != encoder or layer:
         return 0.0  # prepare measures the encoder's output only
+    shape = (rows.max_length, rows.max_input_length if rows.conditional else 0, rows.packing)
+    measured = (meta.get("max_length"), meta.get("max_input_length") or 0, meta.get("packing"))
+    if shape != measured:
+        return 0.0  # the latents of longer or packed rows have another scale
     return float(meta.get("latent_std") or 0.0)
 
 

@@ -143,8 +143,10 @@ class RowDataset:
         packing: bool = False,
         overlong: str = "truncate",
         tokenizer=None,
+        max_rows: int = 0,
     ) -> RowDataset:
-        """Rows over a folder written by `elflow prepare` (memory-mapped, nothing loaded)."""
+        """Rows over a folder written by `elflow prepare` (memory-mapped, nothing loaded); its
+        first `max_rows` documents when > 0, as `data.max_rows` reads raw data."""
         folder = Path(folder)
         meta = read_meta(folder)
         if tokenizer is not None and meta["vocab_hash"] != vocab_hash(tokenizer):
@@ -157,6 +159,9 @@ class RowDataset:
             source = TokenTable.open(folder, "source", meta["dtype"])
         else:
             target, source = TokenTable.open(folder, "tokens", meta["dtype"]), None
+        if max_rows:
+            target = target.head(max_rows)
+            source = None if source is None else source.head(max_rows)
         return cls(
             target,
             source=source,
@@ -217,7 +222,9 @@ def build_dataset(
     )
     src = resolve_source(cfg, location, hf_split, key)
     if src.container == "prepared":
-        rows = RowDataset.from_prepared(location, tokenizer=tokenizer, **kwargs)
+        rows = RowDataset.from_prepared(
+            location, tokenizer=tokenizer, max_rows=cfg.max_rows, **kwargs
+        )
     else:
         target, source = tokenize_source(src, cfg, tokenizer)
         rows = RowDataset(target, source=source, **kwargs)

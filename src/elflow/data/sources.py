@@ -92,15 +92,13 @@ def resolve_source(
             return Source(location, "hf", _hf_kind(cfg, location, split), (), split)
         raise ELFError(f"{key} '{location}' does not exist; fix the path")
     if path.is_dir():
-        if (path / "meta.json").is_file() and fmt in ("auto", "prepared"):
-            meta = json.loads((path / "meta.json").read_text())
-            if PREPARED_MARKER in meta:
-                return Source(location, "prepared", "pretokenized")
+        if is_prepared(path):  # whatever data.format says (the presets name their raw format)
+            return Source(location, "prepared", "pretokenized")
         if fmt == "prepared":
             raise ELFError(f"'{location}' is not a folder written by elflow prepare (no meta.json)")
         if fmt == "hf" or (fmt in ("auto", "pairs", "pretokenized") and _is_hf_folder(path)):
             return Source(location, "hf", _hf_kind(cfg, location, split), (), split)
-        files = sorted(p for p in path.rglob("*") if p.is_file())
+        files = _data_files(path)
         texts = tuple(p for p in files if _has_suffix(p, TEXT_SUFFIXES))
         jsonls = tuple(p for p in files if _has_suffix(p, JSONL_SUFFIXES))
         if fmt == "text" or (fmt == "auto" and texts and not jsonls):
@@ -125,6 +123,26 @@ def resolve_source(
     if fmt == "text" or (fmt == "auto" and not _has_suffix(path, JSONL_SUFFIXES)):
         return Source(location, "text", "text", (path,))
     return Source(location, "jsonl", _jsonl_kind(cfg, (path,), key), (path,))
+
+
+def is_prepared(folder: Path) -> bool:
+    """Whether ``folder`` was written by ``elflow prepare`` (its meta.json has the marker)."""
+    try:
+        meta = json.loads((folder / "meta.json").read_text())
+    except (OSError, ValueError):  # no meta.json, or someone else's that is not JSON
+        return False
+    return isinstance(meta, dict) and PREPARED_MARKER in meta
+
+
+def _data_files(folder: Path) -> list[Path]:
+    """The files under ``folder``, skipping hidden folders (``.ipynb_checkpoints`` copies, a
+    prepare's temporary output) and prepared folders (their meta.json is not data)."""
+    found = []
+    for root, dirs, names in os.walk(folder):
+        here = Path(root)
+        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and not is_prepared(here / d))
+        found += [here / n for n in names if not n.startswith(".") and (here / n).is_file()]
+    return sorted(found)
 
 
 def _jsonl_kind(cfg: DataConfig, files: tuple[Path, ...], key: str) -> str:
@@ -240,7 +258,14 @@ def _iter_record_examples(src: Source, cfg: DataConfig) -> Iterator[Example]:
                 _field(record, cfg.target_field, where, str, "data.target_field"),
             )
         else:
+            has_source = "condition_input_ids" in record
             if conditional is None:
-                conditional = "condition_input_ids" in record
+                conditional = has_source
+            elif has_source != conditional:  # the first record set the kind of the whole data
+                first = "has" if conditional else "has no"
+                raise ELFError(
+                    f"{where}: {'has' if has_source else 'has no'} condition_input_ids but the "
+                    f"first record {first}; give every record a source, or none"
+                )
             source = _field(record, "condition_input_ids", where, list) if conditional else None
             yield source, _field(record, "input_ids", where, list)

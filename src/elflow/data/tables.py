@@ -44,14 +44,30 @@ class TokenTable:
     def num_tokens(self) -> int:
         return int(self.offsets[-1])
 
+    def head(self, n: int) -> TokenTable:
+        """The first ``n`` documents (a view: nothing is copied from a memory-mapped table)."""
+        n = min(n, len(self))
+        offsets = self.offsets[: n + 1]
+        return TokenTable(self.tokens[: int(offsets[-1])], offsets)
+
     def doc(self, i: int) -> np.ndarray:
         return np.asarray(self.tokens[self.offsets[i] : self.offsets[i + 1]])
 
     @classmethod
     def open(cls, folder: Path, name: str, dtype: str) -> TokenTable:
-        """Memory-map ``name.bin`` and ``name.offsets.bin`` in a prepared folder (read-only)."""
-        offsets = np.fromfile(folder / f"{name}.offsets.bin", dtype=np.int64)
+        """Memory-map ``name.bin`` and ``name.offsets.bin`` in a prepared folder (read-only);
+        a one-line error when the files are missing, cut short or inconsistent."""
+        damaged = f"prepared folder '{folder}' is damaged ({{}}); re-run elflow prepare"
+        try:
+            offsets = np.fromfile(folder / f"{name}.offsets.bin", dtype=np.int64)
+            token_bytes = (folder / f"{name}.bin").stat().st_size
+        except OSError as e:
+            raise ELFError(damaged.format(f"{e.strerror}: {e.filename}")) from None
+        if len(offsets) == 0 or offsets[0] != 0 or (np.diff(offsets) < 0).any():
+            raise ELFError(damaged.format(f"{name}.offsets.bin is not a table of offsets"))
         size = int(offsets[-1])
+        if token_bytes != size * np.dtype(dtype).itemsize:
+            raise ELFError(damaged.format(f"{name}.bin has {token_bytes} bytes, not {size} ids"))
         if size == 0:
             return cls(np.zeros(0, dtype=dtype), offsets)
         tokens = np.memmap(folder / f"{name}.bin", dtype=dtype, mode="r", shape=(size,))
