@@ -269,7 +269,13 @@ def test_official_presets_match_paper():
 def test_official_task_comes_from_the_last_parts_and_is_said(tmp_path, capsys, monkeypatch):
     assert artifact.official_task_from_name("wmt-runs/ELF-B-owt/checkpoint_5") == "owt"
     assert artifact.official_task_from_name("/data/xsum-exp/owt-model/checkpoint_5") == "owt"
-    assert artifact.official_task_from_name("/data/xsum-exp/run1/checkpoint_5") == "owt"
+    # When the last two parts name none, the whole name does (the Hugging Face cache layout).
+    assert artifact.official_task_from_name("/data/xsum-exp/run1/checkpoint_5") == "xsum"
+    cache = "/hf/models--org--ELF-B-de-en-torch/snapshots/3f2a9c/checkpoint_5"
+    assert artifact.official_task_from_name(cache) == "de-en"
+    assert artifact.official_task_from_name("runs/elf-b-de-en-lowtemp/checkpoint_5") == "de-en"
+    assert artifact.official_task_from_name("runs/openwebtext/checkpoint_5") == "owt"
+    assert artifact.official_task_from_name("runs/mine/checkpoint_5") is None
     monkeypatch.setattr(errors, "_NOTED", set())
     _save_reference(tmp_path / "checkpoint_5", _perturbed_model(0), _perturbed_model(1))
     assert load_model(tmp_path / "checkpoint_5")[1].task == "unconditional"
@@ -297,8 +303,19 @@ def test_save_model_checks_first_and_leaves_no_stale_ema(tmp_path):
     assert (folder / "model.safetensors").read_bytes() == before  # nothing written
     (tmp_path / "ckpt").mkdir()
     (tmp_path / "ckpt" / "state.json").write_text("{}")
-    with pytest.raises(ELFError, match="is a training checkpoint"):
+    with pytest.raises(ELFError, match="is a training checkpoint or run folder"):
         save_model(tmp_path / "ckpt", a, config)
+    (tmp_path / "run" / "checkpoint-5").mkdir(parents=True)  # it would shadow the checkpoints
+    with pytest.raises(ELFError, match="is a training checkpoint or run folder"):
+        save_model(tmp_path / "run", a, config)
+
+
+def test_legacy_unconditional_config_with_max_input_length_loads(tmp_path):
+    folder = save_model(tmp_path / "m", _perturbed_model(), ArtifactConfig(model=CFG))
+    data = json.loads((folder / "config.json").read_text())
+    data["max_input_length"] = 16  # written by earlier versions from an ignored setting
+    (folder / "config.json").write_text(json.dumps(data))
+    assert load_model(folder)[1].max_input_length == 0
 
 
 def test_save_model_unwraps_compiled_and_ddp_models(tmp_path):
@@ -347,10 +364,11 @@ def test_integer_weights_are_not_a_model(tmp_path):
 
 
 def test_infer_model_config_at_widths_that_round_down():
-    # 540 / 304 * 304 is just below 540 in floating point: the ratio must still give 540.
     cfg = elf_tiny(encoder_dim=8, vocab_size=20, max_length=16)
-    cfg = dataclasses.replace(cfg, hidden_size=304, num_heads=4, mlp_ratio=540 / 304 + 1e-12)
-    assert int(cfg.mlp_ratio * 304) == 540
+    # 405 / 304 * 304 is just below 405 in floating point: the ratio must still give 405.
+    assert int(405 / 304 * 304) == 404
+    cfg = dataclasses.replace(cfg, hidden_size=304, num_heads=4, mlp_ratio=405.5 / 304)
+    assert cfg.mlp_hidden == 270
     model = build_model(cfg)
     inferred = infer_model_config(elflow_to_official(model.state_dict()), max_length=16)
     assert inferred.mlp_hidden == cfg.mlp_hidden

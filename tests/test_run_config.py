@@ -102,6 +102,16 @@ def test_bad_overrides(sets, message):
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
+def test_conditional_only_settings_are_checked_on_what_users_ask_for():
+    # A run saved before the check (its value was ignored) still loads, so it can resume.
+    data = run_config_to_dict(preset("bible-tiny"))
+    data["sampler"]["cfg"], data["max_input_length"] = 2.0, 16
+    saved = run_config_from_dict(data)
+    assert saved.sampler.cfg == 2.0 and saved.max_input_length == 16
+    with pytest.raises(ELFError, match="max_input_length 16 applies to conditional tasks only"):
+        apply_overrides(preset("bible-tiny"), None, ["max_input_length=16"])
+
+
 def test_unknown_key_in_config_file(tmp_path):
     f = tmp_path / "c.json"
     f.write_text(json.dumps({"train": {"globl_batch": 3}}))

@@ -226,7 +226,8 @@ def test_make_denoiser_cfg_equals_two_separate_calls(cfg):
     same = torch.full((B,), 0.5)
     per_row = make_denoiser(model, 3.0, t_eps, cond, cfg)(z, x_prev, same)
     scalar = make_denoiser(model, 3.0, t_eps, cond, cfg)(z, x_prev, torch.tensor(0.5))
-    assert_close(scalar[0], per_row[0]) and assert_close(scalar[1], per_row[1])
+    assert_close(scalar[0], per_row[0])
+    assert_close(scalar[1], per_row[1])
 
 
 # --- the full loop --------------------------------------------------------------------------------

@@ -121,6 +121,8 @@ class ArtifactConfig:
         if version != FORMAT_VERSION:
             raise ELFError(f"unsupported elflow model format_version {version}; upgrade elflow")
         data.pop("run", None)  # a training checkpoint's full run config (see checkpoint.py)
+        if data.get("task", "unconditional") == "unconditional":
+            data["max_input_length"] = 0  # saved by earlier versions from an ignored setting
         data["model"] = from_dict(ModelConfig, data.get("model", {}), "model")
         data["sampler"] = from_dict(SamplerConfig, data.get("sampler", {}), "sampler")
         return from_dict(cls, data)
@@ -134,22 +136,30 @@ OFFICIAL_TASKS: dict[str, dict[str, Any]] = {
 }
 
 
-def _task_words(name: str) -> str:
-    # The last two parts (a Hub repo name and its file, or a folder and its file): a parent
-    # folder named "wmt-experiments" says nothing about an OWT checkpoint inside it.
-    return "/".join(Path(str(name).lower()).parts[-2:])
+_TASK_WORDS = (
+    ("owt", re.compile(r"(?<![a-z0-9])(owt|openwebtext)(?![a-z0-9])")),
+    ("xsum", re.compile(r"xsum")),
+    ("de-en", re.compile(r"de[-_]en|wmt")),
+)
 
 
-def official_task_from_name(name: str) -> str:
-    """Guess the paper task of an authors' checkpoint from its id or path (owt by default)."""
-    low = _task_words(name)
-    if "owt" in low or "openwebtext" in low:
-        return "owt"
-    if "xsum" in low:
-        return "xsum"
-    if "de-en" in low or "de_en" in low or "wmt" in low:
-        return "de-en"
-    return "owt"
+def _named_task(text: str) -> str | None:
+    for task, pattern in _TASK_WORDS:
+        if pattern.search(text):
+            return task
+    return None
+
+
+def official_task_from_name(name: str) -> str | None:
+    """The paper task an authors' checkpoint's id or path names, or None.
+
+    The last two parts decide (a Hub repo and its file, or a folder and its file: a parent
+    folder "wmt-runs" says nothing about an OWT checkpoint in it); when they name none, the whole
+    name (the Hugging Face cache keeps the repo name further up: .../models--org--ELF-B-de-en/
+    snapshots/<hash>/checkpoint_5).
+    """
+    low = str(name).lower()
+    return _named_task("/".join(Path(low).parts[-2:])) or _named_task(low)
 
 
 def official_artifact_config(state: dict, task: str, origin: str = "") -> ArtifactConfig:
@@ -200,8 +210,10 @@ def save_model(
     model = unwrap(model)
     if config.model != model.cfg:
         raise ELFError("artifact config's model section does not match the network's config")
-    if (folder / "state.json").is_file():  # checkpoint.STATE
-        raise ELFError(f"{folder} is a training checkpoint; save the model to another folder")
+    if (folder / "state.json").is_file() or (folder.is_dir() and run_checkpoints(folder)):
+        raise ELFError(
+            f"{folder} is a training checkpoint or run folder; save the model to another folder"
+        )
     state = model.state_dict()
     if ema_state is not None:
         _check_ema_state(ema_state, state)
@@ -343,12 +355,16 @@ def load_resolved(
     if resolved.kind == "official":
         state = read_official_checkpoint(resolved.path, use_ema=use_ema)
         if task is None:
-            task = official_task_from_name(resolved.name)
-            if task == "owt" and "owt" not in _task_words(resolved.name):
-                note_once(
-                    f"elflow: note: {resolved.name} names no paper task; taken as 'owt' "
-                    "(unconditional); pass --task de-en or xsum (task=) for the others"
-                )
+            task = official_task_from_name(resolved.name) or official_task_from_name(
+                str(resolved.path)
+            )
+        if task is None:
+            task = "owt"
+            note_once(
+                f"elflow: note: {resolved.name} names no paper task; taken as 'owt' "
+                "(unconditional); pass --task de-en or xsum (task=), or convert it once with "
+                "elflow import --task"
+            )
         config = official_artifact_config(state, task, origin=resolved.name)
         state = official_to_elflow(state)
     else:

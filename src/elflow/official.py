@@ -113,7 +113,7 @@ def infer_model_config(state: Mapping[str, Tensor], max_length: int, **overrides
     widths = [h for h in range(mlp_hidden, 2 * mlp_hidden + 2) if int(h * 2 / 3) == mlp_hidden]
     hidden4 = next((h for h in widths if (4 * h) % D == 0), widths[0])
     ratio = hidden4 / D
-    while int(ratio * D) < hidden4:  # h / D * D can round to just below h (e.g. 540 at D 304)
+    while int(ratio * D) < hidden4:  # h / D * D can round to just below h (405 at D 304)
         ratio = math.nextafter(ratio, math.inf)
     kwargs = dict(
         encoder_dim=int(E),

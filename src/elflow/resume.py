@@ -158,6 +158,6 @@ def check_same_rows(ckpt: Path, state: dict, rows: int) -> None:
     if saved is not None and saved != rows:
         raise ELFError(
             f"cannot resume {ckpt}: it was trained on {saved} rows, the data now gives {rows}; "
-            "the data order depends on it — restore that data, or start a new --out "
-            "(with --init to continue from its weights)"
+            "the data order depends on it — restore that data (and data.max_rows), or start a "
+            "new --out (with --init to continue from its weights)"
         )

@@ -180,11 +180,6 @@ class RunConfig:
                 f"conditional runs need 0 < max_input_length ({self.max_input_length}) < "
                 f"model.max_length ({self.model.max_length})"
             )
-        if self.task == "unconditional" and self.sampler.cfg != 1.0:
-            raise ELFError(
-                f"sampler.cfg {self.sampler.cfg} applies to conditional tasks only "
-                "(classifier-free guidance on the source); leave it at 1"
-            )
 
 
 SECTIONS: dict[str, type] = {
@@ -254,7 +249,24 @@ def apply_overrides(
                 f"e.g. --set {key.strip()}.{sorted(node[parts[-1]])[0]}=VALUE"
             )
         node[parts[-1]] = parse_value(value)
-    return run_config_from_dict(data)
+    return check_user_config(run_config_from_dict(data))
+
+
+def check_user_config(cfg: RunConfig) -> RunConfig:
+    """Settings that only a conditional task uses, refused on an unconditional one. Checked on
+    what a user asks for, not in :class:`RunConfig` itself, so that runs saved before the check
+    still resume (their values were ignored)."""
+    if cfg.task == "unconditional" and cfg.sampler.cfg != 1.0:
+        raise ELFError(
+            f"sampler.cfg {cfg.sampler.cfg} applies to conditional tasks only "
+            "(classifier-free guidance on the source); leave it at 1"
+        )
+    if cfg.task == "unconditional" and cfg.max_input_length:
+        raise ELFError(
+            f"max_input_length {cfg.max_input_length} applies to conditional tasks only "
+            "(the source's share of each row); leave it at 0"
+        )
+    return cfg
 
 
 def override_keys(

@@ -340,7 +340,7 @@ def _artifact(cfg: RunConfig, tokenizer_hash: str) -> ArtifactConfig:
         latent_mean=cfg.encoder.latent_mean,
         latent_std=cfg.encoder.latent_std,
         task=cfg.task,
-        max_input_length=cfg.max_input_length,
+        max_input_length=cfg.max_input_length if cfg.task == "conditional" else 0,
         pad_with_eos=cfg.objective.pad_with_eos,
         noise_scale=cfg.objective.noise_scale,
         t_eps=cfg.objective.t_eps,
