@@ -107,3 +107,57 @@ def test_demo_with_a_missing_model_is_one_line(tmp_path, capsys):
     assert main(["demo", "--model", str(tmp_path / "absent"), "-n", "1"]) == 2
     err = capsys.readouterr().err
     assert "no such model folder, run or checkpoint" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("delay", ["-1", "nan", "inf"])
+def test_a_bad_delay_is_one_line_before_sampling(tiny_model, tmp_path, capsys, delay):
+    argv = ["demo", "--model", str(tiny_model), "-n", "1", "--html", str(tmp_path / "d.html")]
+    assert main([*argv, f"--delay={delay}"]) == 2
+    err = capsys.readouterr().err
+    assert "--delay must be a number of seconds >= 0" in err and err.count("\n") == 1
+
+
+def test_score_reads_any_card(tiny_model, tmp_path, capsys, monkeypatch):
+    import shutil
+
+    import elflow.demo as demo
+    import elflow.evaluation as evaluation
+
+    def fake_score(samples, **kw):  # no judge download in unit tests
+        card = {"name": "paper", "judge": "stub", "dtype": "fp32", "eos_id": 0}
+        return {
+            "gen_ppl": 9.0,
+            "entropy": 1.5,
+            "num_samples": len(samples),
+            "num_empty": 0,
+            "protocol": card,
+        }
+
+    monkeypatch.setattr(evaluation, "score_samples", fake_score)
+    folder = tmp_path / "m"
+    shutil.copytree(tiny_model, folder)
+    for card in ('{"real_text": {"gen_ppl": 1.0}}', "not json", "[1]"):
+        (folder / "card.json").write_text(card)
+        demo._score(["a b"], folder)
+        out = capsys.readouterr().out
+        assert "these samples" in out and "real held-out" not in out
+
+
+def test_oserrors_and_broken_pipes_are_not_tracebacks(tiny_model, capsys, monkeypatch):
+    import elflow.__main__ as cli
+
+    def fail(error):
+        def run(args):
+            raise error
+
+        return run
+
+    for error, code, message in (
+        (OSError(28, "No space left on device", "/x/out.html"), 2, "/x/out.html: No space"),
+        (FileNotFoundError("weights are gone"), 2, "weights are gone"),
+        (BrokenPipeError(32, "Broken pipe"), 141, ""),
+    ):
+        monkeypatch.setitem(cli.COMMANDS, "info", ("", cli._add_info, fail(error)))
+        assert cli.main(["info", str(tiny_model)]) == code
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err

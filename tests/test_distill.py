@@ -101,6 +101,38 @@ def test_distillation_learns_and_resumes_mid_round_bitwise(tmp_path, assets, tea
     assert distill_cli(tmp_path, tmp_path / "full", assets, teacher, "2/2", max_steps=4) == 0
 
 
+def test_a_round_built_on_other_weights_is_not_continued(tmp_path, assets, teacher, capsys):  # noqa: F811
+    out = tmp_path / "pd"
+    assert distill_cli(tmp_path, out, assets, teacher, "2/2,1/4") == 0  # 2 steps a round
+    assert (out / "round-2-1x4" / "start.json").is_file()
+    # Another first round: round 2's folder (same name) started from the old round 1's EMA.
+    capsys.readouterr()
+    assert distill_cli(tmp_path, out, assets, teacher, "4/1,1/4") == 2
+    (line,) = error_lines(capsys.readouterr().err)
+    assert "round 2" in line and "was started from other weights" in line
+    assert "round-1-2x2" in line and "round-1-4x1" in line
+    # A longer first round changes its EMA too; the same rounds again are fine.
+    assert distill_cli(tmp_path, out, assets, teacher, "2/2,1/4") == 0
+    assert distill_cli(tmp_path, out, assets, teacher, "2/2,1/4", max_steps=3) == 2
+    assert "was started from other weights" in capsys.readouterr().err
+
+
+def test_student_settings_the_teacher_fixes_are_checked(tmp_path, assets, teacher, capsys):  # noqa: F811
+    capsys.readouterr()
+    argv = ("--set", "model.depth=4")  # the teacher's depth is 2: it would be silently replaced
+    assert distill_cli(tmp_path, tmp_path / "a", assets, teacher, "2/2", *argv) == 2
+    (line,) = error_lines(capsys.readouterr().err)
+    assert "model.depth=4 is set" in line and "model.depth=2" in line
+    # A teacher whose recorded vocabulary is not the tokenizer found here.
+    other = tmp_path / "teacher"
+    shutil.copytree(teacher, other)
+    config = json.loads((other / "config.json").read_text())
+    config["tokenizer_hash"] = "0" * 64
+    (other / "config.json").write_text(json.dumps(config))
+    assert distill_cli(tmp_path, tmp_path / "b", assets, other, "2/2") == 2
+    assert "another vocabulary" in error_lines(capsys.readouterr().err)[0]
+
+
 def test_bad_rounds_and_teacher(tmp_path, assets, teacher, capsys):  # noqa: F811
     assert distill_cli(tmp_path, tmp_path / "a", assets, teacher, "3/3") == 2
     assert distill_cli(tmp_path, tmp_path / "b", assets, tmp_path / "no-teacher", "2/2") == 2

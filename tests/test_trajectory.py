@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -11,7 +12,7 @@ from html.parser import HTMLParser
 
 import pytest
 
-from elflow.trajectory import animate_terminal, changed_words, frame_words, render_html
+from elflow.trajectory import _fit, animate_terminal, changed_words, frame_words, render_html
 
 EVIL = '</script><script>alert("x")</script> & <b>bold</b>'
 FRAMES = [
@@ -102,6 +103,17 @@ def test_terminal_prints_the_final_frame():
     assert out.count("\x1b[3F\x1b[J") == 2  # each later frame rewrites header + 2 lines
     last = out.rsplit("\x1b[J", 1)[1]
     assert "final" in last and "sat" in last and "\x1b[30;43msat\x1b[0m" in last
+
+
+def test_terminal_too_short_or_narrow(monkeypatch):
+    # More samples than rows cannot be rewritten in place: the final frame only.
+    monkeypatch.setattr(shutil, "get_terminal_size", lambda: os.terminal_size((80, 3)))
+    tty = FakeTTY()
+    animate_terminal(FRAMES, tty, delay=0.0)
+    assert "\x1b" not in tty.getvalue() and tty.getvalue().startswith("[step 3/3]")
+    # Wide characters take two columns each: a frame is cut to the terminal's width.
+    assert _fit(["清清清", "b"], set(), 7, False) == "清清清 …"
+    assert _fit(["abc", "b"], set(), 7, False) == "abc b"
 
 
 NODE_DOM = """

@@ -7,12 +7,13 @@ Each subcommand is ``(add_arguments, run)``; ``run`` returns an exit code. User 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import os
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import fields, replace
+from dataclasses import replace
 from pathlib import Path
 
 from elflow import __version__
@@ -148,11 +149,11 @@ def _run_train(args: argparse.Namespace) -> int:
         if cfg.train.init and cfg.train.init != args.init:
             raise ELFError(f"--init {args.init} and train.init={cfg.train.init} differ; give one")
         cfg = replace(cfg, train=replace(cfg.train, init=args.init))
-    from elflow.resume import apply_init
+    from elflow.resume import apply_init, check_no_architecture
     from elflow.train import train
 
     if cfg.train.init:
-        _check_no_architecture(cfg, base)
+        check_no_architecture(cfg, base, f"a fine-tuning run takes them from {cfg.train.init!r}")
     if args.print_config:
         shown = apply_init(cfg)[0] if cfg.train.init else cfg
         print(json.dumps(run_config_to_dict(shown), indent=2))
@@ -166,21 +167,6 @@ def _run_train(args: argparse.Namespace) -> int:
     if os.environ.get("RANK", "0") == "0":  # once under torchrun
         print(f"done: {last}")
     return 0
-
-
-def _check_no_architecture(cfg, base) -> None:
-    """With train.init the model fixes the architecture and encoder: a --set or --config value
-    for them (other than model.max_length) would be silently replaced, so it is an error."""
-    for section in ("model", "encoder"):
-        mine, preset_value = getattr(cfg, section), getattr(base, section)
-        for f in fields(mine):
-            key = f"{section}.{f.name}"
-            if key != "model.max_length" and getattr(mine, f.name) != getattr(preset_value, f.name):
-                raise ELFError(
-                    f"{key} is set (by --set or --config), but a fine-tuning run takes the "
-                    f"architecture and encoder from {cfg.train.init!r} (only model.max_length may "
-                    "change); drop it"
-                )
 
 
 def _delegate(module: str) -> tuple[Callable, Callable]:
@@ -239,12 +225,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ELFError as e:
         print(f"elflow: error: {e}", file=sys.stderr)
         return getattr(e, "exit_code", 2)
+    except BrokenPipeError:  # e.g. `elflow generate ... | head -1`: the reader has what it wants
+        # So that Python's flush at exit does not fail on the closed pipe too (a captured
+        # stdout has no file descriptor: nothing to do).
+        with contextlib.suppress(OSError, ValueError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except FileNotFoundError as e:
-        print(f"elflow: error: {Path(e.filename or '')} does not exist", file=sys.stderr)
+        if e.filename is None:
+            print(f"elflow: error: {e}", file=sys.stderr)
+        else:
+            print(f"elflow: error: {Path(e.filename)} does not exist", file=sys.stderr)
         return 2
-    except (IsADirectoryError, NotADirectoryError, FileExistsError, PermissionError) as e:
-        # A path the commands' own checks did not foresee; still one line.
-        print(f"elflow: error: {e.filename}: {e.strerror}", file=sys.stderr)
+    except OSError as e:
+        # A path the commands' own checks did not foresee (a full disk, a read-only file
+        # system, a folder where a file was expected); still one line.
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"elflow: error: {where}{e.strerror or e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # e.g. during a start-up encoding pass, or a second Ctrl-C
         print(

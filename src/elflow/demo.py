@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shutil
 import sys
 import time
@@ -92,8 +93,12 @@ def run(args: argparse.Namespace) -> int:
         raise ELFError(f"-n must be >= 1, got {args.num_samples}")
     if args.steps < 1:
         raise ELFError(f"--steps must be >= 1, got {args.steps}")
+    if not (math.isfinite(args.delay) and args.delay >= 0):
+        raise ELFError(f"--delay must be a number of seconds >= 0, got {args.delay}")
     folder = _model_dir(args.model)
     pipe = ELFPipeline.from_pretrained(folder)
+    if pipe.config.conditional:
+        raise ELFError(f"{folder} is a conditional model; elflow demo samples unconditionally")
     out = pipe.generate_full(
         args.num_samples, seed=args.seed, steps=args.steps, sampler="sde", trajectory=True
     )
@@ -116,20 +121,28 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _read_card(path: Path) -> dict[str, Any]:
+    """A model's card.json, or {} when it has none or it is not a JSON object (the figures
+    beside the samples' are then left out)."""
+    try:
+        card = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return card if isinstance(card, dict) else {}
+
+
 def _score(texts: list[str], folder: Path) -> None:
     from elflow.evaluation import score_samples
 
     metrics = score_samples([{"text": t} for t in texts], judge="smollm2-135m", bootstrap=200)
-    card_path = folder / CARD
-    card = json.loads(card_path.read_text()) if card_path.is_file() else {}
-    real = card.get("real_text", {})
+    card = _read_card(folder / CARD)
     print(f"\n{'':<24} {'gen PPL':>9} {'entropy':>8}")
     print(f"{'these samples':<24} {metrics['gen_ppl']:>9.2f} {metrics['entropy']:>8.3f}")
-    if real:
-        print(f"{'real held-out verses':<24} {real['gen_ppl']:>9.2f} {real['entropy']:>8.3f}")
-    shipped = card.get("shipped", {})
-    if shipped:
-        print(f"{'shipped model (card)':<24} {shipped['gen_ppl']:>9.2f} {shipped['entropy']:>8.3f}")
+    for key, label in (("real_text", "real held-out verses"), ("shipped", "shipped model (card)")):
+        row = card.get(key)
+        figures = [row.get(k) for k in ("gen_ppl", "entropy")] if isinstance(row, dict) else []
+        if figures and all(isinstance(x, (int, float)) for x in figures):
+            print(f"{label:<24} {figures[0]:>9.2f} {figures[1]:>8.3f}")
     protocol = metrics["protocol"]
     print(
         f"protocol: {protocol['name']} — judge {protocol.get('judge')}, dtype "

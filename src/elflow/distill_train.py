@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from elflow import checkpoint as ckpt_io
-from elflow.artifact import CONFIG, EMA_WEIGHTS, load_model, resolve_source
+from elflow.artifact import CONFIG, EMA_WEIGHTS, ArtifactConfig, load_model, resolve_source
 from elflow.config import ObjectiveConfig, SamplerConfig
 from elflow.distill import DistillConfig, distill_loss, parse_rounds, sample_distill_draws_keyed
 from elflow.distributed import DistInfo, broadcast_object
@@ -32,7 +32,10 @@ from elflow.ema import initial_share
 from elflow.errors import ELFError
 from elflow.model import ELF
 from elflow.objective import Batch
+from elflow.paths import output_dir
+from elflow.pipeline import load_tokenizer
 from elflow.presets import preset
+from elflow.resume import init_tokenizer
 from elflow.run_config import (
     EncoderConfig,
     RunConfig,
@@ -40,6 +43,7 @@ from elflow.run_config import (
     override_keys,
     run_config_from_dict,
 )
+from elflow.tokens import vocab_hash
 from elflow.train import StepLoss, train
 
 MAX_EMA_INITIAL_SHARE = 0.5
@@ -55,11 +59,52 @@ def fewstep_sampler(steps: int) -> SamplerConfig:
 
 
 def weights_hash(model: torch.nn.Module) -> str:
+    return state_hash(model.state_dict())
+
+
+def state_hash(state: dict[str, torch.Tensor]) -> str:
+    """sha256 over the names and bytes of a state dict's tensors (in name order)."""
     h = hashlib.sha256()
-    for key, value in sorted(model.state_dict().items()):
+    for key, value in sorted(state.items()):
         h.update(key.encode())
         h.update(value.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
+
+
+ROUND_START = "start.json"
+"""In each round folder: the weights the round started from (sha256 and where they came from)."""
+
+
+def _check_round_start(round_dir: Path, k: int, start: dict, info: DistInfo) -> None:
+    """Record what round ``k`` starts from, or check that an existing round started from it.
+
+    A round folder is resumed or skipped as finished by its name; after a change of ``--rounds``
+    or ``train.max_steps`` the rounds before it may have changed, and a round built on other
+    weights would silently continue the wrong chain.
+    """
+    problem = None
+    if info.is_main:
+        path = round_dir / ROUND_START
+        trained = ckpt_io.find_checkpoint(round_dir) if round_dir.exists() else None
+        try:
+            recorded = json.loads(path.read_text()) if trained is not None else None
+        except (OSError, ValueError):
+            recorded = None  # rounds from before the record: nothing to compare with
+        if isinstance(recorded, dict) and recorded.get("init_sha256") != start["init_sha256"]:
+            problem = (
+                f"round {k} ({round_dir}) was started from other weights "
+                f"({recorded.get('from')}) than the previous round's now ({start['from']}), "
+                "since --rounds or train.max_steps changed; remove that round folder and the "
+                "ones after it, or use a new --out"
+            )
+        elif trained is None:
+            round_dir.mkdir(parents=True, exist_ok=True)
+            tmp = round_dir / f".{ROUND_START}.tmp-{os.getpid()}"
+            tmp.write_text(json.dumps(start) + "\n")
+            os.replace(tmp, path)
+    problem = broadcast_object(problem)
+    if problem:
+        raise ELFError(problem)
 
 
 class DistillObjective:
@@ -108,6 +153,21 @@ def teacher_objective(source: str, tcfg, fallback: ObjectiveConfig) -> Objective
     return objective
 
 
+def teacher_tokenizer(source: str, tcfg: ArtifactConfig) -> str:
+    """The tokenizer the teacher was trained with, as for a fine-tune's init (its own
+    ``tokenizer/`` files when its name does not load with the recorded vocabulary); another
+    vocabulary than the recorded one is an error."""
+    name = init_tokenizer(tcfg, resolve_source(source).path / "tokenizer")
+    here = vocab_hash(load_tokenizer(name))
+    if tcfg.tokenizer_hash not in (None, here):
+        raise ELFError(
+            f"--teacher {source} was trained with another vocabulary than tokenizer {name!r} "
+            f"here (sha256 {tcfg.tokenizer_hash[:12]}... against {here[:12]}...); install the "
+            "tokenizer it was trained with or put its files in the model's tokenizer/ folder"
+        )
+    return name
+
+
 def load_teacher(source: str, device: torch.device | str) -> tuple[ELF, object]:
     teacher, config = load_model(source, device=device)
     teacher.eval().requires_grad_(False)
@@ -126,12 +186,15 @@ def distill(
     teacher_steps: int = 64,
     objective_keys: Iterable[str] = (),
     base_objective: ObjectiveConfig | None = None,
+    fixed_keys: Iterable[str] = (),
 ) -> Path:
     """Run (or resume) the curriculum; returns the last round's last checkpoint.
 
     The objective is the one the teacher was trained with (:func:`teacher_objective`, falling
     back to ``base_objective``, the preset's, default ``cfg.objective``), except the fields named
-    in ``objective_keys`` (those the user set), which take ``cfg.objective``'s values.
+    in ``objective_keys`` (those the user set), which take ``cfg.objective``'s values. The
+    architecture and encoder are the teacher's: a ``model.*``/``encoder.*`` key in
+    ``fixed_keys`` (those the user set) with another value is an error.
     """
     from elflow.distributed import setup
 
@@ -148,7 +211,7 @@ def distill(
             f"weights in the student saved after train.max_steps={t.max_steps}: set "
             "train.ema_warmup=true or a lower train.ema_decay"
         )
-    out = Path(out)
+    out = output_dir(out, "--out")  # before the teacher loads
     teacher_steps = teacher_steps or None
     plan = parse_rounds(rounds, teacher_steps)
     info = setup(cfg.train.device)
@@ -172,14 +235,23 @@ def distill(
             + ", ".join(f"{k} {v} (teacher {getattr(objective, k)})" for k, v in changed.items()),
             flush=True,
         )
+    user = cfg
     cfg = replace(
         cfg,
         objective=replace(objective, **changed),
         model=tcfg.model,
-        encoder=EncoderConfig.of_model(tcfg),
+        encoder=EncoderConfig.of_model(tcfg, teacher_tokenizer(teacher_source, tcfg)),
         task=tcfg.task,
         max_input_length=tcfg.max_input_length,
     )
+    for key in sorted(fixed_keys):
+        section, name = key.split(".", 1)
+        asked, student = getattr(getattr(user, section), name), getattr(getattr(cfg, section), name)
+        if asked != student:
+            raise ELFError(
+                f"{key}={asked} is set, but the student takes the teacher's architecture and "
+                f"encoder ({key}={student}); drop the setting"
+            )
     reference_hash = weights_hash(teacher)
     _claim_out(out, teacher_source, reference_hash, info)
     init = {k: v.detach().clone() for k, v in teacher.state_dict().items()}
@@ -194,6 +266,8 @@ def distill(
             teacher_steps=teacher_steps,
             objective=cfg.objective,
         )
+        start = {"from": str(last) if k > 1 else f"teacher {teacher_source}"}
+        _check_round_start(round_dir, k, {**start, "init_sha256": state_hash(init)}, info)
         done = ckpt_io.find_checkpoint(round_dir) if round_dir.exists() else None
         if done is not None:
             _check_round_objective(done, round_cfg.objective, k)
@@ -295,11 +369,9 @@ def run(args: argparse.Namespace) -> int:
     cfg = apply_overrides(preset(args.preset), args.config, args.set)
     if cfg.train.max_steps <= 0:
         raise ELFError("set the steps per round with --set train.max_steps=N")
-    objective_keys = {
-        key.removeprefix("objective.")
-        for key in override_keys(args.config, args.set)
-        if key.startswith("objective.")
-    }
+    keys = override_keys(args.config, args.set)
+    objective_keys = {k.removeprefix("objective.") for k in keys if k.startswith("objective.")}
+    fixed_keys = {k for k in keys if k.startswith(("model.", "encoder."))}
     try:
         last = distill(
             args.teacher,
@@ -309,6 +381,7 @@ def run(args: argparse.Namespace) -> int:
             args.teacher_steps or None,
             objective_keys,
             preset(args.preset).objective,
+            fixed_keys,
         )
     finally:
         teardown()

@@ -9,7 +9,7 @@ since its weights only make sense in its own latent space.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 
 from torch import Tensor
@@ -43,7 +43,7 @@ def apply_init(cfg: RunConfig) -> tuple[RunConfig, dict[str, Tensor], ArtifactCo
     resolved = resolve_source(cfg.train.init)
     model, source = load_resolved(resolved, use_ema=True, device="cpu", task=None)
     state = {k: v.detach().float() for k, v in model.state_dict().items()}
-    encoder = EncoderConfig.of_model(source, _init_tokenizer(source, resolved.path / "tokenizer"))
+    encoder = EncoderConfig.of_model(source, init_tokenizer(source, resolved.path / "tokenizer"))
     arch = replace(source.model, max_length=cfg.model.max_length)
     return replace(cfg, model=arch, encoder=encoder), state, source
 
@@ -67,7 +67,25 @@ def same_init(a: str, b: str) -> bool:
     return bool(a and b) and Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
 
 
-def _init_tokenizer(source: ArtifactConfig, shipped: Path) -> str:
+def check_no_architecture(
+    cfg: RunConfig, base: RunConfig, why: str, allowed: tuple[str, ...] = ("model.max_length",)
+) -> None:
+    """When a model fixes the architecture and encoder (a fine-tune's init, a distillation
+    teacher), a ``--set``/``--config`` value for them other than ``allowed`` (which differs from
+    the preset's ``base``) would be silently replaced: an error."""
+    for section in ("model", "encoder"):
+        mine, preset_value = getattr(cfg, section), getattr(base, section)
+        for f in fields(mine):
+            key = f"{section}.{f.name}"
+            if key not in allowed and getattr(mine, f.name) != getattr(preset_value, f.name):
+                only = f" (only {', '.join(allowed)} may change)" if allowed else ""
+                raise ELFError(
+                    f"{key} is set (by --set or --config), but the architecture and encoder are "
+                    f"fixed: {why}{only}; drop it"
+                )
+
+
+def init_tokenizer(source: ArtifactConfig, shipped: Path) -> str:
     """The tokenizer the init names when it loads here with the recorded vocabulary, else the
     model folder's own ``tokenizer/`` files (by absolute path), else the name (checked later)."""
     if not shipped.is_dir():

@@ -16,6 +16,7 @@ import json
 import shutil
 import sys
 import time
+import unicodedata
 from collections.abc import Sequence
 from typing import Any, TextIO
 
@@ -152,13 +153,18 @@ def render_html(
     )
 
 
+def _cells(word: str) -> int:
+    """Terminal columns of ``word``: wide (CJK) characters take two."""
+    return sum(2 if unicodedata.east_asian_width(c) in "WF" else 1 for c in word)
+
+
 def _fit(words: list[str], changed: set[int], width: int | None, color: bool) -> str:
     out, used = [], 0
     for j, word in enumerate(words):
-        if width is not None and used + len(word) + 1 > width:
+        if width is not None and used + _cells(word) + 1 > width:
             out.append("…")
             break
-        used += len(word) + 1
+        used += _cells(word) + 1
         out.append(f"\x1b[30;43m{word}\x1b[0m" if color and j in changed else word)
     return " ".join(out)
 
@@ -178,14 +184,17 @@ def animate_terminal(
     labels = _check_frames(frames, labels)
     words, changed = frame_words(frames)
     last = len(frames) - 1
-    if not (hasattr(stream, "isatty") and stream.isatty()):
+    size = shutil.get_terminal_size()
+    tty = hasattr(stream, "isatty") and stream.isatty()
+    # More lines than the terminal has rows cannot be rewritten in place: final frame only.
+    if not tty or len(words[last]) + 1 >= size.lines:
         stream.write(f"[{labels[last]}]\n")
         stream.writelines(f"{i:>3}  {' '.join(ws)}\n" for i, ws in enumerate(words[last]))
         stream.flush()
         return
     # Lines are cut to the terminal width while animating: a wrapped line would break the
     # cursor arithmetic ("n lines up"). The last frame is printed whole.
-    width = shutil.get_terminal_size().columns - 6
+    width = size.columns - 6
     drawn = 0
     for k in range(len(frames)):
         lines = [f"\x1b[1m[{labels[k]}]\x1b[0m"] + [
