@@ -276,12 +276,19 @@ def test_official_task_comes_from_the_last_parts_and_is_said(tmp_path, capsys, m
     assert artifact.official_task_from_name("runs/elf-b-de-en-lowtemp/checkpoint_5") == "de-en"
     assert artifact.official_task_from_name("runs/openwebtext/checkpoint_5") == "owt"
     assert artifact.official_task_from_name("runs/mine/checkpoint_5") is None
+    assert artifact.official_task_from_name("/home/me/code-env/elf/checkpoint_5") is None
+    assert artifact.official_task_from_name("/data/wmt14-runs/a/checkpoint_5") == "de-en"
     monkeypatch.setattr(errors, "_NOTED", set())
     _save_reference(tmp_path / "checkpoint_5", _perturbed_model(0), _perturbed_model(1))
     assert load_model(tmp_path / "checkpoint_5")[1].task == "unconditional"
     assert "names no paper task; taken as 'owt'" in capsys.readouterr().err
     assert load_model(tmp_path / "checkpoint_5", task="de-en")[1].max_input_length == 64
     assert capsys.readouterr().err == ""
+    deep = tmp_path / "xsum-exp" / "run1"
+    deep.mkdir(parents=True)
+    _save_reference(deep / "checkpoint_5", _perturbed_model(0), _perturbed_model(1))
+    assert load_model(deep / "checkpoint_5")[1].model.max_length == 1088
+    assert "taken as the paper's 'xsum' task from a folder above it" in capsys.readouterr().err
     save_model(tmp_path / "m", _perturbed_model(), ArtifactConfig(model=CFG))
     with pytest.raises(ELFError, match="applies to authors' checkpoints"):
         load_model(tmp_path / "m", task="xsum")

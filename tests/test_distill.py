@@ -105,24 +105,44 @@ def test_a_round_built_on_other_weights_is_not_continued(tmp_path, assets, teach
     out = tmp_path / "pd"
     assert distill_cli(tmp_path, out, assets, teacher, "2/2,1/4") == 0  # 2 steps a round
     assert (out / "round-2-1x4" / "start.json").is_file()
-    # Another first round: round 2's folder (same name) started from the old round 1's EMA.
+    # Another first round would change what round 2 (already trained) started from: refused
+    # before anything trains.
     capsys.readouterr()
     assert distill_cli(tmp_path, out, assets, teacher, "4/1,1/4") == 2
     (line,) = error_lines(capsys.readouterr().err)
-    assert "round 2" in line and "was started from other weights" in line
-    assert "round-1-2x2" in line and "round-1-4x1" in line
-    # A longer first round changes its EMA too; the same rounds again are fine.
+    assert "round 1 still has to train" in line and "round-2-1x4" in line
+    assert not (out / "round-1-4x1").exists()
+    # So would a longer first round; the same rounds again are fine.
     assert distill_cli(tmp_path, out, assets, teacher, "2/2,1/4") == 0
     assert distill_cli(tmp_path, out, assets, teacher, "2/2,1/4", max_steps=3) == 2
-    assert "was started from other weights" in capsys.readouterr().err
+    assert "round 1 still has to train" in capsys.readouterr().err
+    assert not (out / "round-1-2x2" / "checkpoint-3").exists()  # round 1 kept as it was
+    # A round whose record names other starting weights (trained by an earlier version after
+    # its predecessor changed) is not continued either.
+    record = json.loads((out / "round-2-1x4" / "start.json").read_text())
+    (out / "round-2-1x4" / "start.json").write_text(json.dumps({**record, "init_sha256": "0"}))
+    assert distill_cli(tmp_path, out, assets, teacher, "2/2,1/4") == 2
+    (line,) = error_lines(capsys.readouterr().err)
+    assert "round 2" in line and "was started from other weights" in line
 
 
-def test_student_settings_the_teacher_fixes_are_checked(tmp_path, assets, teacher, capsys):  # noqa: F811
+def test_student_settings_the_teacher_fixes_are_checked(
+    tmp_path,
+    assets,  # noqa: F811
+    teacher,
+    capsys,
+    monkeypatch,
+):
     capsys.readouterr()
     argv = ("--set", "model.depth=4")  # the teacher's depth is 2: it would be silently replaced
     assert distill_cli(tmp_path, tmp_path / "a", assets, teacher, "2/2", *argv) == 2
     (line,) = error_lines(capsys.readouterr().err)
     assert "model.depth=4 is set" in line and "model.depth=2" in line
+    # The teacher's own settings, however spelt, are fine: a relative encoder folder, and
+    # latent_std 0 ("measure it", the preset's value).
+    monkeypatch.chdir(assets)
+    same = ("--set", "encoder.name=encoder", "--set", "encoder.latent_std=0")
+    assert distill_cli(tmp_path, tmp_path / "c", assets, teacher, "2/2", *same) == 0
     # A teacher whose recorded vocabulary is not the tokenizer found here.
     other = tmp_path / "teacher"
     shutil.copytree(teacher, other)

@@ -241,6 +241,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         # A path the commands' own checks did not foresee (a full disk, a read-only file
         # system, a folder where a file was expected); still one line.
         where = f"{e.filename}: " if e.filename else ""
+        if e.filename2:  # a rename: name where it was going
+            where = f"{e.filename} -> {e.filename2}: "
         print(f"elflow: error: {where}{e.strerror or e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # e.g. during a start-up encoding pass, or a second Ctrl-C

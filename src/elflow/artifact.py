@@ -136,10 +136,10 @@ OFFICIAL_TASKS: dict[str, dict[str, Any]] = {
 }
 
 
-_TASK_WORDS = (
+_TASK_WORDS = (  # as words: "code-env" names no task
     ("owt", re.compile(r"(?<![a-z0-9])(owt|openwebtext)(?![a-z0-9])")),
-    ("xsum", re.compile(r"xsum")),
-    ("de-en", re.compile(r"de[-_]en|wmt")),
+    ("xsum", re.compile(r"(?<![a-z0-9])xsum(?![a-z])")),
+    ("de-en", re.compile(r"(?<![a-z0-9])(de[-_]en|wmt\d*)(?![a-z])")),
 )
 
 
@@ -158,8 +158,17 @@ def official_task_from_name(name: str) -> str | None:
     name (the Hugging Face cache keeps the repo name further up: .../models--org--ELF-B-de-en/
     snapshots/<hash>/checkpoint_5).
     """
+    return _guess_task(name)[0]
+
+
+def _guess_task(name: str) -> tuple[str | None, bool]:
+    """(task, whether only a part above the last two named it)."""
     low = str(name).lower()
-    return _named_task("/".join(Path(low).parts[-2:])) or _named_task(low)
+    near = _named_task("/".join(Path(low).parts[-2:]))
+    if near is not None:
+        return near, False
+    far = _named_task(low)
+    return far, far is not None
 
 
 def official_artifact_config(state: dict, task: str, origin: str = "") -> ArtifactConfig:
@@ -355,9 +364,14 @@ def load_resolved(
     if resolved.kind == "official":
         state = read_official_checkpoint(resolved.path, use_ema=use_ema)
         if task is None:
-            task = official_task_from_name(resolved.name) or official_task_from_name(
-                str(resolved.path)
-            )
+            task, far = _guess_task(resolved.name)
+            if task is None:
+                task, far = _guess_task(str(resolved.path))
+            if far:
+                note_once(
+                    f"elflow: note: {resolved.name} taken as the paper's '{task}' task from a "
+                    "folder above it; pass --task (task=) if that is wrong"
+                )
         if task is None:
             task = "owt"
             note_once(

