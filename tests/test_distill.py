@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,7 +14,14 @@ import pytest
 from elflow import load_model
 from elflow.__main__ import main
 
-from .test_train import assert_same, assets, error_lines, run_config, weights  # noqa: F401
+from .test_train import (  # noqa: F401
+    _free_port,
+    assert_same,
+    assets,
+    error_lines,
+    run_config,
+    weights,
+)
 
 
 @pytest.fixture(scope="module")
@@ -254,3 +264,26 @@ def test_objective_settings_override_the_teachers(tmp_path, assets, capsys):  # 
     err = error_lines(capsys.readouterr().err)
     assert len(err) == 1 and "objective.noise_scale=1.0 differs from the teacher's" in err[0]
     assert not (tmp_path / "c").exists()
+
+
+@pytest.mark.slow
+def test_two_processes_distil_as_one(tmp_path, assets, teacher):  # noqa: F811
+    # Two examples per process: a process's share of a step often has no decoder row, and
+    # DDP must still reduce the same gradients on both (it deadlocked or crashed before).
+    assert distill_cli(tmp_path, tmp_path / "one", assets, teacher, "2/2", global_batch=4) == 0
+    cfg = run_config(assets, train={"max_steps": 2, "ema_decay": 0.1, "global_batch": 4})
+    path = tmp_path / "two.json"
+    path.write_text(json.dumps(cfg))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2"]
+    cmd += [f"--master_port={_free_port()}", "-m", "elflow", "distill", "--teacher", str(teacher)]
+    cmd += ["--out", str(tmp_path / "two"), "--config", str(path), "--rounds", "2/2"]
+    cmd += ["--teacher-steps", "4"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for name in ("model.safetensors", "ema.safetensors"):
+        assert_same(
+            weights(tmp_path / "one" / "round-1-2x2" / "checkpoint-2", name),
+            weights(tmp_path / "two" / "round-1-2x2" / "checkpoint-2", name),
+            atol=1e-5,
+        )

@@ -341,10 +341,11 @@ def distill_loss(
     mask = (valid & ~cond).float()  # (B, L)
     l2_tok = (x_pred.float() - x_target).pow(2).mean(-1)  # (B, L)
     tok = torch.where(mask > 0, l2_tok, 0.0)  # decoder rows' x_pred is unused: keep it finite
-    if bool(dec.any()):
-        ce_tok = torch.zeros_like(tok)
-        ce_tok[dec] = token_cross_entropy(logits, batch.input_ids.long()[dec])  # (B_dec, L)
-        tok = torch.where(dec[:, None], ce_tok, tok)
+    # NOTE: also with no decoder rows (then an empty slice), so that the decoder head is in the
+    # graph and gets (zero) gradients on every rank: DDP reduces the same buckets everywhere.
+    ce_tok = torch.zeros_like(tok)
+    ce_tok[dec] = token_cross_entropy(logits, batch.input_ids.long()[dec])  # (B_dec, L)
+    tok = torch.where(dec[:, None], ce_tok, tok)
     row_loss = (tok * mask).sum(-1) / mask.sum(-1).clamp_min(1.0)  # (B,)
     row_sum = row_loss.sum()
     # NOTE: a row with no loss tokens (all condition) counts as a zero row: the spec's mean over B.
