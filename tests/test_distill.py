@@ -136,6 +136,24 @@ def test_a_round_built_on_other_weights_is_not_continued(tmp_path, assets, teach
     assert "round 2" in line and "was started from other weights" in line
 
 
+def test_rounds_share_one_latent_cache(tmp_path, assets, teacher, capsys):  # noqa: F811
+    cfg = run_config(
+        assets,
+        train={"max_steps": 1, "ema_decay": 0.1},
+        data={"latent_cache": True, "latent_cache_dtype": "float32"},
+    )
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(cfg))
+    out = tmp_path / "pd"
+    argv = ["distill", "--teacher", str(teacher), "--out", str(out), "--config", str(path)]
+    capsys.readouterr()
+    assert main([*argv, "--rounds", "2/2,1/4", "--teacher-steps", "4"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.count("latent cache of") == 1 and printed.count("latent cache loaded") == 1
+    assert (out / "latent-cache.safetensors").is_file()
+    assert not list(out.glob("round-*/latent-cache.safetensors"))
+
+
 def test_student_settings_the_teacher_fixes_are_checked(
     tmp_path,
     assets,  # noqa: F811

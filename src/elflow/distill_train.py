@@ -321,6 +321,7 @@ def distill(
                 resume="auto",
                 objective_factory=lambda c, i, s=spec: DistillObjective(c, teacher, s),
                 init_state=init,
+                latent_cache_dir=out,  # one cache for every round: the same rows and encoder
             )
         else:
             last = done

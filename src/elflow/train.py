@@ -66,6 +66,7 @@ def train(
     *,
     objective_factory: Callable[[RunConfig, DistInfo], Any] | None = None,
     init_state: dict[str, Tensor] | None = None,
+    latent_cache_dir: str | Path | None = None,
 ) -> Path:
     """Train (or resume) a run into ``out``; returns the last checkpoint folder.
 
@@ -75,6 +76,8 @@ def train(
         init_state: initial weights for a fresh run (ignored when resuming); ``train.init``
             gives them from a model source instead (fine-tuning, see
             :func:`elflow.resume.apply_init`).
+        latent_cache_dir: where the latent cache file lives (default ``out``); distillation
+            rounds share one (its key says whether a file fits the rows and the encoder).
     """
     out = output_dir(out, "--out")
     cfg = absolute_init(cfg)
@@ -186,7 +189,8 @@ def train(
 
     cache = None
     if cfg.data.latent_cache:
-        cache = run_latent_cache(cfg.data, dataset, encoder, out, info.is_main)
+        where = out if latent_cache_dir is None else Path(latent_cache_dir)
+        cache = run_latent_cache(cfg.data, dataset, encoder, where, info.is_main)
     order = StreamOrder(N, cfg.train.seed)
     if info.is_main:
         out.mkdir(parents=True, exist_ok=True)
