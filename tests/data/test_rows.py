@@ -223,3 +223,7 @@ def test_prepare_measures_latent_std(tokenizer, tmp_path, tiny_encoder):
     assert prepared_latent_std(str(out), name, 0, longer) == 0.0  # measured again
     assert prepared_latent_std(str(out), name, 0, packed) == 0.0
     assert prepared_latent_std(str(out), name, 2, ds) == 0.0
+    raw = tmp_path / "raw"  # raw data with a meta.json of its own: measured, not an error
+    raw.mkdir()
+    (raw / "meta.json").write_text('{"source": "somewhere"}')
+    assert prepared_latent_std(str(raw), name, 0, ds) == 0.0

@@ -21,7 +21,7 @@ import torch
 
 from elflow.data.config import DataConfig
 from elflow.data.rows import RowDataset, read_meta
-from elflow.data.sources import PREPARED_MARKER, resolve_source
+from elflow.data.sources import PREPARED_MARKER, is_prepared, resolve_source
 from elflow.data.tables import token_dtype, tokenize_source
 from elflow.encoder import FrozenEncoder, measure_latent_std
 from elflow.errors import ELFError
@@ -128,11 +128,7 @@ def _check_replaceable(out: Path, data: str) -> None:
                 f"out_dir '{out}' {what} the input data '{data}', which overwrite=True would "
                 "delete; choose another out_dir"
             )
-    try:
-        prepared = PREPARED_MARKER in json.loads((out / "meta.json").read_text())
-    except (OSError, TypeError, ValueError):
-        prepared = False
-    if not prepared:
+    if not is_prepared(out):
         raise ELFError(
             f"'{out}' is not a folder written by elflow prepare, so overwrite=True will not "
             "replace it; choose another out_dir (or move it away yourself)"
@@ -156,7 +152,7 @@ def prepared_latent_std(data_path: str, encoder: str, layer: int, rows: RowDatas
     """latent_std measured by ``elflow prepare --encoder``; 0 (measure it again) when absent, for
     another encoder or layer, or over rows of another shape than ``rows`` (the training rows)."""
     path = Path(data_path)
-    if not (path / "meta.json").is_file():
+    if not is_prepared(path):  # raw data (a meta.json of its own included)
         return 0.0
     meta = read_meta(path)
     if meta.get("latent_std_encoder") != encoder or layer:

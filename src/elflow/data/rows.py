@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from elflow.data.config import DataConfig
-from elflow.data.sources import resolve_source
+from elflow.data.sources import PREPARED_MARKER, resolve_source
 from elflow.data.tables import TokenTable, tokenize_source
 from elflow.errors import ELFError
 from elflow.tokens import token_spec, vocab_hash
@@ -182,7 +182,7 @@ def read_meta(folder: Path) -> dict:
         raise ELFError(
             f"'{folder}' is not a folder written by elflow prepare (no meta.json)"
         ) from None
-    if "elflow_prepared" not in meta:
+    if not isinstance(meta, dict) or PREPARED_MARKER not in meta:
         raise ELFError(f"'{folder}/meta.json' was not written by elflow prepare")
     return meta
 
