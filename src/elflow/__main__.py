@@ -153,7 +153,7 @@ def _run_train(args: argparse.Namespace) -> int:
     from elflow.train import train
 
     if cfg.train.init:
-        check_no_architecture(cfg, base, f"a fine-tuning run takes them from {cfg.train.init!r}")
+        check_no_architecture(cfg, base)
     if args.print_config:
         shown = apply_init(cfg)[0] if cfg.train.init else cfg
         print(json.dumps(run_config_to_dict(shown), indent=2))

@@ -36,7 +36,7 @@ from elflow.objective import Batch
 from elflow.paths import output_dir
 from elflow.pipeline import load_tokenizer
 from elflow.presets import preset
-from elflow.resume import init_tokenizer, local_absolute
+from elflow.resume import architecture_changes, init_tokenizer, local_absolute
 from elflow.run_config import (
     EncoderConfig,
     RunConfig,
@@ -80,6 +80,18 @@ def _round_dir(out: Path, k: int, n_student: int, n_sub: int) -> Path:
     return out / f"round-{k}-{n_student}x{n_sub}"
 
 
+def _unfinished(done: Path | None, max_steps: int) -> bool:
+    """Whether a round whose latest checkpoint is ``done`` (None: none yet) still has to train."""
+    return done is None or ckpt_io.read_state(done)["step"] < max_steps
+
+
+def _raise_everywhere(problem: str | None) -> None:
+    """Raise rank 0's ``problem`` (found by a check only rank 0 runs) on every rank."""
+    problem = broadcast_object(problem)
+    if problem:
+        raise ELFError(problem)
+
+
 def _check_no_later_rounds(
     out: Path, plan: list[tuple[int, int]], max_steps: int, info: DistInfo
 ) -> None:
@@ -89,8 +101,7 @@ def _check_no_later_rounds(
     problem = None
     if info.is_main:
         for k, (n, sub) in enumerate(plan, start=1):
-            done = ckpt_io.find_checkpoint(_round_dir(out, k, n, sub))
-            if done is None or ckpt_io.read_state(done)["step"] < max_steps:
+            if _unfinished(ckpt_io.find_checkpoint(_round_dir(out, k, n, sub)), max_steps):
                 later = [
                     d
                     for d in sorted(out.glob("round-*"))
@@ -106,9 +117,7 @@ def _check_no_later_rounds(
                         "after it, or use a new --out"
                     )
                 break
-    problem = broadcast_object(problem)
-    if problem:
-        raise ELFError(problem)
+    _raise_everywhere(problem)
 
 
 def _check_round_start(round_dir: Path, k: int, start: dict, info: DistInfo) -> None:
@@ -138,9 +147,7 @@ def _check_round_start(round_dir: Path, k: int, start: dict, info: DistInfo) -> 
             tmp = round_dir / f".{ROUND_START}.tmp-{os.getpid()}"
             tmp.write_text(json.dumps(start) + "\n")
             os.replace(tmp, path)
-    problem = broadcast_object(problem)
-    if problem:
-        raise ELFError(problem)
+    _raise_everywhere(problem)
 
 
 class DistillObjective:
@@ -235,7 +242,7 @@ def distill(
     back to ``base_objective``, the preset's, default ``cfg.objective``), except the fields named
     in ``objective_keys`` (those the user set), which take ``cfg.objective``'s values. The
     architecture and encoder are the teacher's: a ``model.*``/``encoder.*`` key in
-    ``fixed_keys`` (those the user set) with another value is an error.
+    ``fixed_keys`` (those the user changed from the preset's) with another value is an error.
     """
     from elflow.distributed import setup
 
@@ -314,7 +321,7 @@ def distill(
         done = ckpt_io.find_checkpoint(round_dir) if round_dir.exists() else None
         if done is not None:
             _check_round_objective(done, round_cfg.objective, k)
-        if done is None or ckpt_io.read_state(done)["step"] < round_cfg.train.max_steps:
+        if _unfinished(done, round_cfg.train.max_steps):
             last = train(
                 round_cfg,
                 round_dir,
@@ -364,9 +371,7 @@ def _claim_out(out: Path, teacher_source: str, sha: str, info: DistInfo) -> None
             tmp = out / f".{TEACHER_RECORD}.tmp-{os.getpid()}"
             tmp.write_text(json.dumps({"teacher": name, "teacher_sha256": sha}) + "\n")
             os.replace(tmp, out / TEACHER_RECORD)
-    problem = broadcast_object(problem)
-    if problem:
-        raise ELFError(problem)
+    _raise_everywhere(problem)
 
 
 def _recorded_teacher(out: Path) -> dict | None:
@@ -413,15 +418,15 @@ def run(args: argparse.Namespace) -> int:
     cfg = apply_overrides(preset(args.preset), args.config, args.set)
     if cfg.train.max_steps <= 0:
         raise ELFError("set the steps per round with --set train.max_steps=N")
-    keys = override_keys(args.config, args.set)
-    objective_keys = {k.removeprefix("objective.") for k in keys if k.startswith("objective.")}
-    base = preset(args.preset)
-    fixed_keys = {  # model/encoder values the user changed from the preset's
+    objective_keys = {
+        key.removeprefix("objective.")
+        for key in override_keys(args.config, args.set)
+        if key.startswith("objective.")
+    }
+    fixed_keys = {  # model/encoder values changed from the preset's
         k
-        for k in keys
-        if k.startswith(("model.", "encoder."))
-        and _value(cfg, k) != _value(base, k)
-        and k not in ("model.encoder_dim", "model.vocab_size")  # filled in by training
+        for k in architecture_changes(cfg, preset(args.preset))
+        if k not in ("model.encoder_dim", "model.vocab_size")  # filled in by training
     }
     try:
         last = distill(

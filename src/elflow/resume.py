@@ -67,22 +67,27 @@ def same_init(a: str, b: str) -> bool:
     return bool(a and b) and Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
 
 
-def check_no_architecture(
-    cfg: RunConfig, base: RunConfig, why: str, allowed: tuple[str, ...] = ("model.max_length",)
-) -> None:
-    """When a model fixes the architecture and encoder (a fine-tune's init, a distillation
-    teacher), a ``--set``/``--config`` value for them other than ``allowed`` (which differs from
-    the preset's ``base``) would be silently replaced: an error."""
-    for section in ("model", "encoder"):
-        mine, preset_value = getattr(cfg, section), getattr(base, section)
-        for f in fields(mine):
-            key = f"{section}.{f.name}"
-            if key not in allowed and getattr(mine, f.name) != getattr(preset_value, f.name):
-                only = f" (only {', '.join(allowed)} may change)" if allowed else ""
-                raise ELFError(
-                    f"{key} is set (by --set or --config), but the architecture and encoder are "
-                    f"fixed: {why}{only}; drop it"
-                )
+def architecture_changes(cfg: RunConfig, base: RunConfig) -> list[str]:
+    """The ``model.*``/``encoder.*`` keys whose value in ``cfg`` differs from the preset ``base``:
+    those a ``--set`` or ``--config`` changed (apply_overrides changes nothing else)."""
+    return [
+        f"{section}.{f.name}"
+        for section in ("model", "encoder")
+        for f in fields(getattr(cfg, section))
+        if getattr(getattr(cfg, section), f.name) != getattr(getattr(base, section), f.name)
+    ]
+
+
+def check_no_architecture(cfg: RunConfig, base: RunConfig) -> None:
+    """A fine-tune takes the architecture and encoder from ``train.init``: a value set for them
+    other than ``model.max_length`` would be silently replaced, so it is an error."""
+    for key in architecture_changes(cfg, base):
+        if key != "model.max_length":
+            raise ELFError(
+                f"{key} is set (by --set or --config), but the architecture and encoder are "
+                f"fixed: a fine-tuning run takes them from {cfg.train.init!r} (only "
+                "model.max_length may change); drop it"
+            )
 
 
 def init_tokenizer(source: ArtifactConfig, shipped: Path) -> str:
