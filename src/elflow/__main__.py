@@ -20,16 +20,9 @@ from elflow import __version__
 from elflow.errors import ELFError
 
 
-def add_task_argument(p: argparse.ArgumentParser) -> None:
-    """``--task`` for an authors' checkpoint, which records none (elflow models refuse it)."""
-    p.add_argument(
-        "--task",
-        choices=["owt", "de-en", "xsum"],
-        help="authors' checkpoints: the paper task (default: guessed from the name)",
-    )
-
-
 def _add_import(p: argparse.ArgumentParser) -> None:
+    from elflow.generate import add_task_argument
+
     p.add_argument("source", help="authors' checkpoint: checkpoint_<step> file, folder or Hub id")
     p.add_argument("--out", required=True, help="folder for the elflow model")
     add_task_argument(p)
@@ -45,6 +38,8 @@ def _run_import(args: argparse.Namespace) -> int:
 
 
 def _add_info(p: argparse.ArgumentParser) -> None:
+    from elflow.generate import add_task_argument
+
     p.add_argument("model", help="any model source (folder, checkpoint, Hub id)")
     add_task_argument(p)
 
@@ -75,6 +70,8 @@ def _run_check_fixture(args: argparse.Namespace) -> int:
 
 
 def _add_generate(p: argparse.ArgumentParser) -> None:
+    from elflow.generate import add_task_argument
+
     p.add_argument("model", help="any model source (folder, checkpoint, Hub id)")
     add_task_argument(p)
     p.add_argument("-n", "--num-samples", type=int, default=4)

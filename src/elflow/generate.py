@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from elflow.artifact import OFFICIAL_TASKS
 from elflow.config import SamplerConfig
 from elflow.distributed import DistInfo, setup, teardown
 from elflow.errors import ELFError, note_once
@@ -346,10 +347,17 @@ def resolve_device(name: str) -> DistInfo:
     return info
 
 
+def add_task_argument(p: argparse.ArgumentParser) -> None:
+    """``--task`` for an authors' checkpoint, which records none (elflow models refuse it)."""
+    p.add_argument(
+        "--task",
+        choices=list(OFFICIAL_TASKS),
+        help="authors' checkpoints: the paper task (default: guessed from the name)",
+    )
+
+
 def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
     """Options shared by ``sample`` and ``sweep``."""
-    from elflow.__main__ import add_task_argument
-
     p.add_argument("--checkpoint", required=True, help="any model source (folder, run, Hub id)")
     add_task_argument(p)
     p.add_argument("--num-samples", type=int, help="unconditional: how many (default 16)")

@@ -161,10 +161,11 @@ def _cells(word: str) -> int:
 def _fit(words: list[str], changed: set[int], width: int | None, color: bool) -> str:
     out, used = [], 0
     for j, word in enumerate(words):
-        if width is not None and used + _cells(word) + 1 > width:
+        cells = _cells(word)
+        if width is not None and used + cells + 1 > width:
             out.append("…")
             break
-        used += _cells(word) + 1
+        used += cells + 1
         out.append(f"\x1b[30;43m{word}\x1b[0m" if color and j in changed else word)
     return " ".join(out)
 
