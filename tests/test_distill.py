@@ -3,19 +3,16 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from elflow import load_model
 from elflow.__main__ import main
+from tests.dist.launch import torchrun_elflow
 
 from .test_train import (  # noqa: F401
-    _free_port,
     assert_same,
     assets,
     error_lines,
@@ -292,13 +289,8 @@ def test_two_processes_distil_as_one(tmp_path, assets, teacher):  # noqa: F811
     cfg = run_config(assets, train={"max_steps": 2, "ema_decay": 0.1, "global_batch": 4})
     path = tmp_path / "two.json"
     path.write_text(json.dumps(cfg))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2"]
-    cmd += [f"--master_port={_free_port()}", "-m", "elflow", "distill", "--teacher", str(teacher)]
-    cmd += ["--out", str(tmp_path / "two"), "--config", str(path), "--rounds", "2/2"]
-    cmd += ["--teacher-steps", "4"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    argv = ["distill", "--teacher", str(teacher), "--out", str(tmp_path / "two")]
+    torchrun_elflow([*argv, "--config", str(path), "--rounds", "2/2", "--teacher-steps", "4"])
     for name in ("model.safetensors", "ema.safetensors"):
         assert_same(
             weights(tmp_path / "one" / "round-1-2x2" / "checkpoint-2", name),

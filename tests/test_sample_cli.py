@@ -3,10 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -17,6 +13,7 @@ from elflow import ArtifactConfig, SamplerConfig, build_model, save_model
 from elflow.__main__ import main as elflow_main
 from elflow.config import elf_tiny
 from elflow.generate import token_agreement
+from tests.dist.launch import torchrun_elflow
 
 
 def main(argv: list[str]) -> int:
@@ -269,24 +266,12 @@ def test_bad_input_is_one_line(uncond_dir, cond_dir, tmp_path, capsys):
     assert not (tmp_path / "x.jsonl").exists()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_two_processes_write_the_one_process_file(uncond_dir, tmp_path):
     args = ["--checkpoint", str(uncond_dir), "--num-samples", "5", "--steps", "3", "--seed", "3"]
     args += ["--batch-size", "2", "--device", "cpu", "--save-tokens"]
     one = sample(uncond_dir, tmp_path / "one.jsonl", *args[2:])
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2"]
-    cmd += [f"--master_port={_free_port()}", "-m", "elflow", "sample", *args]
     t0 = time.perf_counter()
-    proc = subprocess.run(
-        [*cmd, "--out", str(tmp_path / "two.jsonl")], env=env, capture_output=True, text=True
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    torchrun_elflow(["sample", *args, "--out", str(tmp_path / "two.jsonl")])
     assert time.perf_counter() - t0 < 60
     assert read(tmp_path / "two.jsonl") == one

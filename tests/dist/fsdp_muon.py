@@ -10,13 +10,14 @@ The shared helpers (model, batches, loss, step loop) are imported by tests/test_
 from __future__ import annotations
 
 import os
-import socket
 import sys
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from tests.dist.launch import free_port
 
 from elflow.config import elf_tiny
 from elflow.ema import EMA
@@ -172,12 +173,6 @@ def _worker(rank: int, port: int, out: str) -> None:
         torch.save(results, out)
     dist.barrier()
     dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main(out: str) -> None:
