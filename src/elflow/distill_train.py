@@ -120,8 +120,11 @@ def _check_no_later_rounds(
     _raise_everywhere(problem)
 
 
-def _check_round_start(round_dir: Path, k: int, start: dict, info: DistInfo) -> None:
-    """Record what round ``k`` starts from, or check that an existing round started from it.
+def _check_round_start(
+    round_dir: Path, k: int, start: dict, trained: Path | None, info: DistInfo
+) -> None:
+    """Record what round ``k`` starts from, or check that a round already ``trained`` (its latest
+    checkpoint, None when it has none) started from it.
 
     A round folder is resumed or skipped as finished by its name; after a change of ``--rounds``
     or ``train.max_steps`` the rounds before it may have changed, and a round built on other
@@ -130,7 +133,6 @@ def _check_round_start(round_dir: Path, k: int, start: dict, info: DistInfo) -> 
     problem = None
     if info.is_main:
         path = round_dir / ROUND_START
-        trained = ckpt_io.find_checkpoint(round_dir) if round_dir.exists() else None
         try:
             recorded = json.loads(path.read_text()) if trained is not None else None
         except (OSError, ValueError):
@@ -317,8 +319,8 @@ def distill(
             objective=cfg.objective,
         )
         start = {"from": str(last) if k > 1 else f"teacher {teacher_source}"}
-        _check_round_start(round_dir, k, {**start, "init_sha256": state_hash(init)}, info)
-        done = ckpt_io.find_checkpoint(round_dir) if round_dir.exists() else None
+        done = ckpt_io.find_checkpoint(round_dir)
+        _check_round_start(round_dir, k, {**start, "init_sha256": state_hash(init)}, done, info)
         if done is not None:
             _check_round_objective(done, round_cfg.objective, k)
         if _unfinished(done, round_cfg.train.max_steps):
