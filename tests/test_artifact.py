@@ -379,3 +379,24 @@ def test_infer_model_config_at_widths_that_round_down():
     model = build_model(cfg)
     inferred = infer_model_config(elflow_to_official(model.state_dict()), max_length=16)
     assert inferred.mlp_hidden == cfg.mlp_hidden
+
+
+def test_fine_tune_from_an_authors_checkpoint_needs_no_task(tmp_path, capsys, monkeypatch):
+    """train.init takes only the weights and dims of an authors' checkpoint (the lengths, task
+    and padding are the run's): no task is guessed, and no note asks for one."""
+    from elflow.presets import preset
+    from elflow.resume import apply_init
+    from elflow.run_config import apply_overrides
+
+    monkeypatch.setattr(errors, "_NOTED", set())
+    raw, ema = _perturbed_model(0), _perturbed_model(1)
+    _save_reference(tmp_path / "checkpoint_7", raw, ema)
+    for task in ("unconditional", "conditional"):
+        sets = [f"train.init={tmp_path / 'checkpoint_7'}", f"task={task}"]
+        if task == "conditional":
+            sets.append("max_input_length=16")
+        cfg, state, _ = apply_init(apply_overrides(preset("bible-tiny"), sets=sets))
+        assert cfg.task == task and cfg.model.max_length == preset("bible-tiny").model.max_length
+        assert cfg.model.hidden_size == CFG.hidden_size
+        torch.testing.assert_close(state["decoder.proj.bias"], ema.decoder.proj.bias)
+    assert "note" not in capsys.readouterr().err

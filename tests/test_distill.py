@@ -10,6 +10,7 @@ import pytest
 
 from elflow import load_model
 from elflow.__main__ import main
+from elflow.errors import ELFError
 from tests.dist.launch import torchrun_elflow
 
 from .test_train import (  # noqa: F401
@@ -186,6 +187,24 @@ def test_bad_rounds_and_teacher(tmp_path, assets, teacher, capsys):  # noqa: F81
     assert len(errs) == 3 and "does not exist" in errs[1]
     assert "train.ema_decay=0.9 would keep 81%" in errs[2] and "ema_warmup=true" in errs[2]
     assert not (tmp_path / "c").exists()
+
+
+def test_teacher_task(tmp_path, assets, teacher, capsys, monkeypatch):  # noqa: F811
+    """--task names an authors' teacher's paper task; an elflow teacher's config gives its own."""
+    import elflow.distill_train as distill_train
+
+    assert distill_cli(tmp_path, tmp_path / "a", assets, teacher, "2/2", "--task", "owt") == 2
+    assert "applies to authors' checkpoints" in error_lines(capsys.readouterr().err)[0]
+    asked = []
+
+    def fake_load_model(source, device, task):
+        asked.append(task)
+        raise ELFError("stop here")
+
+    monkeypatch.setattr(distill_train, "load_model", fake_load_model)
+    assert distill_cli(tmp_path, tmp_path / "b", assets, teacher, "2/2", "--task", "de-en") == 2
+    assert distill_cli(tmp_path, tmp_path / "c", assets, teacher, "2/2") == 2
+    assert asked == ["de-en", None]
 
 
 def test_another_teacher_is_refused(tmp_path, assets, teacher, capsys):  # noqa: F811

@@ -218,8 +218,11 @@ def teacher_tokenizer(source: str, tcfg: ArtifactConfig) -> str:
     return name
 
 
-def load_teacher(source: str, device: torch.device | str) -> tuple[ELF, object]:
-    teacher, config = load_model(source, device=device)
+def load_teacher(
+    source: str, device: torch.device | str, task: str | None = None
+) -> tuple[ELF, ArtifactConfig]:
+    """The frozen teacher; ``task``: an authors' checkpoint's paper task (else from its name)."""
+    teacher, config = load_model(source, device=device, task=task)
     teacher.eval().requires_grad_(False)
     return teacher, config
 
@@ -237,6 +240,7 @@ def distill(
     objective_keys: Iterable[str] = (),
     base_objective: ObjectiveConfig | None = None,
     fixed_keys: Iterable[str] = (),
+    teacher_task: str | None = None,
 ) -> Path:
     """Run (or resume) the curriculum; returns the last round's last checkpoint.
 
@@ -245,6 +249,8 @@ def distill(
     in ``objective_keys`` (those the user set), which take ``cfg.objective``'s values. The
     architecture and encoder are the teacher's: a ``model.*``/``encoder.*`` key in
     ``fixed_keys`` (those the user changed from the preset's) with another value is an error.
+    ``teacher_task``: an authors' checkpoint's paper task ('owt', 'de-en', 'xsum'; default
+    guessed from its name), which the students take.
     """
     from elflow.distributed import setup
 
@@ -265,7 +271,7 @@ def distill(
     teacher_steps = teacher_steps or None
     plan = parse_rounds(rounds, teacher_steps)
     info = setup(cfg.train.device)
-    teacher, tcfg = load_teacher(teacher_source, info.device)
+    teacher, tcfg = load_teacher(teacher_source, info.device, teacher_task)
     # The student is the teacher's architecture, encoder, tokenizer, normalisation and objective.
     objective = teacher_objective(teacher_source, tcfg, base_objective or cfg.objective)
     changed = {
@@ -401,7 +407,10 @@ def _check_round_objective(ckpt: Path, objective: ObjectiveConfig, k: int) -> No
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from elflow.generate import add_task_argument
+
     p.add_argument("--teacher", required=True, help="any model source (elflow or authors')")
+    add_task_argument(p)
     p.add_argument("--out", required=True, help="folder for the rounds")
     p.add_argument("--preset", default="bible-tiny", help="data/optim/train settings to start from")
     p.add_argument("--config", help="YAML or JSON overrides")
@@ -440,6 +449,7 @@ def run(args: argparse.Namespace) -> int:
             objective_keys,
             preset(args.preset).objective,
             fixed_keys,
+            args.task,
         )
     finally:
         teardown()

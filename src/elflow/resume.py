@@ -41,7 +41,13 @@ def apply_init(cfg: RunConfig) -> tuple[RunConfig, dict[str, Tensor], ArtifactCo
     and latent normalisation, since its weights only make sense in its own latent space. Data,
     objective, optimiser, sampler and task stay ``cfg``'s."""
     resolved = resolve_source(cfg.train.init)
-    model, source = load_resolved(resolved, use_ema=True, device="cpu", task=None)
+    # An authors' checkpoint records no task. A paper task would only set the lengths, sampler,
+    # task and padding, which the fine-tune takes from cfg: pick one that fits instead of a guess
+    # from the name (with its note).
+    task = None
+    if resolved.kind == "official":
+        task = "owt" if cfg.task == "unconditional" else "de-en"
+    model, source = load_resolved(resolved, use_ema=True, device="cpu", task=task)
     state = {k: v.detach().float() for k, v in model.state_dict().items()}
     encoder = EncoderConfig.of_model(source, init_tokenizer(source, resolved.path / "tokenizer"))
     arch = replace(source.model, max_length=cfg.model.max_length)
