@@ -114,6 +114,33 @@ def test_overlong_error_names_document(tokenizer, tmp_path):
         )
 
 
+def test_pre_chunked_ids_of_exactly_max_length_fit(tokenizer, tmp_path):
+    """The EOS appended to pre-tokenised ids that lack one is a separator: dropping it loses no
+    text, so a pre-chunked record of exactly max_length ids is not over-long (raw or prepared)."""
+    eos = token_spec(tokenizer).eos_id
+    recs = [
+        {"input_ids": list(range(1000, 1006))},  # exactly L, no EOS: an EOS is appended
+        {"input_ids": [*range(1000, 1006), eos]},  # L + its own EOS
+        {"input_ids": list(range(1000, 1004))},  # short
+    ]
+    path = write_jsonl(tmp_path / "c.jsonl", recs)
+    cfg = DataConfig(path=str(path), overlong="error")
+    memory = build_dataset(cfg, tokenizer, 6)
+    prepared = prepare(cfg, tokenizer, tmp_path / "prep", 6)
+    assert read_meta(prepared)["num_truncated"] == 0
+    mapped = build_dataset(DataConfig(path=str(prepared), overlong="error"), tokenizer, 6)
+    for ds in (memory, mapped):
+        assert ds.num_truncated == 0
+        ids = ds.get_rows(np.arange(3))["input_ids"]
+        assert ids[0].tolist() == ids[1].tolist() == list(range(1000, 1006))
+    # One more id is real text lost, whether or not an EOS follows it.
+    longer = [{"input_ids": list(range(1000, 1007))}, {"input_ids": [*range(1000, 1007), eos]}]
+    path = write_jsonl(tmp_path / "d.jsonl", longer)
+    assert build_dataset(DataConfig(path=str(path)), tokenizer, 6).num_truncated == 2
+    with pytest.raises(ELFError, match="document 0 has 8 tokens, more than max_length 6"):
+        build_dataset(DataConfig(path=str(path), overlong="error"), tokenizer, 6)
+
+
 @pytest.mark.parametrize("kind", ["text", "pairs", "packed", "pretokenized"])
 def test_prepare_round_trip_equals_in_memory(tokenizer, tmp_path, kind):
     if kind == "pairs":

@@ -44,7 +44,8 @@ class DataConfig:
     """Unconditional data: concatenate EOS-terminated documents into rows of exactly max_length
     (True), or one document per row, truncated and padded (False)."""
     overlong: str = "truncate"
-    """A document longer than its row: `truncate` (and count) or `error`."""
+    """A document longer than its row: `truncate` (and count) or `error`. An unconditional
+    document that would lose only its final EOS is not over-long."""
     latent_cache: bool = False
     """Encode every row once and reuse the latents every epoch (small corpora: N*L*E values)."""
     latent_cache_dtype: str = "float16"

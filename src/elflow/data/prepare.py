@@ -77,6 +77,7 @@ def prepare(
             max_input_length=max_input_length,
             packing=cfg.packing,
             overlong=cfg.overlong,
+            eos_id=spec.eos_id,
         )
         meta = {
             PREPARED_MARKER: 1,

@@ -38,12 +38,15 @@ class RowDataset:
         max_input_length: int = 0,
         packing: bool = False,
         overlong: str = "truncate",
+        eos_id: int | None = None,
     ):
+        """``eos_id``: the final EOS of an unconditional document, which alone does not make it
+        over-long (the data-reading code appends one where pre-tokenised ids lack it)."""
         if max_length <= 0:
             raise ELFError(f"max_length must be positive, got {max_length}")
         self.target, self.source = target, source
         self.max_length, self.max_input_length = max_length, max_input_length
-        self.pad_id, self.packing = int(pad_id), packing
+        self.pad_id, self.packing, self.eos_id = int(pad_id), packing, eos_id
         self.conditional = source is not None
         if self.conditional:
             if packing:
@@ -83,7 +86,14 @@ class RowDataset:
         if self.packing:
             return np.zeros(len(t), dtype=bool)
         if not self.conditional:
-            return t > self.max_length
+            # A document that only loses its final EOS keeps all its text: pre-chunked ids of
+            # exactly max_length (the paper's pre-chunked data) fit, although an EOS was added.
+            over = t > self.max_length
+            if self.eos_id is not None:
+                edge = np.flatnonzero(t == self.max_length + 1)
+                last = self.target.tokens[self.target.offsets[edge] + self.max_length]
+                over[edge[np.asarray(last) == self.eos_id]] = False
+            return over
         s = self.source.lengths
         return (s > self.max_input_length) | (
             np.minimum(s, self.max_input_length) + t > self.max_length
@@ -170,6 +180,7 @@ class RowDataset:
             max_input_length=max_input_length,
             packing=packing,
             overlong=overlong,
+            eos_id=meta.get("eos_id"),
         )
 
 
@@ -227,7 +238,7 @@ def build_dataset(
         )
     else:
         target, source = tokenize_source(src, cfg, tokenizer)
-        rows = RowDataset(target, source=source, **kwargs)
+        rows = RowDataset(target, source=source, eos_id=token_spec(tokenizer).eos_id, **kwargs)
     if conditional is not None and rows.conditional != conditional:
         held, task = ("source/target pairs", "unconditional")
         if conditional:
