@@ -12,6 +12,10 @@ from transformers import (
     AutoTokenizer,
     BertConfig,
     BertModel,
+    DebertaV2Config,
+    DebertaV2Model,
+    RobertaConfig,
+    RobertaModel,
     T5Config,
     T5EncoderModel,
     T5Tokenizer,
@@ -33,7 +37,7 @@ from elflow.tokens import (
 B, L, S = 3, 10, 4  # batch, row length, source length
 
 
-def _tiny_hf(kind: str, attn: str):
+def _tiny_hf(kind: str, attn: str, **extra):
     torch.manual_seed(0)
     if kind == "t5":
         cfg = T5Config(d_model=32, d_kv=8, num_heads=4, num_layers=2, d_ff=64, vocab_size=100)
@@ -45,6 +49,7 @@ def _tiny_hf(kind: str, attn: str):
             num_hidden_layers=2,
             intermediate_size=64,
             vocab_size=100,
+            **extra,
         )
         model = BertModel(cfg, add_pooling_layer=False)
     model.set_attn_implementation(attn)
@@ -238,11 +243,21 @@ def minilm_path():
 
 
 def test_rows_longer_than_the_positions_are_one_line():
-    model = _tiny_hf("bert", "sdpa")
-    model.config.max_position_embeddings = L - 1  # as if BERT's 512 were L - 1
+    model = _tiny_hf("bert", "sdpa", max_position_embeddings=L - 1)  # as if BERT's 512 were L - 1
     enc = FrozenEncoder(model)
     assert enc.max_positions == L - 1
     assert FrozenEncoder(_tiny_hf("t5", "sdpa")).max_positions is None  # relative positions
+    size = dict(hidden_size=32, num_attention_heads=4, num_hidden_layers=2, intermediate_size=64)
+    # RoBERTa's positions start after its padding index: 2 of its rows are never used.
+    roberta = RobertaModel(RobertaConfig(vocab_size=100, max_position_embeddings=20, **size))
+    assert FrozenEncoder(roberta).max_positions == 18
+    ids = torch.randint(5, 100, (1, 18))
+    assert FrozenEncoder(roberta)(ids, torch.ones_like(ids)).shape == (1, 18, 32)
+    # DeBERTa-v3 declares max_position_embeddings but has relative positions only.
+    deberta = DebertaV2Config(
+        vocab_size=100, max_position_embeddings=8, position_biased_input=False, **size
+    )
+    assert FrozenEncoder(DebertaV2Model(deberta)).max_positions is None
     ids, am, _ = _batch()
     with pytest.raises(ELFError, match=f"rows of {L} tokens .* at most {L - 1}"):
         enc(ids, am)

@@ -231,13 +231,18 @@ class FrozenEncoder(nn.Module):
 
     @property
     def max_positions(self) -> int | None:
-        """The longest sequence an encoder with learned absolute positions embeds (BERT: 512);
-        None for relative positions (T5), which take any length."""
+        """The longest sequence an encoder with learned absolute positions embeds (BERT: 512;
+        RoBERTa: 512 of its 514 rows, whose positions start after the padding index), read from
+        its position table; None without one (T5, DeBERTa-v3), which take any length."""
         config = self.model.config
         if getattr(config, "position_embedding_type", "absolute") != "absolute":
             return None
-        n = getattr(config, "max_position_embeddings", None)
-        return n if isinstance(n, int) and n > 0 else None
+        table = getattr(getattr(self.model, "embeddings", None), "position_embeddings", None)
+        if not isinstance(table, nn.Embedding):
+            return None
+        if table.padding_idx is None:  # positions count from 0
+            return table.num_embeddings
+        return table.num_embeddings - table.padding_idx - 1
 
     def check_length(self, length: int) -> None:
         """Refuse rows longer than :attr:`max_positions` with a one-line error."""
