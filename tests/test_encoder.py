@@ -414,3 +414,15 @@ def test_vocab_hash(bert_tok, t5_tok, minilm_path):
     changed = AutoTokenizer.from_pretrained(minilm_path)
     changed.add_tokens(["elflowtoken"])
     assert vocab_hash(changed) != h
+
+
+@pytest.mark.parametrize("kind", ["t5", "bert"])
+def test_latents_ignore_a_callers_bf16_autocast(kind):
+    """Sampling with --bf16 runs under autocast; the condition latents must still be the fp32
+    ones the model was trained on."""
+    enc = FrozenEncoder(_tiny_hf(kind, "sdpa"), latent_std=0.5)
+    ids, am, cm = _batch()
+    ref = enc(ids, am, cm)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        inside = enc(ids, am, cm)
+    assert torch.equal(inside, ref)

@@ -274,6 +274,26 @@ def test_batch_independence():
         assert_close(hidden[i : i + 1], hi, rtol=0, atol=1e-5)
 
 
+def test_bf16_autocast_runs_only_the_blocks_in_bf16():
+    """Spec §3: input projections, prefix embedders and heads stay fp32 under bf16 autocast."""
+    model = _tiny()
+    x_in, t, w = _inputs(2, 6, 2 * E, seed=3)
+    seen = {}
+    names = ("self_cond_proj", "text_proj", "t_embedder", "self_cond_cfg_embedder")
+    names += ("final_layer", "decoder", "blocks.0.attn.qkv")
+    for name in names:
+        module = model.get_submodule(name)
+        module.register_forward_hook(lambda m, i, o, name=name: seen.__setitem__(name, o.dtype))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        x_pred, hidden = model(x_in, t, w, 0.0)
+        logits = model.decode_logits(hidden)
+    assert seen.pop("blocks.0.attn.qkv") == torch.bfloat16
+    assert set(seen.values()) == {torch.float32} and len(seen) == len(names) - 1, seen
+    assert x_pred.dtype == hidden.dtype == logits.dtype == torch.float32
+    ref, _ = model(x_in, t, w, 0.0)
+    assert (x_pred - ref).abs().max() < 0.05  # the blocks' bf16 rounding only
+
+
 # --- self-conditioning width ----------------------------------------------------------------------
 
 

@@ -262,15 +262,20 @@ class FrozenEncoder(nn.Module):
         cond_mask: Tensor | None = None,
         label_drop: Tensor | None = None,
     ) -> Tensor:
-        """Unnormalised hidden states (of ``layer``) in fp32: (B, L) ids -> (B, L, E)."""
+        """Unnormalised hidden states (of ``layer``) in fp32: (B, L) ids -> (B, L, E).
+
+        Always in the encoder's own dtype, also inside a caller's bf16 autocast (sampling with
+        ``--bf16``): the latents must be those the model was trained on.
+        """
         assert input_ids.shape == attention_mask.shape, (input_ids.shape, attention_mask.shape)
         self.check_length(input_ids.shape[1])
         mask = encoder_attention_mask(attention_mask, cond_mask, label_drop, dtype=self.dtype)
-        if self.layer == 0:
-            out = self.model(input_ids=input_ids, attention_mask=mask)
-            return out.last_hidden_state.float()  # (B, L, E)
-        out = self.model(input_ids=input_ids, attention_mask=mask, output_hidden_states=True)
-        return out.hidden_states[self.layer].float()  # (B, L, E); [0] is the embeddings
+        with torch.autocast(input_ids.device.type, enabled=False):
+            if self.layer == 0:
+                out = self.model(input_ids=input_ids, attention_mask=mask)
+                return out.last_hidden_state.float()  # (B, L, E)
+            out = self.model(input_ids=input_ids, attention_mask=mask, output_hidden_states=True)
+            return out.hidden_states[self.layer].float()  # (B, L, E); [0] is the embeddings
 
     @torch.no_grad()
     def forward(

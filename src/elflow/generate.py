@@ -1,7 +1,8 @@
 """``elflow sample``: generate a JSONL file of samples, on one process or many (ELF_SPEC §5, §10).
 
 Every sample i is drawn from generators seeded by (seed, i) (§10 "Sampling reproducibility"), so
-the file is the same whatever the batch size or the number of ``torchrun`` processes: each rank
+in fp32 the file is the same whatever the batch size or the number of ``torchrun`` processes (under
+``--bf16`` the blocks' rounding depends on the batch's shape): each rank
 generates a contiguous share of the indices, rank 0 gathers them and writes one file in index
 order. Each line holds ``id``, ``text`` (``source`` when conditional) and the settings that made
 it. ``--trajectory`` renders every step's decoded x_hat (§10 "Trajectories") as a self-contained

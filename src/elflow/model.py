@@ -253,20 +253,21 @@ class ELF(nn.Module):
         dev = x_in.device
         t = _per_row(t, B, dev)
         gate = _per_row(gate, B, dev)
-        # The reference projects only 2E-wide inputs: an E-wide input skips self_cond_proj.
-        x = self.self_cond_proj(x_in) if x_in.shape[-1] == 2 * E else x_in  # (B, L, E)
-        x = self.text_proj(x)  # (B, L, D)
-
-        prefix = [self.t_emb_tokens + self.t_embedder(t)[:, None, :]]  # (B, n_t, D)
-        if cfg.num_scale_tokens > 0:
-            if w is None:
-                raise ELFError("this model has SC-CFG scale tokens: pass a guidance scale w")
-            w = _per_row(w, B, dev)
-            prefix.append(self.self_cond_cfg_tokens + self.self_cond_cfg_embedder(w)[:, None, :])
-        # NOTE: in denoise mode the mode tokens are zero vectors that still occupy positions.
-        prefix.append(self.mode_tokens * gate.to(self.mode_tokens.dtype)[:, None, None])
-        P = cfg.num_prefix_tokens
-        tokens = torch.cat([p.expand(B, -1, -1) for p in prefix] + [x], dim=1)  # (B, P+L, D)
+        if cfg.num_scale_tokens > 0 and w is None:
+            raise ELFError("this model has SC-CFG scale tokens: pass a guidance scale w")
+        with _full_precision(dev):  # under bf16 autocast only the blocks run in bf16 (spec §3)
+            # The reference projects only 2E-wide inputs: an E-wide input skips self_cond_proj.
+            x = self.self_cond_proj(x_in) if x_in.shape[-1] == 2 * E else x_in  # (B, L, E)
+            x = self.text_proj(x)  # (B, L, D)
+            prefix = [self.t_emb_tokens + self.t_embedder(t)[:, None, :]]  # (B, n_t, D)
+            if cfg.num_scale_tokens > 0:
+                w = _per_row(w, B, dev)
+                scale = self.self_cond_cfg_embedder(w)[:, None, :]
+                prefix.append(self.self_cond_cfg_tokens + scale)
+            # NOTE: in denoise mode the mode tokens are zero vectors that still occupy positions.
+            prefix.append(self.mode_tokens * gate.to(self.mode_tokens.dtype)[:, None, None])
+            tokens = torch.cat([p.expand(B, -1, -1) for p in prefix] + [x], dim=1)  # (B, P+L, D)
+        P, dtype = cfg.num_prefix_tokens, tokens.dtype
 
         rotations = rope_tables(P, L, cfg.head_dim, cfg.rope_theta, dev)
         mask = None
@@ -281,12 +282,20 @@ class ELF(nn.Module):
                 tokens = checkpoint(block, tokens, rotations, mask, use_reentrant=False)
             else:
                 tokens = block(tokens, rotations, mask)
-        hidden = tokens[:, P:]  # (B, L, D)
-        return self.final_layer(hidden), hidden
+        hidden = tokens[:, P:].to(dtype)  # (B, L, D)
+        with _full_precision(dev):
+            return self.final_layer(hidden), hidden
 
     def decode_logits(self, hidden: Tensor) -> Tensor:
-        """Decoder head on hidden states (..., D) -> logits (..., V)."""
-        return self.decoder(hidden)
+        """Decoder head on hidden states (..., D) -> logits (..., V), outside any autocast."""
+        with _full_precision(hidden.device):
+            return self.decoder(hidden.to(self.decoder.proj.weight.dtype))
+
+
+def _full_precision(device: torch.device) -> torch.autocast:
+    """Autocast off: the input projections, prefix embedders and heads stay in the parameters'
+    dtype (fp32) when the caller runs the network under bf16 autocast (spec §3)."""
+    return torch.autocast(device.type, enabled=False)
 
 
 def _per_row(value: Tensor | float, batch: int, device: torch.device) -> Tensor:
