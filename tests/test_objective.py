@@ -404,3 +404,21 @@ def test_overfits_one_batch():
     first = sum(losses[:15]) / 15
     last = sum(losses[-15:]) / 15
     assert last < 0.5 * first, (first, last)
+
+
+@pytest.mark.parametrize("procedure", ["efficient", "reference"])
+def test_no_scale_tokens_trains_towards_v_star(procedure):
+    """A network without scale tokens cannot see w, so the drawn w must not enter its target."""
+    model, batch, cfg = _model(num_scale_tokens=0), _batch(), ObjectiveConfig()
+    sc = dict(use_self_cond=ONES, decoder_active=ZEROS)
+    losses = [
+        elf_loss(model, batch, _draws(cfg=cfg, w=[w] * B, **sc), cfg, procedure).loss.item()
+        for w in (0.5, 1.0, 5.0)
+    ]
+    assert losses[0] == losses[1] == losses[2]
+    with_tokens = _model()  # the same draws do move an SC-CFG model's loss
+    moved = [
+        elf_loss(with_tokens, batch, _draws(cfg=cfg, w=[w] * B, **sc), cfg).loss.item()
+        for w in (0.5, 5.0)
+    ]
+    assert moved[0] != moved[1]

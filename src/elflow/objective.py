@@ -197,6 +197,9 @@ def elf_loss(
         x_hat_c = nograd_prediction(forward, z_t, sc_half, t, w, sc)
         num_nograd += int(sc.sum())
     v_star = velocity(x, z_t, t, cfg.t_eps)
+    if elf.cfg.num_scale_tokens == 0:
+        # A network without scale tokens cannot see w: its one consistent target is v* (w = 1).
+        w = torch.ones_like(w)
     guidance = (1.0 - 1.0 / w)[:, None, None] * (
         velocity(x_hat_c, z_t, t, cfg.t_eps) - velocity(x_hat_u, z_t, t, cfg.t_eps)
     )
