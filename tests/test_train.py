@@ -199,7 +199,8 @@ def test_resume_from_an_earlier_checkpoint_sets_the_later_ones_aside(
     assert train_cli(tmp_path, run, cfg) == 0  # checkpoint-3 and checkpoint-6
     capsys.readouterr()
     branch = run_config(assets, encoder={"name": "encoder"}, train={"max_steps": 4})
-    assert train_cli(tmp_path, run, branch, "--resume", str(run / "checkpoint-3")) == 0
+    (tmp_path / "alias").symlink_to(run)  # the same folder, named another way
+    assert train_cli(tmp_path, run, branch, "--resume", str(tmp_path / "alias/checkpoint-3")) == 0
     assert "abandoned branch are kept in" in capsys.readouterr().out
     assert sorted(p.name for p in run.glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-4"]
     assert (run / "abandoned-1" / "checkpoint-6" / "state.json").is_file()  # nothing deleted
@@ -698,3 +699,17 @@ def test_init_uses_the_model_folders_own_tokenizer(tmp_path, assets):
     assert train_cli(tmp_path, tmp_path / "ft", cfg, "--init", str(model)) == 0
     config = json.loads((tmp_path / "ft" / "checkpoint-1" / "config.json").read_text())
     assert config["tokenizer"] == str(model / "tokenizer")
+
+
+def test_clip_grad_norm_zero_disables_clipping(tmp_path, assets):
+    """optim.clip_grad_norm=0 means no clipping (clipping to 0 would zero every gradient)."""
+    runs = {}
+    for clip in (0.0, 1e9):
+        cfg = run_config(assets, optim={"clip_grad_norm": clip}, train={"max_steps": 2})
+        out = tmp_path / f"clip{clip:g}"
+        assert train_cli(tmp_path, out, cfg) == 0
+        runs[clip] = weights(out / "checkpoint-2")
+    assert_same(runs[0.0], runs[1e9], atol=0)
+    assert train_cli(tmp_path, tmp_path / "init", run_config(assets, train={"max_steps": 0})) == 0
+    start = weights(next((tmp_path / "init").glob("checkpoint-*")))
+    assert any((runs[0.0][k] - start[k]).abs().max() > 0 for k in start)

@@ -86,7 +86,9 @@ def train(
     info = setup(cfg.train.device)
     resume_from = resolve_resume(out, resume)
     existing = ckpt_io.find_checkpoint(out) if out.is_dir() else None
-    if existing is not None and (resume_from is None or resume_from.parent != out):
+    # The same folder, however each was written (relative, absolute, through a symlink).
+    in_out = resume_from is not None and resume_from.parent.resolve() == out.resolve()
+    if existing is not None and not in_out:
         # Another run's checkpoints would be mixed with (and pruned by) this one's.
         raise ELFError(
             f"--out {out} already holds checkpoints ({existing.name}) of another run; resume it "
@@ -217,7 +219,7 @@ def train(
     if cfg.train.eval_every:
         heldout = heldout_splits(cfg, valid, dataset, encoder, info, micro)
     last_ckpt = resume_from
-    if resume_from is not None and resume_from.parent == out and info.is_main:
+    if in_out and info.is_main:
         aside = ckpt_io.set_aside_later(out, start_step)
         if aside is not None:
             print(
@@ -225,6 +227,9 @@ def train(
                 f"abandoned branch are kept in {aside}",
                 flush=True,
             )
+    # 0 disables clipping; the norm is still measured (logged, and checked for NaN). Clipping to 0
+    # itself would zero every gradient.
+    max_grad_norm = optim_cfg.clip_grad_norm or math.inf
     t_last, tokens_since = time.perf_counter(), 0
     sums: dict[str, float] = {}
     step, saved_step = start_step, start_step
@@ -235,7 +240,7 @@ def train(
             lr = learning_rate(optim_cfg, step, total_steps, G)
             set_lr(optimizer, lr)
             metrics = ctx.accumulate(step)
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), optim_cfg.clip_grad_norm)
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
             if not (math.isfinite(metrics["loss"]) and math.isfinite(float(grad_norm))):
                 raise ELFError(
                     f"non-finite loss or gradient at step {step}; stopping (last good checkpoint: "
