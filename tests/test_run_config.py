@@ -129,3 +129,21 @@ def test_override_keys(tmp_path):
     f.write_text("objective:\n  time_mean: -2\ntrain:\n  max_steps: 3\n")
     keys = override_keys(f, ["optim.lr=1e-3", " objective.time_std =1"])
     assert keys == {"objective.time_mean", "train.max_steps", "optim.lr", "objective.time_std"}
+
+
+def test_a_resume_must_keep_the_optimizer_task_and_source_length(tmp_path):
+    from dataclasses import replace
+
+    from elflow.resume import check_resumable
+
+    saved = preset("de-en-tiny")
+    check_resumable(saved, saved, tmp_path)  # the same run
+    changes = {
+        "optim.optimizer=muon, now adamw": replace(
+            saved, optim=replace(saved.optim, optimizer="adamw")
+        ),
+        "max_input_length=": replace(saved, max_input_length=saved.max_input_length // 2),
+    }
+    for message, cfg in changes.items():
+        with pytest.raises(ELFError, match=message):
+            check_resumable(cfg, saved, tmp_path)

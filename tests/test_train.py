@@ -514,6 +514,33 @@ def test_resume_with_another_parallel_mode_is_refused(tmp_path, assets, capsys):
     assert not (run / "checkpoint-6").exists()
 
 
+def test_resume_with_another_optimizer_task_or_vocabulary_is_refused(tmp_path, assets, capsys):
+    from elflow.pipeline import load_tokenizer
+
+    run = tmp_path / "run"
+    assert train_cli(tmp_path, run, run_config(assets, train={"max_steps": 3})) == 0
+    capsys.readouterr()
+    adamw = run_config(assets, optim={"optimizer": "adamw"})
+    assert train_cli(tmp_path, run, adamw) == 2
+    assert "optim.optimizer=muon, now adamw" in error_lines(capsys.readouterr().err)[0]
+    # A tokenizer of the same size with two ids swapped would remap the data silently.
+    swapped = tmp_path / "swapped"
+    load_tokenizer("minilm").save_pretrained(swapped)
+    spec = json.loads((swapped / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    vocab["the"], vocab["god"] = vocab["god"], vocab["the"]
+    (swapped / "tokenizer.json").write_text(json.dumps(spec))
+    assert (
+        load_tokenizer(str(swapped))("the")["input_ids"]
+        != load_tokenizer("minilm")("the")["input_ids"]
+    )
+    other = run_config(assets, encoder={"tokenizer": str(swapped)})
+    assert train_cli(tmp_path, run, other) == 2
+    err = error_lines(capsys.readouterr().err)[0]
+    assert "checkpoint-3 was trained with another vocabulary" in err and "encoder.tokenizer" in err
+    assert not (run / "checkpoint-6").exists()
+
+
 def test_resume_keeps_the_measured_latent_std(tmp_path, assets, capsys, monkeypatch):
     run = tmp_path / "run"
     measured = run_config(assets, encoder={"latent_std": 0.0}, train={"max_steps": 3})

@@ -15,7 +15,7 @@ from pathlib import Path
 from torch import Tensor
 
 from elflow import checkpoint as ckpt_io
-from elflow.artifact import ArtifactConfig, load_resolved, resolve_source
+from elflow.artifact import ArtifactConfig, load_resolved, read_config, resolve_source
 from elflow.encoder import PACKAGED_MODELS
 from elflow.errors import ELFError
 from elflow.pipeline import load_tokenizer
@@ -132,7 +132,8 @@ def resumed_settings(cfg: RunConfig, saved: RunConfig) -> RunConfig:
 
 def check_resumable(cfg: RunConfig, saved: RunConfig, ckpt: Path) -> None:
     """A resume of ``ckpt`` (saved with ``saved``) must continue the same run: init,
-    architecture, encoder and latent scale, parallel mode, global batch and seed."""
+    architecture, encoder and latent scale, parallel mode, optimizer, task and source length,
+    global batch and seed."""
     if not same_init(saved.train.init, cfg.train.init):
         raise ELFError(
             f"cannot resume {ckpt}: it was started from train.init {saved.train.init or 'none'!r}, "
@@ -170,6 +171,19 @@ def check_resumable(cfg: RunConfig, saved: RunConfig, ckpt: Path) -> None:
             f"cannot resume {ckpt}: it was saved with train.parallel={was}, this run uses {now}; "
             f"the optimizer state is laid out for {was}: set train.parallel={was} to continue"
         )
+    was, now = saved.optim.optimizer, cfg.optim.optimizer
+    if was != now:
+        raise ELFError(
+            f"cannot resume {ckpt}: it was trained with optim.optimizer={was}, now {now}; its "
+            f"optimizer state is {was}'s: set optim.optimizer={was}, or start a new --out with "
+            "--init to continue from its weights"
+        )
+    if (saved.task, saved.max_input_length) != (cfg.task, cfg.max_input_length):
+        raise ELFError(
+            f"cannot resume {ckpt}: it was trained with task={saved.task}, max_input_length="
+            f"{saved.max_input_length}, now {cfg.task}, {cfg.max_input_length}; the rows depend "
+            "on them — set them back or use a new --out"
+        )
     for key in ("global_batch", "seed"):
         old, new = getattr(saved.train, key), getattr(cfg.train, key)
         if old != new:
@@ -177,6 +191,28 @@ def check_resumable(cfg: RunConfig, saved: RunConfig, ckpt: Path) -> None:
                 f"cannot resume {ckpt}: train.{key} was {old}, now {new}; the data order and "
                 f"draws depend on it — set train.{key}={old} or use a new --out"
             )
+
+
+def check_vocabulary(
+    tokenizer, cfg: RunConfig, init: ArtifactConfig | None, resume_from: Path | None
+) -> None:
+    """The tokenizer loaded for ``cfg`` has the vocabulary its init (a fine-tune's start) or the
+    resumed checkpoint was trained with: another one would silently remap every token id."""
+    if init is not None:
+        recorded, what = init.tokenizer_hash, f"train.init {cfg.train.init!r}"
+        fix = "install the tokenizer it was trained with or put its files in its tokenizer/ folder"
+    elif resume_from is not None:
+        recorded, what = read_config(resume_from).tokenizer_hash, f"checkpoint {resume_from}"
+        fix = "set encoder.tokenizer to the one it was trained with, or use a new --out"
+    else:
+        return
+    here = vocab_hash(tokenizer)
+    if recorded not in (None, here):
+        raise ELFError(
+            f"{what} was trained with another vocabulary than tokenizer "
+            f"{cfg.encoder.tokenizer_name!r} here (sha256 {recorded[:12]}... against "
+            f"{here[:12]}...); {fix}"
+        )
 
 
 def check_same_rows(ckpt: Path, state: dict, rows: int) -> None:

@@ -48,6 +48,7 @@ from elflow.resume import (
     apply_init,
     check_resumable,
     check_same_rows,
+    check_vocabulary,
     local_absolute,
     resolve_resume,
     resumed_settings,
@@ -106,14 +107,7 @@ def train(
 
     hf_logging.disable_progress_bar()
     tokenizer = load_tokenizer(cfg.encoder.tokenizer_name)
-    here = vocab_hash(tokenizer) if init_source is not None else None
-    if init_source is not None and init_source.tokenizer_hash not in (None, here):
-        raise ELFError(
-            f"train.init {cfg.train.init!r} was trained with another vocabulary than tokenizer "
-            f"{cfg.encoder.tokenizer_name!r} here (sha256 {init_source.tokenizer_hash[:12]}... "
-            f"against {here[:12]}...); install the tokenizer it was trained with "
-            "or put its files in the model's tokenizer/ folder"
-        )
+    check_vocabulary(tokenizer, cfg, init_source, resume_from)
     spec = token_spec(tokenizer)
     pad_id = spec.eos_id if cfg.objective.pad_with_eos else spec.pad_id
     L = cfg.model.max_length
