@@ -140,7 +140,17 @@ def test_adamw_option_optimises_everything_with_one_adamw():
     model = make_model()
     opt = build_optimizer(model, OptimConfig(optimizer="adamw", weight_decay=0.1))
     assert isinstance(opt, torch.optim.AdamW)
-    assert len(opt.param_groups[0]["params"]) == len(list(model.parameters()))
+    matrices, rest = opt.param_groups
+    assert len(matrices["params"]) + len(rest["params"]) == len(list(model.parameters()))
+    # Weight decay on the weight matrices only: never on biases, norm scales or prefix tokens.
+    assert matrices["weight_decay"] == 0.1 and rest["weight_decay"] == 0.0
+    assert all(p.ndim == 2 for p in matrices["params"]) and all(p.ndim != 2 for p in rest["params"])
+
+
+def test_weight_decay_reaches_the_muon_matrices_only():
+    opt = build_optimizer(make_model(), OptimConfig(weight_decay=0.05))
+    assert [g["weight_decay"] for g in opt.optimizers["muon"].param_groups] == [0.05]
+    assert [g["weight_decay"] for g in opt.optimizers["adam"].param_groups] == [0.0]
 
 
 @pytest.mark.parametrize(
@@ -335,3 +345,13 @@ def test_fsdp2_two_processes_match_one_process(tmp_path):
     # bound it by the step size.
     assert max_diff(res["sharded_bf16"]["weights"], refs["bf16"][0]) < 1e-2
     assert "error" not in res["torch_muon"]
+
+
+def test_an_optimizer_state_that_does_not_fit_is_one_line():
+    from elflow.checkpoint import restore_optimizer
+
+    model = make_model()
+    single_group = torch.optim.AdamW(model.parameters()).state_dict()  # older elflow's adamw
+    opt = build_optimizer(model, OptimConfig(optimizer="adamw"))
+    with pytest.raises(ELFError, match="optimizer state does not fit this optimizer"):
+        restore_optimizer(opt, single_group)

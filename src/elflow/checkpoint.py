@@ -283,7 +283,14 @@ def restore_optimizer(optimizer, state: dict[str, Any]) -> None:
     from torch.distributed.tensor import DTensor
 
     settings = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-    optimizer.load_state_dict(state)
+    try:
+        optimizer.load_state_dict(state)
+    except (ValueError, KeyError) as e:  # torch's own messages: group or parameter counts
+        raise ELFError(
+            f"the checkpoint's optimizer state does not fit this optimizer ({e}); it was saved "
+            "with other optimizer settings or an older elflow: start a new --out with --init "
+            "to continue from its weights"
+        ) from None
     for group, own in zip(optimizer.param_groups, settings, strict=True):
         for key in set(group) - set(own) - {"params"}:
             del group[key]  # a setting only the saved optimizer class has

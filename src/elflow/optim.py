@@ -48,7 +48,8 @@ class OptimConfig:
     eps: float = 1e-8
     """Adam epsilon."""
     weight_decay: float = 0.0
-    """Decoupled weight decay of the Adam(W) group (Muon's is always 0, the paper's value)."""
+    """Decoupled weight decay of the weight matrices (Muon's set; AdamW's 2-D parameters under
+    ``optimizer=adamw``). Biases, norm scales and prefix tokens never decay. 0 is the paper's."""
     muon_momentum: float = 0.95
     """Muon momentum."""
     muon_nesterov: bool = True
@@ -212,15 +213,17 @@ def build_optimizer(
     """
     lr = peak_lr(cfg, 256)
     betas = (cfg.beta1, cfg.beta2)
-    if cfg.optimizer == "adamw":
-        params = [p for p in model.parameters() if p.requires_grad]
-        return torch.optim.AdamW(
-            params, lr=lr, betas=betas, eps=cfg.eps, weight_decay=cfg.weight_decay
-        )
     muon_params, adam_params = param_groups(model)
+    if cfg.optimizer == "adamw":
+        groups = [
+            {"params": muon_params, "weight_decay": cfg.weight_decay},
+            {"params": adam_params, "weight_decay": 0.0},
+        ]
+        return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=cfg.eps)
     muon_kwargs: dict[str, Any] = {
         "lr": lr,
-        "weight_decay": 0.0,  # NOTE: torch.optim.Muon defaults to 0.1; the paper uses 0
+        # NOTE: torch.optim.Muon defaults to 0.1; the paper uses 0 (optim.weight_decay's default)
+        "weight_decay": cfg.weight_decay,
         "momentum": cfg.muon_momentum,
         "nesterov": cfg.muon_nesterov,
         "ns_steps": cfg.muon_ns_steps,
@@ -232,7 +235,5 @@ def build_optimizer(
     else:
         muon = torch.optim.Muon(muon_params, **muon_kwargs)
     # AdamW with weight_decay 0 is Adam exactly (the decay multiplies by 1.0).
-    adam = torch.optim.AdamW(
-        adam_params, lr=lr, betas=betas, eps=cfg.eps, weight_decay=cfg.weight_decay
-    )
+    adam = torch.optim.AdamW(adam_params, lr=lr, betas=betas, eps=cfg.eps, weight_decay=0.0)
     return CombinedOptimizer({"muon": muon, "adam": adam})
