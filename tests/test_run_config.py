@@ -73,12 +73,14 @@ def test_encoder_layer_needs_its_own_latent_std():
 
 def test_overrides_from_set_and_yaml(tmp_path):
     yaml_file = tmp_path / "cfg.yaml"
-    yaml_file.write_text("train:\n  global_batch: 32\nmodel:\n  depth: 3\n")
+    # YAML 1.1 reads 3e-4 (no dot) as a string; a float key takes it as the number.
+    yaml_file.write_text("train:\n  global_batch: 32\nmodel:\n  depth: 3\noptim:\n  blr: 3e-4\n")
     cfg = apply_overrides(
         preset("bible-tiny"), yaml_file, ["train.max_steps=7", "optim.lr=1e-3", "data.path=x.txt"]
     )
     assert cfg.train.global_batch == 32 and cfg.model.depth == 3
     assert cfg.train.max_steps == 7 and cfg.optim.lr == 1e-3 and cfg.data.path == "x.txt"
+    assert cfg.optim.blr == 3e-4
 
 
 @pytest.mark.parametrize(
@@ -94,6 +96,15 @@ def test_overrides_from_set_and_yaml(tmp_path):
         (["sampler.cfg=2"], "sampler.cfg 2.0 applies to conditional tasks only"),
         (["train.seed=-1"], "train.seed must be >= 0"),
         (['objective={"time_mean": -3}'], "names a whole section"),
+        (["train.warmup_epochs=0.5", "optim.warmup_steps=10"], "both set the warm-up"),
+        (["max_input_length=abc"], "max_input_length must be an integer, got 'abc'"),
+        (["train.epochs=Infinity"], "train.epochs must be a finite number, got inf"),
+        (["encoder.latent_std=NaN"], "encoder.latent_std must be a finite number, got nan"),
+        (["optim.schedule=constant"], "optim.decay_steps=2000 applies to optim.schedule=wsd"),
+        (
+            ["optim.schedule=constant", "optim.decay_steps=0", "optim.min_lr_ratio=0.1"],
+            "optim.min_lr_ratio=0.1 applies to the cosine and wsd schedules only",
+        ),
     ],
 )
 def test_bad_overrides(sets, message):

@@ -7,6 +7,7 @@ functions in :data:`MODEL_PRESETS`. :func:`from_dict` rejects unknown keys inste
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Callable
@@ -246,6 +247,12 @@ def from_dict(cls: type[T], data: dict[str, Any], where: str = "") -> T:
     return cls(**kwargs)
 
 
+def coerce_field(cls: type, name: str, value: Any, where: str) -> Any:
+    """``value`` for field ``name`` of dataclass ``cls``, type-checked as :func:`from_dict` does."""
+    field = next(f for f in dataclasses.fields(cls) if f.name == name)
+    return _coerce(value, field, where)
+
+
 def _coerce(value: Any, f: dataclasses.Field, where: str) -> Any:
     typ = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
     if typ == "bool":
@@ -257,7 +264,12 @@ def _coerce(value: Any, f: dataclasses.Field, where: str) -> Any:
             return value
         raise ELFError(f"{where} must be an integer, got {value!r}")
     if typ == "float":
+        if isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string
+            with contextlib.suppress(ValueError):
+                value = float(value)
         if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if not math.isfinite(value):
+                raise ELFError(f"{where} must be a finite number, got {value!r}")
             return float(value)
         raise ELFError(f"{where} must be a number, got {value!r}")
     if typ == "str":

@@ -18,6 +18,7 @@ from elflow.config import (
     ModelConfig,
     ObjectiveConfig,
     SamplerConfig,
+    coerce_field,
     elf_b,
     from_dict,
     to_dict,
@@ -212,7 +213,7 @@ def run_config_from_dict(data: dict[str, Any]) -> RunConfig:
     }
     for key in _SCALARS:
         if key in data:
-            kwargs[key] = data[key]
+            kwargs[key] = coerce_field(RunConfig, key, data[key], key)
     return RunConfig(**kwargs)
 
 
@@ -253,9 +254,10 @@ def apply_overrides(
 
 
 def check_user_config(cfg: RunConfig) -> RunConfig:
-    """Settings that only a conditional task uses, refused on an unconditional one. Checked on
-    what a user asks for, not in :class:`RunConfig` itself, so that runs saved before the check
-    still resume (their values were ignored)."""
+    """Settings that would be silently ignored, refused: those only a conditional task uses on an
+    unconditional one, two warm-up lengths, and schedule settings the schedule does not use.
+    Checked on what a user asks for, not in :class:`RunConfig` itself, so that runs saved before
+    the check still resume (their values were ignored)."""
     if cfg.task == "unconditional" and cfg.sampler.cfg != 1.0:
         raise ELFError(
             f"sampler.cfg {cfg.sampler.cfg} applies to conditional tasks only "
@@ -265,6 +267,22 @@ def check_user_config(cfg: RunConfig) -> RunConfig:
         raise ELFError(
             f"max_input_length {cfg.max_input_length} applies to conditional tasks only "
             "(the source's share of each row); leave it at 0"
+        )
+    o = cfg.optim
+    if cfg.train.warmup_epochs > 0 and o.warmup_steps > 0:
+        raise ELFError(
+            f"train.warmup_epochs={cfg.train.warmup_epochs} and optim.warmup_steps="
+            f"{o.warmup_steps} both set the warm-up; set the other one to 0"
+        )
+    if o.decay_steps and o.schedule != "wsd":
+        raise ELFError(
+            f"optim.decay_steps={o.decay_steps} applies to optim.schedule=wsd only (it is "
+            f"{o.schedule}); set the schedule or leave decay_steps at 0"
+        )
+    if o.min_lr_ratio and o.schedule == "constant":
+        raise ELFError(
+            f"optim.min_lr_ratio={o.min_lr_ratio} applies to the cosine and wsd schedules only; "
+            "set optim.schedule or leave min_lr_ratio at 0"
         )
     return cfg
 
