@@ -100,9 +100,12 @@ def test_overrides_from_set_and_yaml(tmp_path):
         (["max_input_length=abc"], "max_input_length must be an integer, got 'abc'"),
         (["train.epochs=Infinity"], "train.epochs must be a finite number, got inf"),
         (["encoder.latent_std=NaN"], "encoder.latent_std must be a finite number, got nan"),
-        (["optim.schedule=constant"], "optim.decay_steps=2000 applies to optim.schedule=wsd"),
         (
-            ["optim.schedule=constant", "optim.decay_steps=0", "optim.min_lr_ratio=0.1"],
+            ["optim.schedule=constant", "optim.decay_steps=500"],
+            "optim.decay_steps=500 applies to optim.schedule=wsd",
+        ),
+        (
+            ["optim.schedule=constant", "optim.min_lr_ratio=0.1"],
             "optim.min_lr_ratio=0.1 applies to the cosine and wsd schedules only",
         ),
     ],
@@ -111,6 +114,11 @@ def test_bad_overrides(sets, message):
     with pytest.raises(ELFError) as e:
         apply_overrides(preset("bible-tiny"), None, sets)
     assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_another_schedule_over_a_presets_decay_is_fine():
+    cfg = apply_overrides(preset("bible-tiny"), None, ["optim.schedule=constant"])
+    assert cfg.optim.schedule == "constant" and cfg.optim.decay_steps == 2000  # unused, not set
 
 
 def test_conditional_only_settings_are_checked_on_what_users_ask_for():

@@ -250,14 +250,16 @@ def apply_overrides(
                 f"e.g. --set {key.strip()}.{sorted(node[parts[-1]])[0]}=VALUE"
             )
         node[parts[-1]] = parse_value(value)
-    return check_user_config(run_config_from_dict(data))
+    return check_user_config(run_config_from_dict(data), cfg)
 
 
-def check_user_config(cfg: RunConfig) -> RunConfig:
+def check_user_config(cfg: RunConfig, base: RunConfig | None = None) -> RunConfig:
     """Settings that would be silently ignored, refused: those only a conditional task uses on an
-    unconditional one, two warm-up lengths, and schedule settings the schedule does not use.
-    Checked on what a user asks for, not in :class:`RunConfig` itself, so that runs saved before
-    the check still resume (their values were ignored)."""
+    unconditional one, two warm-up lengths, and schedule settings the schedule does not use
+    (those changed from ``base``, the config overridden: a preset's own decay_steps is harmless
+    when the user picks another schedule). Checked on what a user asks for, not in
+    :class:`RunConfig` itself, so that runs saved before the check still resume (their values
+    were ignored)."""
     if cfg.task == "unconditional" and cfg.sampler.cfg != 1.0:
         raise ELFError(
             f"sampler.cfg {cfg.sampler.cfg} applies to conditional tasks only "
@@ -274,12 +276,13 @@ def check_user_config(cfg: RunConfig) -> RunConfig:
             f"train.warmup_epochs={cfg.train.warmup_epochs} and optim.warmup_steps="
             f"{o.warmup_steps} both set the warm-up; set the other one to 0"
         )
-    if o.decay_steps and o.schedule != "wsd":
+    was = base.optim if base is not None else OptimConfig()
+    if o.decay_steps != was.decay_steps and o.decay_steps and o.schedule != "wsd":
         raise ELFError(
             f"optim.decay_steps={o.decay_steps} applies to optim.schedule=wsd only (it is "
             f"{o.schedule}); set the schedule or leave decay_steps at 0"
         )
-    if o.min_lr_ratio and o.schedule == "constant":
+    if o.min_lr_ratio != was.min_lr_ratio and o.min_lr_ratio and o.schedule == "constant":
         raise ELFError(
             f"optim.min_lr_ratio={o.min_lr_ratio} applies to the cosine and wsd schedules only; "
             "set optim.schedule or leave min_lr_ratio at 0"
