@@ -204,9 +204,20 @@ def test_resume_from_an_earlier_checkpoint_sets_the_later_ones_aside(
     assert "abandoned branch are kept in" in capsys.readouterr().out
     assert sorted(p.name for p in run.glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-4"]
     assert (run / "abandoned-1" / "checkpoint-6" / "state.json").is_file()  # nothing deleted
+    steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4]  # one line per step: the abandoned steps 4-6 went aside
+    aside = (run / "abandoned-1" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in aside] == [4, 5, 6]
     assert resolve_source(run).path.name == "checkpoint-4"  # what sampling the run picks
     recorded = json.loads((run / "checkpoint-4" / "config.json").read_text())["encoder"]
     assert recorded == str((assets / "encoder").resolve())
+    # A crash after step 5 leaves lines past the last checkpoint (one cut short): not repeated.
+    with (run / "metrics.jsonl").open("a") as f:
+        f.write(json.dumps({"step": 5, "loss": 1.0}) + '\n{"step": 6, "lo')
+    branch["train"]["max_steps"] = 6
+    assert train_cli(tmp_path, run, branch) == 0
+    steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5, 6]
 
 
 def test_resume_is_bitwise_with_dropout_and_periodic_samples(tmp_path, assets):

@@ -32,17 +32,32 @@ from elflow.tokens import detokenize, shift_out_source, token_spec
 class MetricsLogger:
     """Rank-0 metrics: JSONL always, TensorBoard when installed, wandb when asked."""
 
-    def __init__(self, out: Path, cfg: RunConfig, enabled: bool) -> None:
+    def __init__(
+        self,
+        out: Path,
+        cfg: RunConfig,
+        enabled: bool,
+        start_step: int = 0,
+        set_aside: Path | None = None,
+    ) -> None:
+        """A resume from ``start_step`` drops the lines of later steps (those steps run again),
+        keeping them in ``set_aside/metrics.jsonl`` when an abandoned branch went there."""
         self.enabled = enabled
         self.tb = self.wandb = None
         if not enabled:
             return
-        self.jsonl = (out / "metrics.jsonl").open("a")
+        path = out / "metrics.jsonl"
+        if start_step and path.is_file():
+            later = truncate_metrics(path, start_step)
+            if later and set_aside is not None:
+                (set_aside / "metrics.jsonl").write_text("".join(later))
+        self.jsonl = path.open("a")
         if cfg.train.tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self.tb = SummaryWriter(str(out / "tensorboard"))
+                purge = start_step + 1 if start_step else None  # later events are dropped
+                self.tb = SummaryWriter(str(out / "tensorboard"), purge_step=purge)
             except ImportError:
                 self.tb = None
         if cfg.train.wandb:
@@ -70,6 +85,24 @@ class MetricsLogger:
             self.jsonl.close()
             if self.tb is not None:
                 self.tb.close()
+
+
+def truncate_metrics(path: Path, step: int) -> list[str]:
+    """Keep the lines of ``path`` up to ``step`` (a line cut short by a crash goes too); return
+    the lines of later steps."""
+    keep, later = [], []
+    for line in path.read_text().splitlines(keepends=True):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if not line.endswith("\n"):
+            continue
+        (keep if isinstance(record, dict) and record.get("step", 0) <= step else later).append(line)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(keep))
+    tmp.replace(path)
+    return later
 
 
 class Progress:

@@ -188,9 +188,12 @@ def train(
         where = out if latent_cache_dir is None else Path(latent_cache_dir)
         cache = run_latent_cache(cfg.data, dataset, encoder, where, info.is_main)
     order = StreamOrder(N, cfg.train.seed)
+    aside = None
     if info.is_main:
         out.mkdir(parents=True, exist_ok=True)
-    logger = MetricsLogger(out, cfg, info.is_main)
+        if in_out:
+            aside = ckpt_io.set_aside_later(out, start_step)
+    logger = MetricsLogger(out, cfg, info.is_main, start_step, aside)
     if info.is_main:
         n_params = count_parameters(model)
         print(
@@ -213,14 +216,12 @@ def train(
     if cfg.train.eval_every:
         heldout = heldout_splits(cfg, valid, dataset, encoder, info, micro)
     last_ckpt = resume_from
-    if in_out and info.is_main:
-        aside = ckpt_io.set_aside_later(out, start_step)
-        if aside is not None:
-            print(
-                f"elflow train: resuming from {resume_from.name}; the later checkpoints of the "
-                f"abandoned branch are kept in {aside}",
-                flush=True,
-            )
+    if aside is not None:
+        print(
+            f"elflow train: resuming from {resume_from.name}; the later checkpoints and metrics "
+            f"of the abandoned branch are kept in {aside}",
+            flush=True,
+        )
     # 0 disables clipping; the norm is still measured (logged, and checked for NaN). Clipping to 0
     # itself would zero every gradient.
     max_grad_norm = optim_cfg.clip_grad_norm or math.inf
