@@ -390,6 +390,14 @@ def test_sigterm_saves_the_finished_step_and_resumes_exactly(tmp_path, assets, m
     monkeypatch.setattr(train_mod, "elf_loss", real)
     assert train_cli(tmp_path, run, cfg) == 0  # resumes from checkpoint-4
     assert_same_checkpoint(tmp_path / "full" / "checkpoint-6", run / "checkpoint-6")
+    # A signal during the last step: honoured, and the message says the run is complete.
+    calls["n"] = 0
+    monkeypatch.setattr(train_mod, "elf_loss", signalled)
+    short = run_config(assets, train={"max_steps": 4})
+    assert train_cli(tmp_path, tmp_path / "last", short) == 128 + signal.SIGTERM
+    err = error_lines(capsys.readouterr().err)[0]
+    assert "after step 4 of 4" in err and "this run is complete" in err
+    assert (tmp_path / "last" / "checkpoint-4" / "state.json").is_file()
 
 
 def test_stop_signal_leaves_an_ignored_sigint_ignored():

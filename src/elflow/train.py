@@ -287,10 +287,17 @@ def train(
                 if saved_step != done:
                     last_ckpt = _save(out, done, model, ema, optimizer, artifact, cfg, info, N, G)
                     saved_step = done
+                # Also after the last step: the signal is honoured (a curriculum stops before its
+                # next round), and the message says the run itself is complete.
+                rest = (
+                    "this run is complete (a distillation curriculum continues with the same "
+                    "command)"
+                    if done == total_steps
+                    else "run the same command (with --resume auto, the default) to continue"
+                )
                 raise Interrupted(
                     f"stopped by {stop.name} after step {done} of {total_steps}; saved "
-                    f"{last_ckpt}; run the same command (with --resume auto, the default) to "
-                    "continue",
+                    f"{last_ckpt}; {rest}",
                     stop.exit_code,
                 )
     finally:
