@@ -400,3 +400,19 @@ def test_fine_tune_from_an_authors_checkpoint_needs_no_task(tmp_path, capsys, mo
         assert cfg.model.hidden_size == CFG.hidden_size
         torch.testing.assert_close(state["decoder.proj.bias"], ema.decoder.proj.bias)
     assert "note" not in capsys.readouterr().err
+
+
+def test_weights_files_follow_the_umask(tmp_path):
+    """safetensors writes 0600 files; a model folder on a shared disk must be readable like its
+    config.json (the user's umask decides)."""
+    import os
+    import stat
+
+    old = os.umask(0o022)
+    try:
+        raw, ema = _perturbed_model(0), _perturbed_model(1)
+        save_model(tmp_path / "m", raw, ArtifactConfig(model=CFG), ema_state=ema.state_dict())
+    finally:
+        os.umask(old)
+    for name in ("model.safetensors", "ema.safetensors", "config.json"):
+        assert stat.S_IMODE((tmp_path / "m" / name).stat().st_mode) == 0o644, name

@@ -166,3 +166,15 @@ def test_a_resume_must_keep_the_optimizer_task_and_source_length(tmp_path):
     for message, cfg in changes.items():
         with pytest.raises(ELFError, match=message):
             check_resumable(cfg, saved, tmp_path)
+
+
+def test_own_data_with_the_presets_validation_split_is_noted(capsys, monkeypatch):
+    from elflow import errors
+
+    monkeypatch.setattr(errors, "_NOTED", set())
+    apply_overrides(preset("bible-tiny"), None, ["data.path=my.jsonl"])
+    assert "data.valid_path is still the preset's" in capsys.readouterr().err
+    for sets in (["data.path=my.jsonl", "data.valid_path=v.jsonl"], ["data.valid_path=v.jsonl"]):
+        apply_overrides(preset("bible-tiny"), None, sets)
+    apply_overrides(preset("bible-tiny"), None, ["data.path=my.jsonl", "data.valid_path="])
+    assert capsys.readouterr().err == ""

@@ -756,6 +756,11 @@ def test_clip_grad_norm_zero_disables_clipping(tmp_path, assets):
         assert train_cli(tmp_path, out, cfg) == 0
         runs[clip] = weights(out / "checkpoint-2")
     assert_same(runs[0.0], runs[1e9], atol=0)
+    ckpt = tmp_path / "clip0" / "checkpoint-2"  # weights readable like config.json (umask)
+    modes = {
+        p.name: p.stat().st_mode for p in ckpt.iterdir() if p.suffix in (".json", ".safetensors")
+    }
+    assert modes["model.safetensors"] == modes["ema.safetensors"] == modes["config.json"]
     assert train_cli(tmp_path, tmp_path / "init", run_config(assets, train={"max_steps": 0})) == 0
     start = weights(next((tmp_path / "init").glob("checkpoint-*")))
     assert any((runs[0.0][k] - start[k]).abs().max() > 0 for k in start)

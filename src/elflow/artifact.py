@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from elflow.config import ModelConfig, SamplerConfig, from_dict, to_dict
 from elflow.errors import ELFError, note_once
@@ -31,6 +31,7 @@ from elflow.official import (
     official_to_elflow,
     read_official_checkpoint,
 )
+from elflow.paths import save_safetensors
 
 FORMAT = "elflow-model"
 FORMAT_VERSION = 1
@@ -232,9 +233,9 @@ def save_model(
         return {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
 
     meta = {"format": FORMAT}
-    _atomic_write(folder / WEIGHTS, lambda p: save_file(weights(state), p, meta))
+    _atomic_write(folder / WEIGHTS, lambda p: save_safetensors(weights(state), p, meta))
     if ema_state is not None:
-        _atomic_write(folder / EMA_WEIGHTS, lambda p: save_file(weights(ema_state), p, meta))
+        _atomic_write(folder / EMA_WEIGHTS, lambda p: save_safetensors(weights(ema_state), p, meta))
     elif (folder / EMA_WEIGHTS).exists():
         (folder / EMA_WEIGHTS).unlink()
     text = json.dumps(config.to_json(), indent=2) + "\n"

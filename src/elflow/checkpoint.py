@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import Tensor
 
 from elflow.artifact import (
@@ -32,6 +32,7 @@ from elflow.artifact import (
 )
 from elflow.distributed import DistInfo, barrier, broadcast_object
 from elflow.errors import ELFError
+from elflow.paths import save_safetensors
 
 STATE = "state.json"
 
@@ -143,8 +144,8 @@ def save_checkpoint(
     errors = _gather_errors(error)
     if not errors and info.is_main:
         try:
-            save_file(model_state, str(tmp / WEIGHTS), {"format": "elflow-model"})
-            save_file(ema_state, str(tmp / EMA_WEIGHTS), {"format": "elflow-model"})
+            save_safetensors(model_state, tmp / WEIGHTS, {"format": "elflow-model"})
+            save_safetensors(ema_state, tmp / EMA_WEIGHTS, {"format": "elflow-model"})
             config = {**artifact.to_json(), "run": run_config}
             (tmp / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
             (tmp / STATE).write_text(json.dumps({**state, "world_size": info.world_size}) + "\n")

@@ -8,8 +8,23 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 from elflow.errors import ELFError
+
+
+def save_safetensors(tensors: dict[str, Any], path: str | Path, metadata: dict[str, str]) -> None:
+    """``safetensors.torch.save_file`` with the permissions of any file the user writes.
+
+    safetensors creates its files 0600; a model on a shared file system (a multi-node run, a
+    team's model folder) must be readable as the user's umask allows, like its config.json.
+    """
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path), metadata)
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)
 
 
 def input_file(path: str | Path, flag: str) -> Path:

@@ -125,7 +125,7 @@ def bible_tiny() -> RunConfig:
     data = DataConfig(
         path=shared_data("web_bible", "train.jsonl.gz"),
         valid_path=shared_data("web_bible", "valid.jsonl.gz"),
-        format="jsonl",
+        format="auto",  # the web_bible JSONL, and also a user's plain-text --set data.path
         text_field="text",
         packing=False,
         latent_cache=True,

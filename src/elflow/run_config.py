@@ -24,7 +24,7 @@ from elflow.config import (
     to_dict,
 )
 from elflow.data.config import DataConfig
-from elflow.errors import ELFError, require
+from elflow.errors import ELFError, note_once, require
 from elflow.optim import OptimConfig
 
 
@@ -269,6 +269,18 @@ def check_user_config(cfg: RunConfig, base: RunConfig | None = None) -> RunConfi
         raise ELFError(
             f"max_input_length {cfg.max_input_length} applies to conditional tasks only "
             "(the source's share of each row); leave it at 0"
+        )
+    if (
+        base is not None
+        and cfg.train.eval_every
+        and base.data.valid_path
+        and cfg.data.path != base.data.path
+        and cfg.data.valid_path == base.data.valid_path
+    ):
+        note_once(
+            f"elflow: note: data.path is yours but data.valid_path is still the preset's "
+            f"({cfg.data.valid_path}): the held-out 'valid' loss is measured on it; set "
+            "data.valid_path to your validation data (empty: none)"
         )
     o = cfg.optim
     if cfg.train.warmup_epochs > 0 and o.warmup_steps > 0:

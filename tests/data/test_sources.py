@@ -146,6 +146,23 @@ def test_malformed_json_names_file_and_line(tmp_path):
     assert f"{path}:3:" in msg
 
 
+def test_plain_text_under_a_named_jsonl_format_says_which_setting(tmp_path):
+    """A preset that names its format meets a user's .txt file: one line naming data.format."""
+    from elflow.presets import preset
+
+    path = tmp_path / "mine.txt"
+    path.write_text("in the beginning\nthere was text\n")
+    for fmt in ("jsonl", "pairs"):
+        with pytest.raises(ELFError, match=r"data.format is '\w+' .* is plain text; set data.fo"):
+            _read(path, format=fmt)
+    (tmp_path / "records.txt").write_text('{"text": "a"}\n')  # JSON lines in a .txt: as named
+    assert _read(tmp_path / "records.txt", format="jsonl")[1] == [(None, "a")]
+    # bible-tiny detects the format, so a user's plain text works with --set data.path alone.
+    data = preset("bible-tiny").data
+    src = resolve_source(DataConfig(**{**data.__dict__, "path": str(path)}), str(path))
+    assert (src.container, src.kind) == ("text", "text")
+
+
 def test_missing_field_lists_keys(tmp_path):
     path = write_jsonl(tmp_path / "x.jsonl", [{"text": "a"}, {"body": "b", "id": 1}])
     msg = _one_line_error("no field 'text'", path)

@@ -25,13 +25,13 @@ from pathlib import Path
 import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 from torch import Tensor
 
 from elflow.data.config import DataConfig
 from elflow.data.rows import RowDataset
 from elflow.encoder import FrozenEncoder
 from elflow.errors import ELFError
+from elflow.paths import save_safetensors
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 CACHE_FORMAT = 1
@@ -109,7 +109,7 @@ class LatentCache:
             tensors["dropped"] = self.dropped.contiguous()
         tmp = path.with_name(f".tmp-{path.name}")
         try:
-            save_file(tensors, str(tmp), {"key": key})
+            save_safetensors(tensors, tmp, {"key": key})
             os.replace(tmp, path)
         finally:
             tmp.unlink(missing_ok=True)

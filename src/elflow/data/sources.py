@@ -122,7 +122,22 @@ def resolve_source(
         raise ELFError(f"data file '{location}' is empty; point {key} at a file with text")
     if fmt == "text" or (fmt == "auto" and not _has_suffix(path, JSONL_SUFFIXES)):
         return Source(location, "text", "text", (path,))
+    if _has_suffix(path, TEXT_SUFFIXES) and not _first_line_is_json(path):
+        raise ELFError(
+            f"data.format is {fmt!r} (presets name their own format) but '{location}' is plain "
+            "text; set data.format=text (or auto)"
+        )
     return Source(location, "jsonl", _jsonl_kind(cfg, (path,), key), (path,))
+
+
+def _first_line_is_json(path: Path) -> bool:
+    for _, line in iter_lines(path):
+        if line.strip():
+            try:
+                return isinstance(json.loads(line), dict)
+            except json.JSONDecodeError:
+                return False
+    return False
 
 
 def is_prepared(folder: Path) -> bool:
