@@ -64,7 +64,8 @@ def test_sample_refuses_an_unwritable_place(tmp_path, model, capsys):
         (["--gamma", "inf"], "--gamma must be a finite number"),
         (["--time-std", "0"], "--time-std must be positive"),
         (["--length", "0"], "--length must be >= 1, got 0"),
-        (["--device", "foo"], "--device is 'foo'; use auto, cpu or cuda"),
+        (["--device", "foo"], "--device is 'foo'; use auto, cpu, cuda or cuda:K"),
+        (["--device", "cudaa"], "--device is 'cudaa'; use auto"),
         (["--device", "cuda:x"], "--device is 'cuda:x'"),
     ],
 )
@@ -229,7 +230,8 @@ def test_official_checkpoint_that_is_not_a_torch_file(tmp_path, capsys):
     code, err = run_cli(capsys, "import", script, "--out", tmp_path / "m")
     assert code == 2 and "weights-only torch checkpoint" in err and "weights_only=False" not in err
     script.write_bytes(b"")
-    assert "EOFError, empty?" in run_cli(capsys, "import", script, "--out", tmp_path / "m")[1]
+    empty = run_cli(capsys, "import", script, "--out", tmp_path / "m")[1]
+    assert "not a torch file, or a truncated one (EOFError: empty?)" in empty
     assert not (tmp_path / "m").exists()
 
 

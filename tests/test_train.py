@@ -594,7 +594,8 @@ def test_fresh_run_into_another_runs_folder_is_refused(tmp_path, assets, capsys)
     assert train_cli(tmp_path, tmp_path / "run", run_config(assets, train={"max_steps": 3})) == 0
     assert train_cli(tmp_path, tmp_path / "run", run_config(assets), "--resume", "never") == 2
     errs = error_lines(capsys.readouterr().err)
-    assert len(errs) == 1 and "already holds checkpoints" in errs[0]
+    assert len(errs) == 1 and "already holds checkpoints (checkpoint-3)" in errs[0]
+    assert "a new run (--resume never) needs a new --out" in errs[0]
     assert [p.name for p in (tmp_path / "run").glob("checkpoint-*")] == ["checkpoint-3"]
 
 

@@ -198,7 +198,8 @@ def _unreadable(path: Path, e: Exception) -> ELFError:
         detail = " ".join(m.group(1).split()) if m else "not tensors only"
         reason = f"{detail} (not a torch file, or one that needs full unpickling, never done here)"
     else:
-        reason = text.strip().splitlines()[0] if text.strip() else f"{type(e).__name__}, empty?"
+        first = text.strip().splitlines()[0] if text.strip() else "empty?"
+        reason = f"not a torch file, or a truncated one ({type(e).__name__}: {first})"
     return ELFError(f"cannot read {path} as a weights-only torch checkpoint: {reason}")
 
 

@@ -92,8 +92,8 @@ def train(
     if existing is not None and not in_out:
         # Another run's checkpoints would be mixed with (and pruned by) this one's.
         raise ELFError(
-            f"--out {out} already holds checkpoints ({existing.name}) of another run; resume it "
-            "(--resume auto) or choose a new --out"
+            f"--out {out} already holds checkpoints ({existing.name}); a new run (--resume "
+            f"{resume}) needs a new --out, or resume them with --resume auto"
         )
     init_source = None
     if cfg.train.init and resume_from is None:
