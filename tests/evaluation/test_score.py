@@ -106,6 +106,16 @@ def test_cli_end_to_end(tmp_path, capsys, judge):
     assert m["protocol"]["judge_revision"].startswith("sha256:")
     printed = capsys.readouterr().out
     assert "gen_ppl" in printed and "95% CI" in printed and "protocol paper" in printed
+    # References in another field (a pairs file's 'en'), without the judge: the same BLEU.
+    pairs = write_jsonl(
+        tmp_path / "pairs.jsonl", [{"id": r["id"], "de": "x", "en": r["text"]} for r in REFS]
+    )
+    argv = ["--samples", str(samples), "--out", str(tmp_path / "b.json"), "--judge", "none"]
+    argv += ["--refs", str(pairs), "--bootstrap", "0"]
+    with pytest.raises(ELFError, match=r"pairs\.jsonl:1: .*'text'; pass --ref-field NAME"):
+        score_cli.run(parser.parse_args(argv))
+    assert score_cli.run(parser.parse_args([*argv, "--ref-field", "en"])) == 0
+    assert json.loads((tmp_path / "b.json").read_text())["bleu"] == pytest.approx(m["bleu"])
 
 
 def test_bad_jsonl(tmp_path):

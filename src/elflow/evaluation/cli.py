@@ -40,7 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=DEFAULT_JUDGE,
         help="causal LM for gen PPL/entropy: Hub id, folder, smollm2-135m (offline) or none",
     )
-    p.add_argument("--refs", help="JSONL references ('text'; aligned by 'id' or by order)")
+    p.add_argument("--refs", help="JSONL references (aligned by 'id' or by order)")
+    p.add_argument("--ref-field", default="text", help="field of --refs holding the reference")
     p.add_argument("--protocol", default="paper", choices=list(PROTOCOLS), help="PPL protocol")
     p.add_argument("--batch-size", type=int, default=16, help="samples per judge forward")
     p.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples (0: no CIs)")
@@ -101,9 +102,12 @@ def run(args: argparse.Namespace) -> int:
     samples = read_jsonl(args.samples)
     if not samples:
         raise ELFError(f"--samples {args.samples} holds no samples")
-    refs = read_jsonl(args.refs) if args.refs else None
-    if refs is not None and not refs:
-        raise ELFError(f"--refs {args.refs} holds no references")
+    refs = None
+    if args.refs:
+        rows = read_jsonl(args.refs, args.ref_field, field_flag="--ref-field")
+        refs = [{**r, "text": r[args.ref_field]} for r in rows]
+        if not refs:
+            raise ELFError(f"--refs {args.refs} holds no references")
     judge = None if args.judge.lower() == "none" else args.judge
     metrics = score_samples(
         samples,
