@@ -748,6 +748,15 @@ def test_init_uses_the_model_folders_own_tokenizer(tmp_path, assets):
     assert config["tokenizer"] == str(model / "tokenizer")
 
 
+def test_print_config_shows_the_encoders_width_and_vocabulary(tmp_path, assets, capsys):
+    """E and V come from the encoder and tokenizer, not the preset's T5 placeholders."""
+    cfg = run_config(assets)
+    assert train_cli(tmp_path, tmp_path / "o", cfg, "--print-config") == 0
+    model = json.loads(capsys.readouterr().out)["model"]
+    assert (model["encoder_dim"], model["vocab_size"]) == (8, 30522)  # the tiny BERT, MiniLM's
+    assert not (tmp_path / "o").exists()
+
+
 def test_clip_grad_norm_zero_disables_clipping(tmp_path, assets):
     """optim.clip_grad_norm=0 means no clipping (clipping to 0 would zero every gradient)."""
     runs = {}

@@ -136,6 +136,28 @@ def _add_train(p: argparse.ArgumentParser) -> None:
     p.add_argument("--print-config", action="store_true", help="print the resolved config, exit")
 
 
+def _with_model_dims(cfg):
+    """``cfg`` with the network's E and V that training will take from the encoder's config and
+    the tokenizer (a preset's own values are placeholders); unchanged, with a note, when they
+    cannot be read here."""
+    from transformers import AutoConfig
+
+    from elflow.encoder import resolve_pretrained
+    from elflow.pipeline import load_tokenizer
+
+    try:
+        width = AutoConfig.from_pretrained(resolve_pretrained(cfg.encoder.name)).hidden_size
+        vocab = len(load_tokenizer(cfg.encoder.tokenizer_name))
+    except (OSError, ValueError, ELFError) as e:  # offline, a missing folder: training says so
+        print(
+            "elflow: note: model.encoder_dim and model.vocab_size are set from the encoder and "
+            f"tokenizer when training starts (not readable here: {str(e).splitlines()[0][:120]})",
+            file=sys.stderr,
+        )
+        return cfg
+    return replace(cfg, model=replace(cfg.model, encoder_dim=int(width), vocab_size=vocab))
+
+
 def _run_train(args: argparse.Namespace) -> int:
     from elflow.presets import preset
     from elflow.run_config import apply_overrides, run_config_to_dict
@@ -152,7 +174,7 @@ def _run_train(args: argparse.Namespace) -> int:
     if cfg.train.init:
         check_no_architecture(cfg, base)
     if args.print_config:
-        shown = apply_init(cfg)[0] if cfg.train.init else cfg
+        shown = _with_model_dims(apply_init(cfg)[0] if cfg.train.init else cfg)
         print(json.dumps(run_config_to_dict(shown), indent=2))
         return 0
     from elflow.distributed import teardown
