@@ -270,7 +270,10 @@ def test_two_processes_ddp_equal_one_and_resume(tmp_path, assets):
     }
     assert len(held["ddp"]) == 2
     assert held["ddp"] == pytest.approx(held["single"], rel=1e-4)
-    assert (tmp_path / "ddp" / "checkpoint-6" / "rank1.pt").is_file()
+    ranks = [torch.load(tmp_path / "ddp" / "checkpoint-6" / f"rank{r}.pt") for r in (0, 1)]
+    assert not torch.equal(ranks[0]["rng"]["torch"], ranks[1]["rng"]["torch"])  # own dropout
+    single = torch.load(tmp_path / "single" / "checkpoint-6" / "rank0.pt")
+    assert torch.equal(ranks[0]["rng"]["torch"], single["rng"]["torch"])  # rank 0: the seed's
     # 2-process resume from the middle equals the straight 2-process run, bitwise.
     (tmp_path / "resumed").mkdir()
     shutil.copytree(tmp_path / "ddp" / "checkpoint-3", tmp_path / "resumed" / "checkpoint-3")

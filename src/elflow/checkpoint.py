@@ -250,10 +250,11 @@ def load_rank_state(
     ``saved_world`` processes (``state.json``) in the same parallel mode (checked before).
 
     A run saved by another number of processes resumes when neither run shards (DDP or one
-    process): every DDP rank holds the same optimizer, EMA and RNG state, so each rank takes rank
-    0's. The global batch and its examples are keyed by stream position, not by rank, so the
-    steps that follow are the ones the original run would have taken (up to the order of the
-    gradient all-reduce's sums). FSDP2 state is sharded by rank: that resume is refused.
+    process): every DDP rank holds the same optimizer and EMA state, so each rank takes rank 0's
+    (and ranks > 0 then draw a dropout stream of their own, see ``train.rank_seed``). The global
+    batch and its examples are keyed by stream position, not by rank, so the steps that follow
+    are the ones the original run would have taken (up to the order of the gradient all-reduce's
+    sums; with dropout, up to the masks). FSDP2 state is sharded by rank: that resume is refused.
     """
     path = ckpt / rank_file(info.rank)
     if saved_world != info.world_size:

@@ -178,10 +178,16 @@ def train(
     wrapped = parallelize(forward, model.blocks, info, cfg.train.parallel)
     ema = EMA(model, cfg.train.ema_decay, cfg.train.ema_warmup)
     optimizer = build_optimizer(model, optim_cfg, sharded=sharded)
+    # The global RNG only draws dropout masks (every other draw is keyed by example): each rank
+    # gets its own stream, as data parallelism needs; rank 0 (and one process) keeps the seed's.
     if rank_state is not None:
         ema.load_state_dict(rank_state["ema"])
         ckpt_io.restore_optimizer(optimizer, rank_state["optimizer"])
         ckpt_io.set_rng_state(rank_state["rng"])
+        if info.rank and saved_world != info.world_size:  # every rank restored rank 0's stream
+            torch.manual_seed(rank_seed(cfg.train.seed, info.rank, start_step))
+    elif info.rank:
+        torch.manual_seed(rank_seed(cfg.train.seed, info.rank, 0))
 
     cache = None
     if cfg.data.latent_cache:
@@ -305,6 +311,11 @@ def train(
         progress.close()
         logger.close()
     return last_ckpt if last_ckpt is not None else out
+
+
+def rank_seed(seed: int, rank: int, step: int) -> int:
+    """The global-RNG seed of process ``rank`` > 0 starting at ``step`` (its dropout stream)."""
+    return (seed * 1_000_003 + rank * 7_919 + step) % 2**63
 
 
 @dataclass
