@@ -408,11 +408,11 @@ def test_weights_files_follow_the_umask(tmp_path):
     import os
     import stat
 
-    old = os.umask(0o022)
+    old = os.umask(0o027)
     try:
         raw, ema = _perturbed_model(0), _perturbed_model(1)
         save_model(tmp_path / "m", raw, ArtifactConfig(model=CFG), ema_state=ema.state_dict())
     finally:
         os.umask(old)
     for name in ("model.safetensors", "ema.safetensors", "config.json"):
-        assert stat.S_IMODE((tmp_path / "m" / name).stat().st_mode) == 0o644, name
+        assert stat.S_IMODE((tmp_path / "m" / name).stat().st_mode) == 0o640, name

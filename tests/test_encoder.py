@@ -19,6 +19,8 @@ from transformers import (
     T5Config,
     T5EncoderModel,
     T5Tokenizer,
+    XLMConfig,
+    XLMModel,
 )
 
 from elflow.encoder import FrozenEncoder, encoder_attention_mask, measure_latent_std
@@ -258,6 +260,11 @@ def test_rows_longer_than_the_positions_are_one_line():
         vocab_size=100, max_position_embeddings=8, position_biased_input=False, **size
     )
     assert FrozenEncoder(DebertaV2Model(deberta)).max_positions is None
+    # XLM keeps its absolute table outside an `embeddings` module: the config's limit holds.
+    xlm = XLMModel(
+        XLMConfig(vocab_size=100, emb_dim=32, n_layers=1, n_heads=4, max_position_embeddings=20)
+    )
+    assert FrozenEncoder(xlm).max_positions == 20
     ids, am, _ = _batch()
     with pytest.raises(ELFError, match=f"rows of {L} tokens .* at most {L - 1}"):
         enc(ids, am)

@@ -166,6 +166,9 @@ def test_a_resume_must_keep_the_optimizer_task_and_source_length(tmp_path):
     for message, cfg in changes.items():
         with pytest.raises(ELFError, match=message):
             check_resumable(cfg, saved, tmp_path)
+    # Unconditional runs once saved an unused max_input_length: they still resume.
+    old = replace(preset("bible-tiny"), max_input_length=16)
+    check_resumable(preset("bible-tiny"), old, tmp_path)
 
 
 def test_own_data_with_the_presets_validation_split_is_noted(capsys, monkeypatch):

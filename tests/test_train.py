@@ -758,6 +758,15 @@ def test_print_config_shows_the_encoders_width_and_vocabulary(tmp_path, assets, 
     model = json.loads(capsys.readouterr().out)["model"]
     assert (model["encoder_dim"], model["vocab_size"]) == (8, 30522)  # the tiny BERT, MiniLM's
     assert not (tmp_path / "o").exists()
+    # Such a dump is a valid --config for a fine-tune: E and V are derived, not architecture.
+    from elflow.presets import preset
+    from elflow.resume import architecture_changes
+    from elflow.run_config import apply_overrides
+
+    dumped = apply_overrides(
+        preset("bible-tiny"), sets=["model.encoder_dim=8", "model.vocab_size=9"]
+    )
+    assert architecture_changes(dumped, preset("bible-tiny")) == []
 
 
 def test_clip_grad_norm_zero_disables_clipping(tmp_path, assets):

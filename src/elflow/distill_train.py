@@ -434,11 +434,7 @@ def run(args: argparse.Namespace) -> int:
         for key in override_keys(args.config, args.set)
         if key.startswith("objective.")
     }
-    fixed_keys = {  # model/encoder values changed from the preset's
-        k
-        for k in architecture_changes(cfg, preset(args.preset))
-        if k not in ("model.encoder_dim", "model.vocab_size")  # filled in by training
-    }
+    fixed_keys = set(architecture_changes(cfg, preset(args.preset)))  # changed from the preset
     try:
         last = distill(
             args.teacher,

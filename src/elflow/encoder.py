@@ -232,13 +232,15 @@ class FrozenEncoder(nn.Module):
     @property
     def max_positions(self) -> int | None:
         """The longest sequence an encoder with learned absolute positions embeds (BERT: 512;
-        RoBERTa: 512 of its 514 rows, whose positions start after the padding index), read from
-        its position table; None without one (T5, DeBERTa-v3), which take any length."""
+        RoBERTa: 512 of its 514 rows, whose positions start after the padding index; XLM), read
+        from its position table; None without one (T5, DeBERTa-v3), which take any length."""
         config = self.model.config
         if getattr(config, "position_embedding_type", "absolute") != "absolute":
             return None
-        table = getattr(getattr(self.model, "embeddings", None), "position_embeddings", None)
-        if not isinstance(table, nn.Embedding):
+        owners = (getattr(self.model, "embeddings", None), self.model)  # BERT-like; XLM
+        tables = [getattr(o, "position_embeddings", None) for o in owners]
+        table = next((t for t in tables if isinstance(t, nn.Embedding)), None)
+        if table is None:
             return None
         if table.padding_idx is None:  # positions count from 0
             return table.num_embeddings

@@ -6,6 +6,7 @@ checks fail first, with one line naming the flag and what to change.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 from typing import Any
@@ -22,9 +23,20 @@ def save_safetensors(tensors: dict[str, Any], path: str | Path, metadata: dict[s
     from safetensors.torch import save_file
 
     save_file(tensors, str(path), metadata)
-    mask = os.umask(0)
+    with contextlib.suppress(OSError):  # a file system without modes (some CIFS/FUSE mounts)
+        os.chmod(path, 0o666 & ~_umask())
+
+
+def _umask() -> int:
+    """The process's umask, read without setting it (os.umask would change it for a moment for
+    every thread) where /proc says it."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    mask = os.umask(0o022)
     os.umask(mask)
-    os.chmod(path, 0o666 & ~mask)
+    return mask
 
 
 def input_file(path: str | Path, flag: str) -> Path:

@@ -81,7 +81,12 @@ def architecture_changes(cfg: RunConfig, base: RunConfig) -> list[str]:
         for section in ("model", "encoder")
         for f in fields(getattr(cfg, section))
         if getattr(getattr(cfg, section), f.name) != getattr(getattr(base, section), f.name)
+        and f"{section}.{f.name}" not in DERIVED_KEYS
     ]
+
+
+DERIVED_KEYS = ("model.encoder_dim", "model.vocab_size")
+"""Set from the encoder and tokenizer whatever a config says (a --print-config dump has them)."""
 
 
 def check_no_architecture(cfg: RunConfig, base: RunConfig) -> None:
@@ -178,7 +183,11 @@ def check_resumable(cfg: RunConfig, saved: RunConfig, ckpt: Path) -> None:
             f"optimizer state is {was}'s: set optim.optimizer={was}, or start a new --out with "
             "--init to continue from its weights"
         )
-    if (saved.task, saved.max_input_length) != (cfg.task, cfg.max_input_length):
+
+    def source_share(c: RunConfig) -> int:  # unconditional runs once saved an unused value
+        return c.max_input_length if c.task == "conditional" else 0
+
+    if (saved.task, source_share(saved)) != (cfg.task, source_share(cfg)):
         raise ELFError(
             f"cannot resume {ckpt}: it was trained with task={saved.task}, max_input_length="
             f"{saved.max_input_length}, now {cfg.task}, {cfg.max_input_length}; the rows depend "

@@ -161,6 +161,10 @@ def test_plain_text_under_a_named_jsonl_format_says_which_setting(tmp_path):
     data = preset("bible-tiny").data
     src = resolve_source(DataConfig(**{**data.__dict__, "path": str(path)}), str(path))
     assert (src.container, src.kind) == ("text", "text")
+    # Under auto, an unknown suffix holding JSON objects is JSONL, not raw text.
+    (tmp_path / "records.ndjson").write_text('{"text": "a"}\n{"text": "b"}\n')
+    src, ex = _read(tmp_path / "records.ndjson")
+    assert src.container == "jsonl" and ex == [(None, "a"), (None, "b")]
 
 
 def test_missing_field_lists_keys(tmp_path):

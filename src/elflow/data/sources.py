@@ -120,7 +120,12 @@ def resolve_source(
         raise ELFError(f"data.format is {fmt!r} but '{location}' is a file; pass its folder")
     if path.stat().st_size == 0:
         raise ELFError(f"data file '{location}' is empty; point {key} at a file with text")
-    if fmt == "text" or (fmt == "auto" and not _has_suffix(path, JSONL_SUFFIXES)):
+    if fmt == "text" or (
+        fmt == "auto"
+        and not _has_suffix(path, JSONL_SUFFIXES)
+        # an unknown suffix (.ndjson, none) holding JSON objects is JSONL
+        and (_has_suffix(path, TEXT_SUFFIXES) or not _first_line_is_json(path))
+    ):
         return Source(location, "text", "text", (path,))
     if _has_suffix(path, TEXT_SUFFIXES) and not _first_line_is_json(path):
         raise ELFError(
