@@ -194,11 +194,12 @@ def test_resume_from_an_earlier_checkpoint_sets_the_later_ones_aside(
     tmp_path, assets, capsys, monkeypatch
 ):
     monkeypatch.chdir(assets)  # a relative encoder folder: the model records it absolute
-    cfg = run_config(assets, encoder={"name": "encoder"})
+    samples = {"sample_every": 2, "num_samples": 1}
+    cfg = run_config(assets, encoder={"name": "encoder"}, train=samples)
     run = tmp_path / "run"
     assert train_cli(tmp_path, run, cfg) == 0  # checkpoint-3 and checkpoint-6
     capsys.readouterr()
-    branch = run_config(assets, encoder={"name": "encoder"}, train={"max_steps": 4})
+    branch = run_config(assets, encoder={"name": "encoder"}, train={**samples, "max_steps": 4})
     (tmp_path / "alias").symlink_to(run)  # the same folder, named another way
     assert train_cli(tmp_path, run, branch, "--resume", str(tmp_path / "alias/checkpoint-3")) == 0
     assert "abandoned branch are kept in" in capsys.readouterr().out
@@ -208,6 +209,11 @@ def test_resume_from_an_earlier_checkpoint_sets_the_later_ones_aside(
     assert steps == [1, 2, 3, 4]  # one line per step: the abandoned steps 4-6 went aside
     aside = (run / "abandoned-1" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(x)["step"] for x in aside] == [4, 5, 6]
+    assert sorted(p.name for p in (run / "samples").iterdir()) == ["step-2.jsonl", "step-4.jsonl"]
+    assert sorted(p.name for p in (run / "abandoned-1" / "samples").iterdir()) == [
+        "step-4.jsonl",
+        "step-6.jsonl",
+    ]
     assert resolve_source(run).path.name == "checkpoint-4"  # what sampling the run picks
     recorded = json.loads((run / "checkpoint-4" / "config.json").read_text())["encoder"]
     assert recorded == str((assets / "encoder").resolve())

@@ -87,6 +87,16 @@ class MetricsLogger:
                 self.tb.close()
 
 
+def set_aside_samples(out: Path, step: int, aside: Path) -> None:
+    """Move the periodic samples of steps after ``step`` (an abandoned branch's) into
+    ``aside/samples/``, next to that branch's checkpoints."""
+    for path in sorted((out / "samples").glob("step-*.jsonl")):
+        k = path.stem.removeprefix("step-")
+        if k.isdigit() and int(k) > step:
+            (aside / "samples").mkdir(exist_ok=True)
+            path.rename(aside / "samples" / path.name)
+
+
 def truncate_metrics(path: Path, step: int) -> list[str]:
     """Keep the lines of ``path`` up to ``step`` (a line cut short by a crash goes too); return
     the lines of later steps."""

@@ -55,7 +55,7 @@ from elflow.resume import (
     saved_run_config,
 )
 from elflow.run_config import RunConfig, run_config_to_dict
-from elflow.run_log import MetricsLogger, progress_bar, write_samples
+from elflow.run_log import MetricsLogger, progress_bar, set_aside_samples, write_samples
 from elflow.stop import StopSignal
 from elflow.tokens import token_spec, vocab_hash
 
@@ -199,6 +199,8 @@ def train(
         out.mkdir(parents=True, exist_ok=True)
         if in_out:
             aside = ckpt_io.set_aside_later(out, start_step)
+            if aside is not None:
+                set_aside_samples(out, start_step, aside)
     logger = MetricsLogger(out, cfg, info.is_main, start_step, aside)
     if info.is_main:
         n_params = count_parameters(model)

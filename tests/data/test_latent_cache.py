@@ -80,6 +80,32 @@ def test_saved_cache_loads_only_with_its_key(tokenizer, tiny_encoder, tmp_path):
         finally:
             weight.copy_(saved)
     assert cache_key(ds, tiny_encoder, "float16") == key
+    # The same encoder loaded from another folder (a moved venv) keeps the key.
+    where = tiny_encoder.model.config._name_or_path
+    try:
+        tiny_encoder.model.config._name_or_path = "/somewhere/else"
+        assert cache_key(ds, tiny_encoder, "float16") == key
+    finally:
+        tiny_encoder.model.config._name_or_path = where
     # A truncated file (a killed write of an older version) is a miss, not an error.
     file.write_bytes(file.read_bytes()[:200])
     assert LatentCache.load(file, key) is None
+
+
+def test_a_cache_larger_than_memory_is_one_line(tokenizer, tiny_encoder, tmp_path, monkeypatch):
+    import pytest
+
+    from elflow.data import latent_cache
+    from elflow.errors import ELFError
+
+    path = write_jsonl(tmp_path / "b.jsonl", shared_rows("web_bible", 8))
+    cfg = DataConfig(path=str(path), latent_cache_dtype="float32")
+    ds = build_dataset(cfg, tokenizer, 16)
+    need = latent_cache.cache_nbytes(ds, tiny_encoder, "float32")
+    assert need == 8 * 16 * tiny_encoder.hidden_size * 4
+    monkeypatch.setattr(latent_cache, "available_memory", lambda: need)  # 90% of it is usable
+    message = r"needs 0\.0 GiB per process \(1 on .* data\.latent_cache=false"
+    with pytest.raises(ELFError, match=message):
+        latent_cache.run_latent_cache(cfg, ds, tiny_encoder, tmp_path, True)
+    monkeypatch.setattr(latent_cache, "available_memory", lambda: 2 * need)
+    assert len(latent_cache.run_latent_cache(cfg, ds, tiny_encoder, tmp_path, True)) == 8

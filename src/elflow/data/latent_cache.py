@@ -18,6 +18,7 @@ encoder's weights, layer and normalisation, the storage dtype); a file with anot
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import time
 from pathlib import Path
@@ -44,7 +45,9 @@ def cache_key(dataset: RowDataset, encoder: FrozenEncoder, dtype: str) -> str:
     h = hashlib.sha256()
     norm = (encoder.layer, encoder.latent_mean, encoder.latent_std)
     h.update(repr((CACHE_FORMAT, dtype, *norm)).encode())
-    h.update(encoder.model.config.to_json_string(use_diff=False).encode())
+    config = encoder.model.config.to_dict()
+    config.pop("_name_or_path", None)  # where it was loaded from: the same encoder elsewhere fits
+    h.update(json.dumps(config, sort_keys=True, default=str).encode())
     h.update(repr((len(dataset), dataset.max_length, dataset.conditional)).encode())
     rows = dataset.get_rows(np.arange(len(dataset)))
     for name in sorted(rows):
@@ -54,6 +57,43 @@ def cache_key(dataset: RowDataset, encoder: FrozenEncoder, dtype: str) -> str:
         h.update(name.encode())
         h.update(tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy())
     return h.hexdigest()
+
+
+_CACHE_FIX = (
+    "set data.latent_cache=false (encode each batch), data.latent_cache_dtype=float16, or "
+    "data.max_rows"
+)
+
+
+def available_memory() -> int | None:
+    """Bytes the kernel says can be allocated without swapping (/proc/meminfo), or None."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def cache_nbytes(dataset: RowDataset, encoder: FrozenEncoder, dtype: torch.dtype | str) -> int:
+    """The cache's size in memory: every row's latents (twice for conditional data, whose
+    source-blind latents are cached too)."""
+    itemsize = (_DTYPES[dtype] if isinstance(dtype, str) else dtype).itemsize
+    copies = 2 if dataset.conditional else 1
+    return copies * len(dataset) * dataset.max_length * encoder.hidden_size * itemsize
+
+
+def check_cache_fits(nbytes: int) -> None:
+    """A cache larger than the memory available is one line before any encoding (with Linux's
+    overcommit the allocation itself may succeed and the OOM killer end the run mid-build)."""
+    free = available_memory()
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # torchrun: each process holds a copy
+    if free is not None and local * nbytes > 0.9 * free:
+        raise ELFError(
+            f"the latent cache needs {nbytes / 2**30:.1f} GiB per process ({local} on this "
+            f"machine) but {free / 2**30:.1f} GiB of memory is available; {_CACHE_FIX}"
+        )
 
 
 class LatentCache:
@@ -82,8 +122,12 @@ class LatentCache:
             dtype = _DTYPES[dtype]
         n, L, E = len(dataset), dataset.max_length, encoder.hidden_size
         device = next(encoder.model.parameters()).device
-        latents = torch.empty(n, L, E, dtype=dtype)
-        dropped = torch.empty(n, L, E, dtype=dtype) if dataset.conditional else None
+        check_cache_fits(cache_nbytes(dataset, encoder, dtype))
+        try:
+            latents = torch.empty(n, L, E, dtype=dtype)
+            dropped = torch.empty(n, L, E, dtype=dtype) if dataset.conditional else None
+        except RuntimeError as e:  # the allocator's refusal
+            raise ELFError(f"the latent cache does not fit in memory ({e}); {_CACHE_FIX}") from None
         starts = range(0, n, batch_size)
         if progress:
             from tqdm import tqdm
@@ -167,6 +211,7 @@ def run_latent_cache(
     """
     dtype = cfg.latent_cache_dtype
     path = out / CACHE_FILE
+    check_cache_fits(cache_nbytes(dataset, encoder, dtype))  # before hashing every row
     key = cache_key(dataset, encoder, dtype) if cfg.latent_cache_save else ""
     cache = LatentCache.load(path, key) if key else None
     if cache is not None:
