@@ -156,8 +156,14 @@ def test_oserrors_and_broken_pipes_are_not_tracebacks(tiny_model, capsys, monkey
         (OSError(28, "No space left on device", "/x/out.html"), 2, "/x/out.html: No space"),
         (FileNotFoundError("weights are gone"), 2, "weights are gone"),
         (BrokenPipeError(32, "Broken pipe"), 141, ""),
+        (RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried"), 2, "out of memory"),
+        (MemoryError(), 2, "out of memory (MemoryError); lower train.micro_batch"),
     ):
         monkeypatch.setitem(cli.COMMANDS, "info", ("", cli._add_info, fail(error)))
         assert cli.main(["info", str(tiny_model)]) == code
         err = capsys.readouterr().err
         assert message in err and "Traceback" not in err
+    # Any other RuntimeError is a bug to report, with its traceback.
+    monkeypatch.setitem(cli.COMMANDS, "info", ("", cli._add_info, fail(RuntimeError("bug"))))
+    with pytest.raises(RuntimeError, match="bug"):
+        cli.main(["info", str(tiny_model)])

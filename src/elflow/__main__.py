@@ -237,6 +237,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _out_of_memory(e: BaseException) -> bool:
+    """torch.OutOfMemoryError (CUDA), the CPU allocator's refusal, or Python's MemoryError."""
+    text = str(e)
+    return (
+        isinstance(e, MemoryError)
+        or type(e).__name__ == "OutOfMemoryError"
+        or "can't allocate memory" in text
+        or "CUDA out of memory" in text
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -263,6 +274,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         if e.filename2:  # a rename: name where it was going
             where = f"{e.filename} -> {e.filename2}: "
         print(f"elflow: error: {where}{e.strerror or e}", file=sys.stderr)
+        return 2
+    except (MemoryError, RuntimeError) as e:
+        if not _out_of_memory(e):
+            raise
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        print(
+            f"elflow: error: out of memory ({first}); lower train.micro_batch (accumulation keeps "
+            "the batch) or turn on train.activation_checkpointing to train, lower --batch-size "
+            "to sample or score; checkpoints already saved are kept",
+            file=sys.stderr,
+        )
         return 2
     except KeyboardInterrupt:  # e.g. during a start-up encoding pass, or a second Ctrl-C
         print(
