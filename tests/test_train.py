@@ -349,7 +349,7 @@ def test_interrupted_save_keeps_previous_checkpoint(tmp_path, assets, monkeypatc
     import elflow.checkpoint as ckpt_io
 
     cfg = run_config(assets)
-    real_save = ckpt_io.save_file
+    real_save = ckpt_io.save_safetensors
     calls = {"n": 0}
 
     def dying_save(tensors, path, metadata=None):
@@ -359,13 +359,13 @@ def test_interrupted_save_keeps_previous_checkpoint(tmp_path, assets, monkeypatc
             raise KeyboardInterrupt  # the process is killed mid-save
         return real_save(tensors, path, metadata)
 
-    monkeypatch.setattr(ckpt_io, "save_file", dying_save)
+    monkeypatch.setattr(ckpt_io, "save_safetensors", dying_save)
     assert train_cli(tmp_path, tmp_path / "run", cfg) == 130  # one line, no traceback
     run = tmp_path / "run"
     assert [p.name for p in run.glob("checkpoint-*")] == ["checkpoint-3"]
     model, _ = load_model(run)  # the previous checkpoint loads
     assert model is not None
-    monkeypatch.setattr(ckpt_io, "save_file", real_save)
+    monkeypatch.setattr(ckpt_io, "save_safetensors", real_save)
     (run / ".tmp-checkpoint-2").mkdir()  # left by an earlier save killed the same way
     assert train_cli(tmp_path, run, cfg) == 0  # and the run resumes from it
     assert (run / "checkpoint-6").is_dir() and not list(run.glob(".tmp-*"))
@@ -429,7 +429,7 @@ def test_stop_signal_leaves_an_ignored_sigint_ignored():
 def test_full_disk_is_one_line_error_and_keeps_previous(tmp_path, assets, monkeypatch, capsys):
     import elflow.checkpoint as ckpt_io
 
-    real_save = ckpt_io.save_file
+    real_save = ckpt_io.save_safetensors
     calls = {"n": 0}
 
     def full_disk(tensors, path, metadata=None):
@@ -438,7 +438,7 @@ def test_full_disk_is_one_line_error_and_keeps_previous(tmp_path, assets, monkey
             raise OSError(28, "No space left on device")
         return real_save(tensors, path, metadata)
 
-    monkeypatch.setattr(ckpt_io, "save_file", full_disk)
+    monkeypatch.setattr(ckpt_io, "save_safetensors", full_disk)
     assert train_cli(tmp_path, tmp_path / "run", run_config(assets)) == 2
     errs = error_lines(capsys.readouterr().err)
     assert len(errs) == 1 and "No space left on device" in errs[0]
