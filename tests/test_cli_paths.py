@@ -156,12 +156,49 @@ def test_sweep_keeps_an_earlier_sweep_unless_overwrite(tmp_path, model, capsys):
     for flag, value, message in (
         ("--batch-size", "0", "--batch-size must be >= 1"),
         ("--length", "0", "--length must be >= 1"),
+        ("--length", "1000", "--length 1000 exceeds the model's max_length"),
         ("--num-samples", "0", "--num-samples must be >= 1"),
     ):
         code, err = run_cli(capsys, *argv, "--overwrite", "--steps", "2", flag, value)
         assert code == 2 and message in err
         assert sorted(p.name for p in (out / "samples").iterdir()) == kept
         assert (out / "table.md").is_file()
+
+
+def test_an_interrupted_sweep_resumes(tmp_path, model, capsys, monkeypatch):
+    import elflow.evaluation as evaluation
+
+    out, clean = tmp_path / "sweep", tmp_path / "clean"
+    argv = ["sweep", "--checkpoint", model, "--num-samples", "2", "--judge", "none"]
+    argv += ["--sampler", "ode", "--steps", "2,3", "--bootstrap", "0"]
+    assert run_cli(capsys, *argv, "--out", clean)[0] == 0
+    real, calls = evaluation.score_samples, {"n": 0}
+
+    def judge_dies_on_the_second_cell(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise MemoryError
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(evaluation, "score_samples", judge_dies_on_the_second_cell)
+    code, err = run_cli(capsys, *argv, "--out", out)
+    assert code == 2 and "out of memory" in err and "--resume keeps its scored cells" in err
+    assert sorted(p.name for p in (out / "metrics").iterdir()) == ["ode-n2-wdefault.json"]
+    assert len(list((out / "samples").iterdir())) == 2  # the second cell was sampled
+    monkeypatch.setattr(evaluation, "score_samples", real)
+    code, err = run_cli(capsys, *argv, "--out", out)
+    assert code == 2 and "pass --resume to finish it" in err
+    code, err = run_cli(capsys, *argv, "--out", out, "--resume", "--seed", "1")
+    assert code == 2 and "was run with --seed 0, now 1" in err
+    code, err = run_cli(capsys, *argv, "--out", out, "--resume", "--overwrite")
+    assert code == 2 and "give one" in err
+    capsys.readouterr()
+    assert main([str(a) for a in [*argv, "--out", out, "--resume"]]) == 0
+    err = capsys.readouterr().err
+    assert "ode-n2-wdefault: done earlier" in err and "(sampled earlier)" in err
+    table = (out / "table.csv").read_text().splitlines()
+    same = [line.rsplit(",", 1)[0] for line in (clean / "table.csv").read_text().splitlines()]
+    assert [line.rsplit(",", 1)[0] for line in table] == same  # all but the seconds column
 
 
 def test_sweep_refuses_a_training_run_folder(tmp_path, model, capsys):

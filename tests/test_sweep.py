@@ -47,6 +47,8 @@ def test_grid_gamma_only_for_sde():
         sweep.grid("ode", "0", None, None)
     with pytest.raises(ELFError, match="unknown sampler"):
         sweep.grid("euler", "2", None, None)
+    with pytest.raises(ELFError, match="names no sampler"):
+        sweep.grid(",", "2", None, None)
     with pytest.raises(ELFError, match="comma-separated"):
         sweep.grid("ode", "two", None, None)
     assert sweep.Cell("ode", None, None, None).name == "ode-ndefault-wdefault"

@@ -282,7 +282,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(
             f"elflow: error: out of memory ({first}); lower train.micro_batch (accumulation keeps "
             "the batch) or turn on train.activation_checkpointing to train, lower --batch-size "
-            "to sample or score; checkpoints already saved are kept",
+            "to sample or score (a sweep's judge: --score-batch-size; --resume keeps its scored "
+            "cells); checkpoints already saved are kept",
             file=sys.stderr,
         )
         return 2

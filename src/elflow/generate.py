@@ -86,6 +86,9 @@ def check_sample_args(
     """Everything :func:`sample_from_args` checks, so ``sweep`` can check it before it clears."""
     if args.length is not None and args.length < 1:
         raise ELFError(f"--length must be >= 1, got {args.length}")
+    longest = pipe.config.model.max_length
+    if args.length is not None and args.length > longest:
+        raise ELFError(f"--length {args.length} exceeds the model's max_length {longest}")
     if args.length is not None and pipe.config.conditional:
         raise ELFError(
             "--length applies to unconditional models; a conditional model writes its "

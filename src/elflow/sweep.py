@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
 import math
 import shutil
 import sys
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from elflow.distributed import teardown
+from elflow.distributed import broadcast_object, teardown
 from elflow.errors import ELFError
 from elflow.generate import (
     add_sampling_arguments,
@@ -89,6 +90,8 @@ def _list(text: str | None, kind: type, what: str) -> list:
 def grid(samplers: str, steps: str | None, ws: str | None, gammas: str | None) -> list[Cell]:
     """Every cell in a fixed order; ``None`` values mean "the model's default"."""
     names = [s.strip() for s in samplers.split(",") if s.strip()]
+    if not names:
+        raise ELFError(f"--sampler {samplers!r} names no sampler; give ode, sde and/or heun")
     for name in names:
         if name not in ("ode", "sde", "heun"):
             raise ELFError(f"unknown sampler {name!r} in --sampler; use ode, sde or heun")
@@ -219,23 +222,70 @@ def plot_frontier(path: Path, rows: list[dict], reference: dict | None = None) -
     return path
 
 
-OUTPUTS = ("samples", "metrics", "table.csv", "table.md", "frontier.png")
-MARKERS = ("table.csv", "table.md", "metrics")
+SETTINGS = "sweep.json"
+OUTPUTS = ("samples", "metrics", "table.csv", "table.md", "frontier.png", SETTINGS)
+MARKERS = ("table.csv", "table.md", "metrics", SETTINGS)
 """What only a sweep writes (a training run has ``samples/`` too, and ``metrics.jsonl``)."""
+RESUME_KEYS = (
+    "checkpoint",
+    "task",
+    "num_samples",
+    "seed",
+    "length",
+    "no_ema",
+    "bf16",
+    "sources",
+    "source_field",
+    "cfg",
+    "judge",
+    "protocol",
+    "bootstrap",
+    "bootstrap_seed",
+)
+"""The options every cell of one sweep shares (``sweep.json``): a ``--resume`` must repeat them."""
 
 
-def _check_previous(out: Path, overwrite: bool) -> bool:
-    """Whether ``out`` holds an earlier sweep, which is replaced only with ``--overwrite``; a
-    training run's folder is refused outright."""
+def sweep_settings(args: argparse.Namespace) -> dict[str, Any]:
+    return {key: getattr(args, key) for key in RESUME_KEYS}
+
+
+def _check_previous(out: Path, overwrite: bool, resume: bool, settings: dict) -> bool:
+    """Whether ``out`` holds an earlier sweep to clear: it is replaced only with ``--overwrite``,
+    or finished with ``--resume`` (same shared options); a training run's folder is refused."""
+    if overwrite and resume:
+        raise ELFError("--overwrite replaces the sweep, --resume finishes it: give one")
     if (out / "metrics.jsonl").exists() or any(out.glob("checkpoint-*")):
         raise ELFError(f"--out {out} is a training run's folder; give the sweep its own folder")
     found = [name for name in MARKERS if (out / name).exists()]
-    if found and not overwrite:
+    if found and not (overwrite or resume):
         raise ELFError(
-            f"--out {out} already holds a sweep ({', '.join(found)}); pass --overwrite to "
-            "replace it, or a new folder"
+            f"--out {out} already holds a sweep ({', '.join(found)}); pass --resume to finish "
+            "it, --overwrite to replace it, or a new folder"
         )
-    return bool(found)
+    if found and resume:
+        try:
+            saved = json.loads((out / SETTINGS).read_text())
+        except (OSError, ValueError):
+            raise ELFError(
+                f"--resume: {out} has no readable {SETTINGS} (a sweep of an older elflow); "
+                "pass --overwrite to sample it again"
+            ) from None
+        for key, value in settings.items():
+            if saved.get(key) != value:
+                raise ELFError(
+                    f"--resume: the sweep in {out} was run with --{key.replace('_', '-')} "
+                    f"{saved.get(key)!r}, now {value!r}; give the same options, or --overwrite"
+                )
+    return bool(found) and not resume
+
+
+def _read_metrics(path: Path) -> dict:
+    """A cell's saved metrics, with the nulls of metrics.json (NaN there) as NaN again."""
+
+    def nan(v: Any) -> Any:
+        return [nan(x) for x in v] if isinstance(v, list) else math.nan if v is None else v
+
+    return {k: nan(v) for k, v in json.loads(path.read_text()).items()}
 
 
 def _clear_previous(out: Path) -> None:
@@ -266,6 +316,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--score-batch-size", type=int, default=16, help="samples per judge forward")
     p.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples (0: no CIs)")
     p.add_argument("--bootstrap-seed", type=int, default=0, help="as elflow score --seed")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="finish an interrupted sweep in --out: keep its scored cells, score sampled ones",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -276,7 +331,8 @@ def run(args: argparse.Namespace) -> int:
     cells = grid(args.sampler, args.steps, args.w, args.gamma)
     check_counts(args.score_batch_size, args.bootstrap, "--score-batch-size")
     out = output_dir(args.out, "--out")
-    previous = _check_previous(out, args.overwrite)
+    settings = sweep_settings(args)
+    previous = _check_previous(out, args.overwrite, args.resume, settings)
     info = resolve_device(args.device)
     try:
         sources = sources_from_args(args)
@@ -299,6 +355,7 @@ def run(args: argparse.Namespace) -> int:
                 _clear_previous(out)
             (out / "samples").mkdir(parents=True, exist_ok=True)
             (out / "metrics").mkdir(parents=True, exist_ok=True)
+            (out / SETTINGS).write_text(json.dumps(settings, indent=2) + "\n")
         score = dict(
             judge=judge,
             protocol=args.protocol,
@@ -307,21 +364,42 @@ def run(args: argparse.Namespace) -> int:
             seed=args.bootstrap_seed,
         )
         rows = []
+        keys = ("sampler", "steps", "nfe", "gamma", "w")
         for i, (cell, scfg) in enumerate(zip(cells, samplers, strict=True)):
-            result = sample_from_args(pipe, scfg, args, sources, info)
+            sample_file = out / "samples" / f"{cell.name}.jsonl"
+            metrics_file = out / "metrics" / f"{cell.name}.json"
+            # --resume: a scored cell is read back, a sampled one only scored (rank 0 decides,
+            # so every rank skips the same collective sampling).
+            scored, sampled = broadcast_object(
+                (args.resume and metrics_file.is_file(), args.resume and sample_file.is_file())
+            )
+            if scored:
+                if info.is_main:
+                    metrics = _read_metrics(metrics_file)
+                    done = metrics["sweep"]
+                    rows.append(table_row(cell.name, done, metrics, done.get("seconds")))
+                    print(f"[{i + 1}/{len(cells)}] {cell.name}: done earlier", file=sys.stderr)
+                continue
+            if sampled:
+                records, seconds = (read_jsonl(sample_file) if info.is_main else []), None
+            else:
+                result = sample_from_args(pipe, scfg, args, sources, info)
+                records, seconds = result.records, result.seconds
             if not info.is_main:
                 continue
-            write_jsonl(out / "samples" / f"{cell.name}.jsonl", result.records)
-            metrics = score_samples(result.records, **score)
-            settings = {k: result.records[0][k] for k in ("sampler", "steps", "nfe", "gamma", "w")}
+            if not sampled:
+                write_jsonl(sample_file, records)
+            metrics = score_samples(records, **score)
+            cell_settings = {k: records[0][k] for k in keys}
             write_metrics(
-                out / "metrics" / f"{cell.name}.json",
-                {**metrics, "sweep": {**settings, "cell": cell.name, "seconds": result.seconds}},
+                metrics_file,
+                {**metrics, "sweep": {**cell_settings, "cell": cell.name, "seconds": seconds}},
             )
-            rows.append(table_row(cell.name, settings, metrics, result.seconds))
+            rows.append(table_row(cell.name, cell_settings, metrics, seconds))
+            took = "sampled earlier" if seconds is None else f"{seconds:.1f} s"
             print(
                 f"[{i + 1}/{len(cells)}] {cell.name}: gen_ppl {_num(rows[-1]['gen_ppl'])}, "
-                f"entropy {_num(rows[-1]['entropy'], 3)} ({result.seconds:.1f} s)",
+                f"entropy {_num(rows[-1]['entropy'], 3)} ({took})",
                 file=sys.stderr,
             )
         if not info.is_main:
