@@ -66,6 +66,7 @@ def test_sample_refuses_an_unwritable_place(tmp_path, model, capsys):
         (["--length", "0"], "--length must be >= 1, got 0"),
         (["--device", "foo"], "--device is 'foo'; use auto, cpu, cuda or cuda:K"),
         (["--device", "cudaa"], "--device is 'cudaa'; use auto"),
+        (["--out", "-"], "--out - : give a JSONL file name"),
         (["--device", "cuda:x"], "--device is 'cuda:x'"),
     ],
 )

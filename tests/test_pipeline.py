@@ -89,6 +89,10 @@ def test_generate_overrides_and_trajectory(uncond_dir):
     assert len(out.trajectory) == 5 and all(len(frame) == 2 for frame in out.trajectory)
     with pytest.raises(ELFError, match="max_length"):
         pipe.generate(1, length=13)
+    half = ELFPipeline.from_pretrained(uncond_dir)
+    half.model.to(torch.bfloat16)
+    with pytest.raises(ELFError, match=r"weights are torch.bfloat16; sampling takes fp32"):
+        half.generate(1)
     with pytest.raises(ELFError, match=r"sampler\.sampler"):
         pipe.generate(1, sampler="euler")
     with pytest.raises(ELFError, match="unconditional"):
@@ -106,6 +110,20 @@ def test_generate_conditional(cond_dir):
         pipe.generate(2)
 
 
+def test_a_given_encoder_must_fit_the_model(cond_dir):
+    from elflow.encoder import FrozenEncoder
+    from elflow.pipeline import model_encoder
+
+    config = ELFPipeline.from_pretrained(cond_dir).config
+    other = FrozenEncoder.from_pretrained(config.encoder)  # the paper's 0.2, not the model's 0.5
+    with pytest.raises(ELFError, match=r"latent_std \(8, 0, 0.0, 0.2\), but the model"):
+        ELFPipeline.from_pretrained(cond_dir, encoder=other)
+    own = ELFPipeline.from_pretrained(cond_dir, encoder=model_encoder(config))
+    assert own.generate(sources=["a tool"], seed=0) == ELFPipeline.from_pretrained(
+        cond_dir
+    ).generate(sources=["a tool"], seed=0)
+
+
 def test_generate_refuses_misused_arguments(uncond_dir, cond_dir):
     cond = ELFPipeline.from_pretrained(cond_dir)
     with pytest.raises(ELFError, match="wrap a single source in a list"):
@@ -114,6 +132,10 @@ def test_generate_refuses_misused_arguments(uncond_dir, cond_dir):
         cond.generate(sources=["hello", None])
     with pytest.raises(ELFError, match="length applies to unconditional models"):
         cond.generate(sources=["hello"], length=3)
+    with pytest.raises(ELFError, match="one sample per source; drop n"):
+        cond.generate(5, sources=["hello"])
+    with pytest.raises(ELFError, match=r"elflow generate --source TEXT, elflow sample --sources"):
+        cond.generate(2)
     uncond = ELFPipeline.from_pretrained(uncond_dir)
     with pytest.raises(ELFError, match="conditional models only"):
         uncond.generate(2, cfg=2.0)
@@ -143,6 +165,10 @@ def test_cli_generate_info_import(uncond_dir, tmp_path, capsys):
     assert main(["generate", str(uncond_dir), "-n", "2", "--steps", "2"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 2
+    assert main(["generate", str(uncond_dir), "--steps", "2"]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 4  # the default count
+    assert main(["generate", str(uncond_dir), "--steps", "0"]) == 2
+    assert "elflow: error: --steps must be >= 1, got 0" in capsys.readouterr().err  # the option
     assert main(["info", str(uncond_dir)]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["model"]["vocab_size"] == VOCAB and info["parameters"] > 0

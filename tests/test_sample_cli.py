@@ -182,6 +182,7 @@ def test_conditional_source_and_one_batched_cfg_call(cond_dir, tmp_path, monkeyp
     assert [r["source"] for r in recs] == [x["text"] for x in lines]
     assert recs[0]["source_id"] == "a" and "source_id" not in recs[1]
     assert (recs[0]["cfg"], recs[0]["nfe"], recs[0]["nfe_rows"]) == (2.0, 3, 6)
+    assert recs[0]["length"] == 16 - 8  # the target's tokens: max_length - max_input_length
     # 3 ODE steps: ONE forward per step over 2B rows (conditional + unconditional), then the
     # (unguided) decode over B rows.
     assert counters[0].rows == [4, 4, 4, 2]

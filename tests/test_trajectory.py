@@ -111,6 +111,11 @@ def test_terminal_too_short_or_narrow(monkeypatch):
     tty = FakeTTY()
     animate_terminal(FRAMES, tty, delay=0.0)
     assert "\x1b" not in tty.getvalue() and tty.getvalue().startswith("[step 3/3]")
+    # A terminal narrower than the step label cannot be redrawn in place either.
+    monkeypatch.setattr(shutil, "get_terminal_size", lambda: os.terminal_size((8, 40)))
+    tty = FakeTTY()
+    animate_terminal(FRAMES, tty, delay=0.0)
+    assert "\x1b" not in tty.getvalue() and tty.getvalue().startswith("[step 3/3]")
     # Wide characters take two columns each: a frame is cut to the terminal's width.
     assert _fit(["清清清", "b"], set(), 7, False) == "清清清 …"
     assert _fit(["abc", "b"], set(), 7, False) == "abc b"

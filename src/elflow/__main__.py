@@ -74,7 +74,7 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("model", help="any model source (folder, checkpoint, Hub id)")
     add_task_argument(p)
-    p.add_argument("-n", "--num-samples", type=int, default=4)
+    p.add_argument("-n", "--num-samples", type=int, help="unconditional: how many (default 4)")
     p.add_argument("--source", action="append", help="source text (conditional models; repeat)")
     p.add_argument("--steps", type=int)
     p.add_argument("--sampler", choices=["ode", "sde", "heun"])
@@ -87,22 +87,17 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
 
 
 def _run_generate(args: argparse.Namespace) -> int:
-    from elflow.generate import resolve_device
+    from elflow.generate import resolve_device, resolve_sampler
     from elflow.pipeline import ELFPipeline
 
     pipe = ELFPipeline.from_pretrained(
         args.model, device=resolve_device(args.device).device, task=args.task
     )
+    options = dict(steps=args.steps, sampler=args.sampler, gamma=args.gamma, w=args.w)
+    resolve_sampler(pipe, cfg=args.cfg, **options)  # its errors name the options (--steps)
+    n = args.num_samples if args.num_samples is not None or args.source else 4
     texts = pipe.generate(
-        None if args.source else args.num_samples,
-        sources=args.source,
-        steps=args.steps,
-        sampler=args.sampler,
-        gamma=args.gamma,
-        w=args.w,
-        cfg=args.cfg,
-        seed=args.seed,
-        batch_size=args.batch_size,
+        n, sources=args.source, cfg=args.cfg, seed=args.seed, batch_size=args.batch_size, **options
     )
     for text in texts:
         print(text)

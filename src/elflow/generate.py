@@ -165,7 +165,8 @@ def settings_record(
     """
     guided = pipe.config.conditional and scfg.cfg != 1.0
     n = nfe(scfg.sampler, scfg.steps)
-    L = pipe.config.model.max_length if pipe.config.conditional else length
+    cfg = pipe.config
+    L = cfg.model.max_length - cfg.max_input_length if cfg.conditional else length  # the target's
     return {
         "sampler": scfg.sampler,
         "steps": scfg.steps,
@@ -417,6 +418,8 @@ def run(args: argparse.Namespace) -> int:
     """``elflow sample``; one process or under ``torchrun``."""
     if args.steps is not None and args.steps < 1:
         raise ELFError(f"--steps must be >= 1, got {args.steps}")
+    if args.out == "-":
+        raise ELFError("--out - : give a JSONL file name (elflow generate prints texts instead)")
     output_file(args.out, "--out", overwrite=args.overwrite)
     if args.trajectory not in (None, "-"):
         output_file(args.trajectory, "--trajectory")

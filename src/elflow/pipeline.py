@@ -126,6 +126,21 @@ def model_encoder(config: ArtifactConfig) -> FrozenEncoder:
     )
 
 
+def check_encoder(encoder: FrozenEncoder, config: ArtifactConfig, device: torch.device) -> None:
+    """A given encoder must produce the latents the model was trained on, on its device."""
+    given = (encoder.hidden_size, encoder.layer, encoder.latent_mean, encoder.latent_std)
+    wanted = (config.model.encoder_dim, config.encoder_layer, config.latent_mean, config.latent_std)
+    if given != wanted:
+        raise ELFError(
+            f"the encoder given has width, layer, latent_mean, latent_std {given}, but the model "
+            f"was trained on {wanted}; build it with elflow.pipeline.model_encoder(config), or "
+            "pass none"
+        )
+    at = next(encoder.model.parameters()).device
+    if at != device:
+        raise ELFError(f"the encoder is on {at} but the model on {device}; move it (.to(device))")
+
+
 class ELFPipeline:
     """Generate text with an ELF model."""
 
@@ -139,6 +154,8 @@ class ELFPipeline:
         check_tokenizer(tokenizer, config)
         if config.conditional and encoder is None:
             raise ELFError("a conditional model needs its frozen encoder to encode the sources")
+        if encoder is not None:
+            check_encoder(encoder, config, next(model.parameters()).device)
         self.model = model.eval()
         self.config = config
         self.tokenizer = tokenizer
@@ -160,7 +177,8 @@ class ELFPipeline:
         tokenizer: Any = None,
         encoder: FrozenEncoder | None = None,
     ) -> ELFPipeline:
-        """Build from any model source; the tokenizer/encoder come from its config unless given.
+        """Build from any model source; the tokenizer/encoder come from its config unless given
+        (a given encoder is moved to ``device`` and must match the model's latent space).
 
         A ``tokenizer/`` folder inside an elflow model folder is preferred over ``config.tokenizer``
         (so small models can ship their vocabulary).
@@ -172,8 +190,8 @@ class ELFPipeline:
         elif isinstance(tokenizer, (str, Path)):
             tokenizer = load_tokenizer(tokenizer)
         if encoder is None and config.conditional:
-            encoder = model_encoder(config).to(device)
-        return cls(model, config, tokenizer, encoder)
+            encoder = model_encoder(config)
+        return cls(model, config, tokenizer, None if encoder is None else encoder.to(device))
 
     def training_rows(self, texts: Sequence[str]) -> tuple[Tensor, Tensor]:
         """Texts as unconditional rows, truncated to the model's length and padded as ``elflow
@@ -224,19 +242,34 @@ class ELFPipeline:
         """Like :meth:`generate`, returning tokens and (optionally) the per-step trajectory."""
         cfg = self.config
         scfg = self.sampler_config(**sampler_overrides)
+        dtype = next(self.model.parameters()).dtype
+        if dtype != torch.float32:
+            raise ELFError(
+                f"the model's weights are {dtype}; sampling takes fp32 weights (as loaded) and "
+                "gets bf16 speed from autocast (elflow sample --bf16, or torch.autocast around "
+                "generate)"
+            )
         if isinstance(sources, str):  # would give one sample per character
             raise ELFError("sources must be a list of strings; wrap a single source in a list")
         if sources is not None:
             for i, source in enumerate(sources):
                 if not isinstance(source, str):
                     raise ELFError(f"source {i} is a {type(source).__name__}, not a string")
+            if n is not None and n != len(sources):
+                raise ELFError(
+                    f"asked for {n} samples with {len(sources)} sources: a conditional model "
+                    "writes one sample per source; drop n (-n)"
+                )
             n = len(sources)
         if n is None or n < 1:
             raise ELFError(
                 f"asked for {n} samples; ask for at least 1 (-n), or give at least one source"
             )
         if cfg.conditional and sources is None:
-            raise ELFError("this model is conditional: give source texts (--source, --sources)")
+            raise ELFError(
+                "this model is conditional: give source texts (sources=[...]; elflow generate "
+                "--source TEXT, elflow sample --sources FILE)"
+            )
         if batch_size < 1:
             raise ELFError(f"batch size must be >= 1, got {batch_size}")
         guidance = sampler_overrides.get("cfg")

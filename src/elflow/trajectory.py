@@ -187,8 +187,10 @@ def animate_terminal(
     last = len(frames) - 1
     size = shutil.get_terminal_size()
     tty = hasattr(stream, "isatty") and stream.isatty()
-    # More lines than the terminal has rows cannot be rewritten in place: final frame only.
-    if not tty or len(words[last]) + 1 >= size.lines:
+    # More lines than the terminal has rows, or a terminal too narrow for the step label, cannot
+    # be rewritten in place (a wrapped line breaks the "n lines up" redraw): final frame only.
+    narrow = size.columns < len(f"[{labels[last]}]") + 1 or size.columns < 20
+    if not tty or len(words[last]) + 1 >= size.lines or narrow:
         stream.write(f"[{labels[last]}]\n")
         stream.writelines(f"{i:>3}  {' '.join(ws)}\n" for i, ws in enumerate(words[last]))
         stream.flush()
