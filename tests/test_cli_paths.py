@@ -200,6 +200,31 @@ def test_an_interrupted_sweep_resumes(tmp_path, model, capsys, monkeypatch):
     table = (out / "table.csv").read_text().splitlines()
     same = [line.rsplit(",", 1)[0] for line in (clean / "table.csv").read_text().splitlines()]
     assert [line.rsplit(",", 1)[0] for line in table] == same  # all but the seconds column
+    # A damaged metrics file is scored again from its samples; a grid that drops cells is refused.
+    (out / "metrics" / "ode-n3-wdefault.json").write_text("")
+    capsys.readouterr()
+    assert main([str(a) for a in [*argv, "--out", out, "--resume"]]) == 0
+    assert "ode-n3-wdefault: gen_ppl" in capsys.readouterr().err
+    fewer = [a if a != "2,3" else "2" for a in argv]
+    code, err = run_cli(capsys, *fewer, "--out", out, "--resume")
+    assert code == 2 and "also has cells ode-n3-wdefault" in err
+
+
+def test_a_sweep_records_the_checkpoint_a_run_folder_resolves_to(tmp_path, model):
+    import argparse
+    import shutil
+
+    from elflow import sweep
+
+    run = tmp_path / "run"
+    shutil.copytree(model, run / "checkpoint-1")
+    (run / "checkpoint-1" / "state.json").write_text("{}")
+    args = argparse.Namespace(**{k: None for k in sweep.RESUME_KEYS})
+    args.checkpoint = str(run)
+    before = sweep.sweep_settings(args, [])["checkpoint"]
+    shutil.copytree(run / "checkpoint-1", run / "checkpoint-2")  # training went on
+    assert before.endswith("checkpoint-1")
+    assert sweep.sweep_settings(args, [])["checkpoint"].endswith("checkpoint-2")
 
 
 def test_sweep_refuses_a_training_run_folder(tmp_path, model, capsys):

@@ -158,6 +158,7 @@ def test_oserrors_and_broken_pipes_are_not_tracebacks(tiny_model, capsys, monkey
         (BrokenPipeError(32, "Broken pipe"), 141, ""),
         (RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried"), 2, "out of memory"),
         (MemoryError(), 2, "out of memory (MemoryError); lower train.micro_batch"),
+        (RuntimeError("CUDA error: out of memory"), 2, "out of memory (CUDA error"),
     ):
         monkeypatch.setitem(cli.COMMANDS, "info", ("", cli._add_info, fail(error)))
         assert cli.main(["info", str(tiny_model)]) == code

@@ -234,12 +234,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _out_of_memory(e: BaseException) -> bool:
     """torch.OutOfMemoryError (CUDA), the CPU allocator's refusal, or Python's MemoryError."""
-    text = str(e)
+    text = str(e).lower()
     return (
         isinstance(e, MemoryError)
         or type(e).__name__ == "OutOfMemoryError"
         or "can't allocate memory" in text
-        or "CUDA out of memory" in text
+        or "out of memory" in text  # CUDA and MPS spellings
+        or "cublas_status_alloc_failed" in text
     )
 
 

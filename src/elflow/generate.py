@@ -94,11 +94,11 @@ def check_sample_args(
             "--length applies to unconditional models; a conditional model writes its "
             "max_length - max_input_length target tokens"
         )
-    total = len(sources) if sources is not None else _num_samples(args)
+    total = len(sources) if sources is not None else requested_samples(args)
     check_request(pipe, total, sources, args.batch_size)
 
 
-def _num_samples(args: argparse.Namespace) -> int:
+def requested_samples(args: argparse.Namespace) -> int:
     return 16 if args.num_samples is None else args.num_samples
 
 
@@ -218,7 +218,7 @@ def sample_from_args(
     return sample_records(
         pipe,
         scfg,
-        n=_num_samples(args),
+        n=requested_samples(args),
         sources=sources,
         source_field=args.source_field,
         seed=args.seed,

@@ -127,7 +127,8 @@ def model_encoder(config: ArtifactConfig) -> FrozenEncoder:
 
 
 def check_encoder(encoder: FrozenEncoder, config: ArtifactConfig, device: torch.device) -> None:
-    """A given encoder must produce the latents the model was trained on, on its device."""
+    """A given encoder must have the model's latent width, layer and normalisation, and sit on
+    its device. (Which encoder it is cannot be checked: the config records only its name.)"""
     given = (encoder.hidden_size, encoder.layer, encoder.latent_mean, encoder.latent_std)
     wanted = (config.model.encoder_dim, config.encoder_layer, config.latent_mean, config.latent_std)
     if given != wanted:
@@ -154,7 +155,7 @@ class ELFPipeline:
         check_tokenizer(tokenizer, config)
         if config.conditional and encoder is None:
             raise ELFError("a conditional model needs its frozen encoder to encode the sources")
-        if encoder is not None:
+        if encoder is not None and config.conditional:  # an unconditional model never uses it
             check_encoder(encoder, config, next(model.parameters()).device)
         self.model = model.eval()
         self.config = config

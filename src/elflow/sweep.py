@@ -26,6 +26,7 @@ from elflow.generate import (
     add_sampling_arguments,
     check_sample_args,
     load_pipeline,
+    requested_samples,
     resolve_device,
     resolve_sampler,
     sample_from_args,
@@ -245,8 +246,17 @@ RESUME_KEYS = (
 """The options every cell of one sweep shares (``sweep.json``): a ``--resume`` must repeat them."""
 
 
-def sweep_settings(args: argparse.Namespace) -> dict[str, Any]:
-    return {key: getattr(args, key) for key in RESUME_KEYS}
+def sweep_settings(args: argparse.Namespace, cells: list[Cell]) -> dict[str, Any]:
+    """What ``sweep.json`` records: the shared options, with the checkpoint as the one it
+    resolves to (a run folder's latest checkpoint then, which a resume must sample too) and
+    local paths absolute; and the grid's cells."""
+    from elflow.artifact import resolve_source
+
+    settings = {key: getattr(args, key) for key in RESUME_KEYS}
+    settings["checkpoint"] = str(resolve_source(args.checkpoint).path.resolve())
+    if args.sources:
+        settings["sources"] = str(Path(args.sources).expanduser().resolve())
+    return {**settings, "cells": [c.name for c in cells]}
 
 
 def _check_previous(out: Path, overwrite: bool, resume: bool, settings: dict) -> bool:
@@ -270,22 +280,48 @@ def _check_previous(out: Path, overwrite: bool, resume: bool, settings: dict) ->
                 f"--resume: {out} has no readable {SETTINGS} (a sweep of an older elflow); "
                 "pass --overwrite to sample it again"
             ) from None
-        for key, value in settings.items():
-            if saved.get(key) != value:
+        for key in RESUME_KEYS:
+            if saved.get(key) != settings[key]:
                 raise ELFError(
                     f"--resume: the sweep in {out} was run with --{key.replace('_', '-')} "
-                    f"{saved.get(key)!r}, now {value!r}; give the same options, or --overwrite"
+                    f"{saved.get(key)!r}, now {settings[key]!r}; give the same options, or "
+                    "--overwrite"
                 )
+        dropped = [c for c in saved.get("cells", []) if c not in settings["cells"]]
+        if dropped:
+            raise ELFError(
+                f"--resume: the sweep in {out} also has cells {', '.join(dropped)}, which this "
+                "grid lacks (its table would leave them out); give the same grid or a larger "
+                "one, or --overwrite"
+            )
     return bool(found) and not resume
 
 
-def _read_metrics(path: Path) -> dict:
-    """A cell's saved metrics, with the nulls of metrics.json (NaN there) as NaN again."""
+def _read_metrics(path: Path) -> dict | None:
+    """A cell's saved metrics, with the nulls of metrics.json (NaN there) as NaN again; None
+    when the file is missing or unreadable (the cell is then scored again)."""
 
     def nan(v: Any) -> Any:
         return [nan(x) for x in v] if isinstance(v, list) else math.nan if v is None else v
 
-    return {k: nan(v) for k, v in json.loads(path.read_text()).items()}
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(saved, dict) or not isinstance(saved.get("sweep"), dict):
+        return None
+    return {k: nan(v) for k, v in saved.items()}
+
+
+def _read_samples(path: Path, expected: int) -> list[dict] | None:
+    """A cell's saved samples when the file holds all ``expected`` of them, else None."""
+    from elflow.evaluation import read_jsonl
+
+    try:
+        records = read_jsonl(path)
+    except (OSError, ELFError):
+        return None
+    return records if len(records) == expected else None
 
 
 def _clear_previous(out: Path) -> None:
@@ -331,7 +367,7 @@ def run(args: argparse.Namespace) -> int:
     cells = grid(args.sampler, args.steps, args.w, args.gamma)
     check_counts(args.score_batch_size, args.bootstrap, "--score-batch-size")
     out = output_dir(args.out, "--out")
-    settings = sweep_settings(args)
+    settings = sweep_settings(args, cells)
     previous = _check_previous(out, args.overwrite, args.resume, settings)
     info = resolve_device(args.device)
     try:
@@ -365,23 +401,25 @@ def run(args: argparse.Namespace) -> int:
         )
         rows = []
         keys = ("sampler", "steps", "nfe", "gamma", "w")
+        expected = len(sources) if sources is not None else requested_samples(args)
         for i, (cell, scfg) in enumerate(zip(cells, samplers, strict=True)):
             sample_file = out / "samples" / f"{cell.name}.jsonl"
             metrics_file = out / "metrics" / f"{cell.name}.json"
             # --resume: a scored cell is read back, a sampled one only scored (rank 0 decides,
             # so every rank skips the same collective sampling).
-            scored, sampled = broadcast_object(
-                (args.resume and metrics_file.is_file(), args.resume and sample_file.is_file())
-            )
+            metrics = records = None
+            if args.resume and info.is_main:
+                metrics = _read_metrics(metrics_file)
+                records = _read_samples(sample_file, expected) if metrics is None else None
+            scored, sampled = broadcast_object((metrics is not None, records is not None))
             if scored:
                 if info.is_main:
-                    metrics = _read_metrics(metrics_file)
                     done = metrics["sweep"]
                     rows.append(table_row(cell.name, done, metrics, done.get("seconds")))
                     print(f"[{i + 1}/{len(cells)}] {cell.name}: done earlier", file=sys.stderr)
                 continue
             if sampled:
-                records, seconds = (read_jsonl(sample_file) if info.is_main else []), None
+                seconds = None
             else:
                 result = sample_from_args(pipe, scfg, args, sources, info)
                 records, seconds = result.records, result.seconds

@@ -109,3 +109,19 @@ def test_a_cache_larger_than_memory_is_one_line(tokenizer, tiny_encoder, tmp_pat
         latent_cache.run_latent_cache(cfg, ds, tiny_encoder, tmp_path, True)
     monkeypatch.setattr(latent_cache, "available_memory", lambda: 2 * need)
     assert len(latent_cache.run_latent_cache(cfg, ds, tiny_encoder, tmp_path, True)) == 8
+
+
+def test_available_memory_takes_a_containers_limit(tmp_path):
+    from elflow.data.latent_cache import available_memory
+
+    (tmp_path / "proc").mkdir()
+    (tmp_path / "proc" / "meminfo").write_text("MemTotal: 9 kB\nMemAvailable:    8000 kB\n")
+    assert available_memory(tmp_path) == 8000 * 1024
+    cgroup = tmp_path / "sys" / "fs" / "cgroup"
+    cgroup.mkdir(parents=True)
+    (cgroup / "memory.max").write_text("max\n")  # v2, no limit
+    (cgroup / "memory.current").write_text("100\n")
+    assert available_memory(tmp_path) == 8000 * 1024
+    (cgroup / "memory.max").write_text("4096000\n")  # a container's 4 MB limit, 100 B in use
+    assert available_memory(tmp_path) == 4096000 - 100
+    assert available_memory(tmp_path / "nothing") is None

@@ -65,15 +65,30 @@ _CACHE_FIX = (
 )
 
 
-def available_memory() -> int | None:
-    """Bytes the kernel says can be allocated without swapping (/proc/meminfo), or None."""
+def available_memory(root: Path = Path("/")) -> int | None:
+    """Bytes this process can still allocate: the kernel's MemAvailable (/proc/meminfo), capped by
+    a container's cgroup limit (v2 memory.max - memory.current, or v1's limit - usage); None
+    where neither can be read (``root``: the file system's root, for tests)."""
+    found = []
     try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
+        for line in (root / "proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
+                found.append(int(line.split()[1]) * 1024)
     except (OSError, ValueError, IndexError):
         pass
-    return None
+    for limit, usage in (
+        ("memory.max", "memory.current"),
+        ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes"),
+    ):
+        try:
+            cap = (root / "sys/fs/cgroup" / limit).read_text().strip()
+            if cap != "max" and int(cap) < 2**60:  # v1 writes a huge number for "none"
+                used = int((root / "sys/fs/cgroup" / usage).read_text())
+                found.append(int(cap) - used)
+                break
+        except (OSError, ValueError):
+            continue
+    return min(found) if found else None
 
 
 def cache_nbytes(dataset: RowDataset, encoder: FrozenEncoder, dtype: torch.dtype | str) -> int:
@@ -114,6 +129,7 @@ class LatentCache:
         batch_size: int = 64,
         dtype: torch.dtype | str = torch.float16,
         progress: bool = False,
+        check_memory: bool = True,
     ) -> LatentCache:
         """Encode all rows of `dataset` in batches of `batch_size` on the encoder's device."""
         if isinstance(dtype, str):
@@ -122,7 +138,8 @@ class LatentCache:
             dtype = _DTYPES[dtype]
         n, L, E = len(dataset), dataset.max_length, encoder.hidden_size
         device = next(encoder.model.parameters()).device
-        check_cache_fits(cache_nbytes(dataset, encoder, dtype))
+        if check_memory:  # run_latent_cache checks once, before hashing the rows
+            check_cache_fits(cache_nbytes(dataset, encoder, dtype))
         try:
             latents = torch.empty(n, L, E, dtype=dtype)
             dropped = torch.empty(n, L, E, dtype=dtype) if dataset.conditional else None
@@ -219,7 +236,7 @@ def run_latent_cache(
             print(f"elflow train: latent cache loaded from {path}", flush=True)
         return cache
     t0 = time.perf_counter()
-    cache = LatentCache.build(dataset, encoder, dtype=dtype)
+    cache = LatentCache.build(dataset, encoder, dtype=dtype, check_memory=False)
     if key and is_main:
         try:
             out.mkdir(parents=True, exist_ok=True)
