@@ -34,6 +34,16 @@ def test_sample_keeps_an_existing_out_unless_overwrite(tmp_path, model, capsys):
     assert out.read_text() == "earlier results\n"
     assert run_cli(capsys, *argv, "--overwrite")[0] == 0
     assert len(out.read_text().splitlines()) == 2
+    # The trajectory page follows the same rule, and never takes --out's own file.
+    page = tmp_path / "earlier.html"
+    page.write_text("kept")
+    code, err = run_cli(capsys, *argv, "--overwrite", "--trajectory", out)
+    assert code == 2 and "--trajectory and --out name the same file" in err
+    code, err = run_cli(
+        capsys, *[a for a in argv if a != out], tmp_path / "n.jsonl", "--trajectory", page
+    )
+    assert code == 2 and "--trajectory" in err and "already exists" in err
+    assert page.read_text() == "kept" and len(out.read_text().splitlines()) == 2
 
 
 @pytest.mark.parametrize("flag", ["--out", "--trajectory"])

@@ -422,7 +422,9 @@ def run(args: argparse.Namespace) -> int:
         raise ELFError("--out - : give a JSONL file name (elflow generate prints texts instead)")
     output_file(args.out, "--out", overwrite=args.overwrite)
     if args.trajectory not in (None, "-"):
-        output_file(args.trajectory, "--trajectory")
+        if Path(args.trajectory).expanduser().resolve() == Path(args.out).expanduser().resolve():
+            raise ELFError("--trajectory and --out name the same file; give the page its own")
+        output_file(args.trajectory, "--trajectory", overwrite=args.overwrite)
     info = resolve_device(args.device)
     try:
         sources = sources_from_args(args)

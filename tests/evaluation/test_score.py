@@ -219,3 +219,10 @@ def test_conditional_samples_align_on_source_id():
     samples = [{"id": 0, "source_id": "b", "text": "x"}, {"id": 1, "source_id": "a", "text": "y"}]
     refs = [{"id": "a", "text": "ref a"}, {"id": "b", "text": "ref b"}]
     assert align_refs(samples, refs) == ["ref b", "ref a"]
+    # Sources without ids: a sample's id is its source's line, and so is its reference's
+    # (whatever ids the references carry; a head of the sources file takes the head of --refs).
+    made = [{"id": 0, "source": "s0", "text": "x"}, {"id": 1, "source": "s1", "text": "y"}]
+    shuffled = [{"id": 7, "text": "line 0"}, {"id": 3, "text": "line 1"}, {"id": 5, "text": "2"}]
+    assert align_refs(made, shuffled) == ["line 0", "line 1"]
+    with pytest.raises(ELFError, match=r"sample id 1 .* past the 1 references"):
+        align_refs(made, shuffled[:1])

@@ -60,9 +60,21 @@ def align_refs(samples: list[dict[str, Any]], refs: list[dict[str, Any]]) -> lis
     """Reference texts in sample order: by id when every row on both sides has one, else order.
 
     A conditional sample's own `id` is its row number; the id of the source line it came from is
-    `source_id` (written by `elflow sample`), which is what references are matched on.
+    `source_id` (written by `elflow sample`), which is what references are matched on. Without
+    source ids, a conditional sample (one with a `source`) takes the reference on its row's line.
     """
     key = "source_id" if samples and all("source_id" in s for s in samples) else "id"
+    positional = key == "id" and samples and all("source" in s for s in samples)
+    if positional and all(isinstance(s.get("id"), int) for s in samples):
+        # Conditional samples whose sources had no ids: `id` is the source's line number, so
+        # the reference is the same line of --refs (whatever ids the references carry).
+        bad = [s["id"] for s in samples if not 0 <= s["id"] < len(refs)]
+        if bad:
+            raise ELFError(
+                f"sample id {bad[0]} (its source's line) is past the {len(refs)} references; "
+                "give the references of the --sources file, line for line"
+            )
+        return [refs[s["id"]]["text"] for s in samples]
     for rows, k, what in ((samples, key, "sample"), (refs, "id", "reference")):
         have = [k in r for r in rows]
         if any(have) and not all(have):  # order alignment would then be silently wrong
