@@ -108,6 +108,11 @@ def test_generate_conditional(cond_dir):
     torch.testing.assert_close(one.tokens[0], out.tokens[0])
     with pytest.raises(ELFError, match="conditional"):
         pipe.generate(2)
+    # The conditional model's default gamma is 0: an SDE without a gamma would be its ODE.
+    with pytest.raises(ELFError, match=r"default gamma 0 is the ODE; give --gamma"):
+        pipe.generate(sources=sources, sampler="sde")
+    sde = pipe.generate(sources=sources, sampler="sde", gamma=1.5, seed=0)
+    assert sde != pipe.generate(sources=sources, seed=0)
 
 
 def test_a_given_encoder_must_fit_the_model(cond_dir):

@@ -97,6 +97,7 @@ def test_overrides_from_set_and_yaml(tmp_path):
         (["train.seed=-1"], "train.seed must be >= 0"),
         (['objective={"time_mean": -3}'], "names a whole section"),
         (["train.warmup_epochs=0.5", "optim.warmup_steps=10"], "both set the warm-up"),
+        (["train.epochs=2"], "train.epochs=2.0 applies when train.max_steps=0 (it is 7000)"),
         (["max_input_length=abc"], "max_input_length must be an integer, got 'abc'"),
         (["train.epochs=Infinity"], "train.epochs must be a finite number, got inf"),
         (["encoder.latent_std=NaN"], "encoder.latent_std must be a finite number, got nan"),

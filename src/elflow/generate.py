@@ -29,7 +29,7 @@ from elflow.errors import ELFError, note_once
 from elflow.hardware import bf16_autocast, fast_bf16
 from elflow.jsonl import read_jsonl, write_jsonl
 from elflow.paths import input_file, output_file
-from elflow.pipeline import ELFPipeline
+from elflow.pipeline import ELFPipeline, check_sde_gamma
 from elflow.sampling import nfe
 
 # Few-step students (spec §5, "Distilled few-step"): (gamma, w) by number of steps. The paper
@@ -127,6 +127,7 @@ def resolve_sampler(
         raise ELFError(f"unknown preset {preset!r}; use 'model' or 'fewstep'")
     if cfg is not None and cfg != 1.0 and not pipe.config.conditional:
         raise ELFError("--cfg (classifier-free guidance) applies to conditional models only")
+    check_sde_gamma(base, sampler, gamma)
     given = {
         "steps": steps,
         "sampler": sampler,

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from elflow.artifact import ArtifactConfig, load_resolved, read_config, resolve_source
+from elflow.config import SamplerConfig
 from elflow.encoder import FrozenEncoder, resolve_pretrained
 from elflow.errors import ELFError
 from elflow.model import ELF
@@ -126,6 +127,16 @@ def model_encoder(config: ArtifactConfig) -> FrozenEncoder:
     )
 
 
+def check_sde_gamma(base: SamplerConfig, sampler: str | None, gamma: float | None) -> None:
+    """An SDE asked for over a model whose default gamma is 0 (the conditional presets' ODE)
+    would silently be that ODE: the gamma must be given."""
+    if sampler == "sde" and gamma is None and base.gamma == 0.0:
+        raise ELFError(
+            "the SDE with this model's default gamma 0 is the ODE; give --gamma (gamma=), e.g. "
+            "1.5, the paper's unconditional value"
+        )
+
+
 def check_encoder(encoder: FrozenEncoder, config: ArtifactConfig, device: torch.device) -> None:
     """A given encoder must have the model's latent width, layer and normalisation, and sit on
     its device. (Which encoder it is cannot be checked: the config records only its name.)"""
@@ -204,6 +215,7 @@ class ELFPipeline:
 
     def sampler_config(self, **overrides: Any):
         """The model's sampler defaults with the non-None ``overrides`` applied."""
+        check_sde_gamma(self.config.sampler, overrides.get("sampler"), overrides.get("gamma"))
         return replace(self.config.sampler, **{k: v for k, v in overrides.items() if v is not None})
 
     def encode_sources(self, sources: Sequence[str]) -> tuple[Condition, Tensor]:

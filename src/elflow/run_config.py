@@ -282,6 +282,11 @@ def check_user_config(cfg: RunConfig, base: RunConfig | None = None) -> RunConfi
             f"({cfg.data.valid_path}): the held-out 'valid' loss is measured on it; set "
             "data.valid_path to your validation data (empty: none)"
         )
+    if base is not None and cfg.train.epochs != base.train.epochs and cfg.train.max_steps > 0:
+        raise ELFError(
+            f"train.epochs={cfg.train.epochs} applies when train.max_steps=0 (it is "
+            f"{cfg.train.max_steps}); set train.max_steps=0 to train by epochs"
+        )
     o = cfg.optim
     if cfg.train.warmup_epochs > 0 and o.warmup_steps > 0:
         raise ELFError(
