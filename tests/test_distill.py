@@ -218,11 +218,13 @@ def test_another_teacher_is_refused(tmp_path, assets, teacher, capsys):  # noqa:
     assert distill_cli(tmp_path, out, assets, teacher, "2/2", max_steps=1) == 0
     record = json.loads((out / "teacher.json").read_text())
     assert record["teacher"] == str(teacher.resolve()) and len(record["teacher_sha256"]) == 64
+    assert record["checkpoint"] == str(teacher)
     saved = (out / "round-1-2x2" / "checkpoint-1" / "model.safetensors").read_bytes()
     capsys.readouterr()
     assert distill_cli(tmp_path, out, assets, other, "2/2", max_steps=1) == 2
     err = error_lines(capsys.readouterr().err)
-    assert len(err) == 1 and f"distilled from teacher '{teacher.resolve()}'" in err[0]
+    assert len(err) == 1 and f"distilled from teacher {teacher} (weights sha256" in err[0]
+    assert f"not {other} (" in err[0]  # the checkpoints themselves, not the names typed
     assert "--teacher" in err[0] and "new --out" in err[0]
     # A folder distilled before teacher.json existed: its rounds' round.json name the teacher.
     (out / "teacher.json").unlink()

@@ -792,3 +792,20 @@ def test_clip_grad_norm_zero_disables_clipping(tmp_path, assets):
     assert train_cli(tmp_path, tmp_path / "init", run_config(assets, train={"max_steps": 0})) == 0
     start = weights(next((tmp_path / "init").glob("checkpoint-*")))
     assert any((runs[0.0][k] - start[k]).abs().max() > 0 for k in start)
+
+
+def test_a_branch_without_tokens_logs_nan_not_zero(tmp_path, assets):
+    """With no decoder rows the cross-entropy is unknown (NaN), not 0; l2 is a token mean."""
+    import math
+
+    cfg = run_config(
+        assets,
+        objective={"decoder_prob": 0.0},
+        train={"max_steps": 2, "eval_every": 2, "eval_rows": 4, "log_every": 2},
+    )
+    cfg["data"]["valid_path"] = cfg["data"]["path"]
+    assert train_cli(tmp_path, tmp_path / "run", cfg) == 0
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    step, held = lines[0], heldout_lines(tmp_path / "run")[0]
+    assert math.isnan(step["ce"]) and step["l2"] > 0 and step["loss"] == pytest.approx(step["l2"])
+    assert math.isnan(held["valid_ce"]) and held["valid_l2"] > 0

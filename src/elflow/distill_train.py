@@ -366,18 +366,22 @@ def _claim_out(out: Path, teacher_source: str, sha: str, info: DistInfo) -> None
     if info.is_main:
         recorded = _recorded_teacher(out)
         trained = any(ckpt_io.find_checkpoint(d) for d in out.glob("round-*") if d.is_dir())
+        checkpoint = str(resolve_source(teacher_source).path)  # a run folder: its latest
         if trained and recorded is not None and recorded["teacher_sha256"] != sha:
+            was = recorded.get("checkpoint", recorded.get("teacher"))
             problem = (
-                f"--out {out} holds rounds distilled from teacher '{recorded.get('teacher')}' "
-                f"(weights sha256 {recorded['teacher_sha256'][:12]}...), not '{teacher_source}' "
-                f"({sha[:12]}...); give that --teacher to continue, or use a new --out"
+                f"--out {out} holds rounds distilled from teacher {was} (weights sha256 "
+                f"{recorded['teacher_sha256'][:12]}...), not {checkpoint} ({sha[:12]}...; a run "
+                "folder gives its latest checkpoint); give that --teacher to continue, or use a "
+                "new --out"
             )
         else:  # the first start, or the same weights (perhaps moved): (re)write the record
             local = Path(teacher_source).expanduser()
             name = str(local.resolve()) if local.exists() else str(teacher_source)
             out.mkdir(parents=True, exist_ok=True)
             tmp = out / f".{TEACHER_RECORD}.tmp-{os.getpid()}"
-            tmp.write_text(json.dumps({"teacher": name, "teacher_sha256": sha}) + "\n")
+            record = {"teacher": name, "checkpoint": checkpoint, "teacher_sha256": sha}
+            tmp.write_text(json.dumps(record) + "\n")
             os.replace(tmp, out / TEACHER_RECORD)
     _raise_everywhere(problem)
 

@@ -456,8 +456,8 @@ def run(args: argparse.Namespace) -> int:
             write_jsonl(args.out, result.records)
             if result.frames is not None:
                 meta = {k: v for k, v in result.records[0].items() if k not in ("id", "text")}
-                meta.pop("source", None)
-                meta.pop("tokens", None)
+                for per_sample in ("source", "source_id", "tokens"):  # record 0's, not all's
+                    meta.pop(per_sample, None)
                 write_trajectory(args.trajectory, result.frames, meta)
             rate = len(result.records) / max(result.seconds, 1e-9)
             print(

@@ -11,6 +11,7 @@ only through the weights and the two splits see the same draws.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -103,8 +104,9 @@ def heldout_loss(
     denom, l2_sum, ce_sum, l2_n, ce_n = all_reduce_sum(totals).tolist()
     return {
         f"{split.name}_loss": (l2_sum + ce_sum) / max(denom, 1.0),
-        f"{split.name}_l2": l2_sum / max(l2_n, 1.0),
-        f"{split.name}_ce": ce_sum / max(ce_n, 1.0),
+        # NaN, not 0, when the split's draws give a branch no row (a handful of eval rows)
+        f"{split.name}_l2": l2_sum / l2_n if l2_n else math.nan,
+        f"{split.name}_ce": ce_sum / ce_n if ce_n else math.nan,
     }
 
 

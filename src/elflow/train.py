@@ -253,13 +253,20 @@ def train(
             optimizer.zero_grad(set_to_none=True)
             ema.update(model)
             tokens_since += G * L
-            for k in ("loss", "l2", "ce"):
-                sums[k] = sums.get(k, 0.0) + metrics[k]
+            sums["loss"] = sums.get("loss", 0.0) + metrics["loss"]
             sums["n"] = sums.get("n", 0) + 1
+            for k, v in zip(("l2_sum", "ce_sum", "l2_n", "ce_n"), metrics["stats"], strict=True):
+                sums[k] = sums.get(k, 0.0) + v
             done = step + 1
             if done % cfg.train.log_every == 0 or done == total_steps:
                 now = time.perf_counter()
-                line = {k: sums[k] / sums["n"] for k in ("loss", "l2", "ce")}
+                # The branch losses are token means over the logging window (a step whose rows
+                # give a branch no token adds nothing to it); NaN if the window had none.
+                line = {
+                    "loss": sums["loss"] / sums["n"],
+                    "l2": sums["l2_sum"] / sums["l2_n"] if sums["l2_n"] else math.nan,
+                    "ce": sums["ce_sum"] / sums["ce_n"] if sums["ce_n"] else math.nan,
+                }
                 line |= {
                     "lr": lr,
                     "grad_norm": float(grad_norm),
@@ -390,7 +397,7 @@ class _StepContext:
             self.cfg, self.dataset, self.cache, self.encoder, self.info.device, row_idx, positions
         )
 
-    def accumulate(self, step: int) -> dict[str, float]:
+    def accumulate(self, step: int) -> dict[str, Any]:
         cfg, info = self.cfg, self.info
         G, W = cfg.train.global_batch, info.world_size
         parts = []
@@ -413,11 +420,7 @@ class _StepContext:
                 (out.numerator * (W / max(denom, 1.0))).backward()
             stats += out.stats
         stats = all_reduce_sum(stats).tolist()
-        return {
-            "loss": (stats[0] + stats[1]) / max(denom, 1.0),
-            "l2": stats[0] / max(stats[2], 1.0),
-            "ce": stats[1] / max(stats[3], 1.0),
-        }
+        return {"loss": (stats[0] + stats[1]) / max(denom, 1.0), "stats": stats}
 
 
 def _loss_mask(batch: Batch, pad_with_eos: bool) -> Tensor:
