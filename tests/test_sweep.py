@@ -108,3 +108,29 @@ def test_frontier_without_reference(tmp_path):
     ]
     path = sweep.plot_frontier(tmp_path / "f.png", rows)
     assert path.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_conditional_sweep_scores_bleu_against_refs(tmp_path):
+    from tests.test_sample_cli import make_cond
+
+    model = make_cond(tmp_path / "cond")
+    sources = tmp_path / "src.jsonl"
+    pairs = [{"de": "ein werkzeug", "en": "a tool"}, {"de": "eine bibliothek", "en": "a library"}]
+    sources.write_text("".join(json.dumps(p) + "\n" for p in pairs))
+    out = tmp_path / "sweep"
+    argv = ["sweep", "--checkpoint", str(model), "--sources", str(sources), "--source-field", "de"]
+    argv += ["--out", str(out), "--sampler", "ode", "--steps", "2", "--judge", "none"]
+    argv += ["--bootstrap", "0", "--refs", str(sources), "--ref-field", "en"]
+    assert elflow_main(argv) == 0
+    with (out / "table.csv").open() as f:
+        row = next(csv.DictReader(f))
+    metrics = json.loads((out / "metrics" / "ode-n2-wdefault.json").read_text())
+    assert float(row["bleu"]) == pytest.approx(metrics["bleu"]) and "rougeL" in metrics
+    # The same cell scored by `elflow score` against the same references.
+    parser = argparse.ArgumentParser()
+    score_cli.add_arguments(parser)
+    scored = tmp_path / "m.json"
+    score = ["--samples", str(out / "samples" / "ode-n2-wdefault.jsonl"), "--out", str(scored)]
+    score += ["--judge", "none", "--bootstrap", "0", "--refs", str(sources), "--ref-field", "en"]
+    assert score_cli.run(parser.parse_args(score)) == 0
+    assert json.loads(scored.read_text())["bleu"] == metrics["bleu"]

@@ -51,6 +51,8 @@ COLUMNS = (
     "num_samples",
     "num_empty",
     "seconds",
+    "bleu",
+    "rougeL",
 )
 
 
@@ -139,6 +141,8 @@ def table_row(name: str, settings: dict, metrics: dict, seconds: float | None) -
         "num_samples": metrics.get("num_samples", ""),
         "num_empty": metrics.get("num_empty", ""),
         "seconds": "" if seconds is None else round(seconds, 3),
+        "bleu": metrics.get("bleu", ""),  # with --refs
+        "rougeL": metrics.get("rougeL", ""),
     }
 
 
@@ -242,6 +246,8 @@ RESUME_KEYS = (
     "protocol",
     "bootstrap",
     "bootstrap_seed",
+    "refs",
+    "ref_field",
 )
 """The options every cell of one sweep shares (``sweep.json``): a ``--resume`` must repeat them."""
 
@@ -254,8 +260,9 @@ def sweep_settings(args: argparse.Namespace, cells: list[Cell]) -> dict[str, Any
 
     settings = {key: getattr(args, key) for key in RESUME_KEYS}
     settings["checkpoint"] = str(resolve_source(args.checkpoint).path.resolve())
-    if args.sources:
-        settings["sources"] = str(Path(args.sources).expanduser().resolve())
+    for key in ("sources", "refs"):
+        if getattr(args, key):
+            settings[key] = str(Path(getattr(args, key)).expanduser().resolve())
     return {**settings, "cells": [c.name for c in cells]}
 
 
@@ -348,6 +355,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cfg", type=float, help="classifier-free guidance (conditional models)")
     p.add_argument("--judge", default=DEFAULT_JUDGE, help="judge LM for gen PPL (see elflow score)")
     p.add_argument("--reference", help="JSONL of real text ('text'): its point on the frontier")
+    p.add_argument("--refs", help="conditional: JSONL references; adds BLEU and ROUGE per cell")
+    p.add_argument("--ref-field", default="text", help="field of --refs holding the reference")
     p.add_argument("--protocol", default="paper", choices=list(PROTOCOLS))
     p.add_argument("--score-batch-size", type=int, default=16, help="samples per judge forward")
     p.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples (0: no CIs)")
@@ -362,7 +371,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """``elflow sweep``; generation is shared across ``torchrun`` ranks, scoring is on rank 0."""
     from elflow.evaluation import load_judge, read_jsonl, score_samples
-    from elflow.evaluation.cli import check_counts, write_metrics
+    from elflow.evaluation.cli import check_counts, read_refs, write_metrics
 
     cells = grid(args.sampler, args.steps, args.w, args.gamma)
     check_counts(args.score_batch_size, args.bootstrap, "--score-batch-size")
@@ -373,6 +382,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         sources = sources_from_args(args)
         reference = read_jsonl(args.reference) if args.reference else None
+        refs = read_refs(args.refs, args.ref_field) if args.refs else None
         if reference is not None and not reference:
             raise ELFError(f"--reference {args.reference} holds no texts")
         pipe = load_pipeline(args, info)
@@ -427,7 +437,7 @@ def run(args: argparse.Namespace) -> int:
                 continue
             if not sampled:
                 write_jsonl(sample_file, records)
-            metrics = score_samples(records, **score)
+            metrics = score_samples(records, refs=refs, **score)
             cell_settings = {k: records[0][k] for k in keys}
             write_metrics(
                 metrics_file,

@@ -96,18 +96,21 @@ def check_counts(batch_size: int, bootstrap: int, batch_flag: str = "--batch-siz
         raise ELFError(f"--bootstrap must be >= 0 (0: no intervals), got {bootstrap}")
 
 
+def read_refs(path: str, field: str) -> list[dict]:
+    """``--refs`` rows with the reference (in ``field``, ``--ref-field``) as their ``text``."""
+    rows = read_jsonl(path, field, field_flag="--ref-field")
+    if not rows:
+        raise ELFError(f"--refs {path} holds no references")
+    return [{**r, "text": r[field]} for r in rows]
+
+
 def run(args: argparse.Namespace) -> int:
     check_counts(args.batch_size, args.bootstrap)
     out = output_file(args.out, "--out", overwrite=args.overwrite)
     samples = read_jsonl(args.samples)
     if not samples:
         raise ELFError(f"--samples {args.samples} holds no samples")
-    refs = None
-    if args.refs:
-        rows = read_jsonl(args.refs, args.ref_field, field_flag="--ref-field")
-        refs = [{**r, "text": r[args.ref_field]} for r in rows]
-        if not refs:
-            raise ELFError(f"--refs {args.refs} holds no references")
+    refs = read_refs(args.refs, args.ref_field) if args.refs else None
     judge = None if args.judge.lower() == "none" else args.judge
     metrics = score_samples(
         samples,
