@@ -197,6 +197,9 @@ def test_not_a_model_errors(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ELFError, match="holds no elflow model"):
         load_model(tmp_path / "empty")
+    (tmp_path / "empty" / "round-1-4x8").mkdir()  # an elflow distill --out
+    with pytest.raises(ELFError, match=r"a distillation folder: pass one of its rounds, e\.g\. ro"):
+        load_model(tmp_path / "empty")
 
 
 def test_artifact_save_load_round_trip(tmp_path):

@@ -316,9 +316,11 @@ def resolve_source(source: str | Path) -> ResolvedSource:
     official = latest_official_checkpoint(path)
     if official is not None:
         return ResolvedSource("official", official, name)
+    rounds = sorted(p.name for p in path.glob("round-*-*x*") if p.is_dir())
+    hint = f" (a distillation folder: pass one of its rounds, e.g. {rounds[-1]})" if rounds else ""
     raise ELFError(
         f"{name!r} holds no elflow model (config.json + model.safetensors), no checkpoint-<step> "
-        "folder and no authors' checkpoint_<step> file"
+        f"folder and no authors' checkpoint_<step> file{hint}"
     )
 
 
