@@ -126,6 +126,19 @@ def test_conditional_sweep_scores_bleu_against_refs(tmp_path):
         row = next(csv.DictReader(f))
     metrics = json.loads((out / "metrics" / "ode-n2-wdefault.json").read_text())
     assert float(row["bleu"]) == pytest.approx(metrics["bleu"]) and "rougeL" in metrics
+    assert "| BLEU | ROUGE-L |" in (out / "table.md").read_text()
+    # References that cannot align are refused before the earlier sweep is touched.
+    short = tmp_path / "short.jsonl"
+    short.write_text(json.dumps(pairs[0]) + "\n")
+    refs_at = argv.index("--refs")
+    bad = [*argv[: refs_at + 1], str(short), *argv[refs_at + 2 :]]
+    assert elflow_main([*bad, "--overwrite"]) == 2
+    assert (out / "table.csv").is_file() and (out / "samples" / "ode-n2-wdefault.jsonl").is_file()
+    # A sweep.json written before --refs was recorded still resumes.
+    saved = json.loads((out / "sweep.json").read_text())
+    saved.pop("refs"), saved.pop("ref_field")
+    (out / "sweep.json").write_text(json.dumps(saved))
+    assert elflow_main([*argv[:refs_at], "--resume"]) == 0
     # The same cell scored by `elflow score` against the same references.
     parser = argparse.ArgumentParser()
     score_cli.add_arguments(parser)

@@ -366,7 +366,7 @@ def _claim_out(out: Path, teacher_source: str, sha: str, info: DistInfo) -> None
     if info.is_main:
         recorded = _recorded_teacher(out)
         trained = any(ckpt_io.find_checkpoint(d) for d in out.glob("round-*") if d.is_dir())
-        checkpoint = str(resolve_source(teacher_source).path)  # a run folder: its latest
+        checkpoint = str(resolve_source(teacher_source).path.resolve())  # a run: its latest
         if trained and recorded is not None and recorded["teacher_sha256"] != sha:
             was = recorded.get("checkpoint", recorded.get("teacher"))
             problem = (

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
 import os
 import zlib
 from collections.abc import Iterator, Sequence
@@ -105,3 +106,14 @@ def write_jsonl(path: str | Path, records: Sequence[dict]) -> Path:
             f.write(json.dumps(rec, ensure_ascii=False) + "\n")
     os.replace(tmp, path)
     return path
+
+
+def finite_or_null(value: Any) -> Any:
+    """NaN/inf (gen PPL when every sample is empty) become null, so metrics.json is strict JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: finite_or_null(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite_or_null(v) for v in value]
+    return value

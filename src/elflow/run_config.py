@@ -285,7 +285,7 @@ def check_user_config(cfg: RunConfig, base: RunConfig | None = None) -> RunConfi
     if base is not None and cfg.train.epochs != base.train.epochs and cfg.train.max_steps > 0:
         raise ELFError(
             f"train.epochs={cfg.train.epochs} applies when train.max_steps=0 (it is "
-            f"{cfg.train.max_steps}); set train.max_steps=0 to train by epochs"
+            f"{cfg.train.max_steps}); drop it, or set train.max_steps=0 to train by epochs"
         )
     o = cfg.optim
     if cfg.train.warmup_epochs > 0 and o.warmup_steps > 0:

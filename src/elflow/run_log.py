@@ -23,7 +23,7 @@ from elflow.distributed import DistInfo
 from elflow.ema import EMA, ema_network
 from elflow.encoder import FrozenEncoder
 from elflow.errors import ELFError
-from elflow.jsonl import write_jsonl
+from elflow.jsonl import finite_or_null, write_jsonl
 from elflow.run_config import RunConfig, run_config_to_dict
 from elflow.sampling import Condition, sample, sample_generators
 from elflow.tokens import detokenize, shift_out_source, token_spec
@@ -72,7 +72,9 @@ class MetricsLogger:
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if not self.enabled:
             return
-        self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
+        # Strict JSON: a NaN (a branch without tokens) is written as null.
+        line = finite_or_null({"step": step, **metrics})
+        self.jsonl.write(json.dumps(line, allow_nan=False) + "\n")
         self.jsonl.flush()
         if self.tb is not None:
             for k, v in metrics.items():

@@ -161,14 +161,19 @@ def write_tables(folder: Path, rows: list[dict], protocol: str) -> None:
         writer = csv.DictWriter(f, fieldnames=COLUMNS)
         writer.writeheader()
         writer.writerows(rows)
+    refs = any(r["bleu"] != "" for r in rows)  # scored against --refs: BLEU and ROUGE-L too
     head = "| sampler | steps | nfe | gamma | w | gen PPL [95% CI] | entropy | empty | seconds |"
-    lines = [head, "|" + "---|" * 9]
+    head += " BLEU | ROUGE-L |" if refs else ""
+    lines = [head, "|" + "---|" * (11 if refs else 9)]
     for r in rows:
         ppl = f"{_num(r['gen_ppl'])} [{_num(r['gen_ppl_lo'])}, {_num(r['gen_ppl_hi'])}]"
-        lines.append(
+        line = (
             f"| {r['sampler']} | {r['steps']} | {r['nfe']} | {r['gamma']} | {r['w']} | {ppl} | "
             f"{_num(r['entropy'], 3)} | {r['num_empty']} | {r['seconds']} |"
         )
+        if refs:
+            line += f" {_num(r['bleu'])} | {_num(r['rougeL'])} |"
+        lines.append(line)
     lines.append(f"\nScored with protocol: {protocol}")
     (folder / "table.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
 
@@ -250,6 +255,8 @@ RESUME_KEYS = (
     "ref_field",
 )
 """The options every cell of one sweep shares (``sweep.json``): a ``--resume`` must repeat them."""
+RESUME_DEFAULTS = {"refs": None, "ref_field": "text"}
+"""Their values in a ``sweep.json`` written before they were recorded."""
 
 
 def sweep_settings(args: argparse.Namespace, cells: list[Cell]) -> dict[str, Any]:
@@ -288,11 +295,11 @@ def _check_previous(out: Path, overwrite: bool, resume: bool, settings: dict) ->
                 "pass --overwrite to sample it again"
             ) from None
         for key in RESUME_KEYS:
-            if saved.get(key) != settings[key]:
+            was = saved.get(key, RESUME_DEFAULTS.get(key))  # keys added since (sweep.json)
+            if was != settings[key]:
                 raise ELFError(
                     f"--resume: the sweep in {out} was run with --{key.replace('_', '-')} "
-                    f"{saved.get(key)!r}, now {settings[key]!r}; give the same options, or "
-                    "--overwrite"
+                    f"{was!r}, now {settings[key]!r}; give the same options, or --overwrite"
                 )
         dropped = [c for c in saved.get("cells", []) if c not in settings["cells"]]
         if dropped:
@@ -302,6 +309,15 @@ def _check_previous(out: Path, overwrite: bool, resume: bool, settings: dict) ->
                 "one, or --overwrite"
             )
     return bool(found) and not resume
+
+
+def stub_records(sources: list[dict], field: str) -> list[dict]:
+    """What ``elflow sample`` writes for ``sources``, short of the text: enough to align refs."""
+    return [
+        {"id": i, "source": s[field], "sampler": "", "nfe": 0}
+        | ({"source_id": s["id"]} if "id" in s else {})
+        for i, s in enumerate(sources)
+    ]
 
 
 def _read_metrics(path: Path) -> dict | None:
@@ -372,6 +388,7 @@ def run(args: argparse.Namespace) -> int:
     """``elflow sweep``; generation is shared across ``torchrun`` ranks, scoring is on rank 0."""
     from elflow.evaluation import load_judge, read_jsonl, score_samples
     from elflow.evaluation.cli import check_counts, read_refs, write_metrics
+    from elflow.evaluation.score import align_refs
 
     cells = grid(args.sampler, args.steps, args.w, args.gamma)
     check_counts(args.score_batch_size, args.bootstrap, "--score-batch-size")
@@ -395,6 +412,8 @@ def run(args: argparse.Namespace) -> int:
             for c in cells
         ]
         check_sample_args(pipe, args, sources)
+        if refs is not None and sources is not None:  # references that cannot align: now
+            align_refs(stub_records(sources, args.source_field), refs)
         if info.is_main:
             judge = None if args.judge.lower() == "none" else load_judge(args.judge)
             if previous:  # only now that the new sweep has everything it needs to start

@@ -221,8 +221,15 @@ def test_conditional_samples_align_on_source_id():
     assert align_refs(samples, refs) == ["ref b", "ref a"]
     # Sources without ids: a sample's id is its source's line, and so is its reference's
     # (whatever ids the references carry; a head of the sources file takes the head of --refs).
-    made = [{"id": 0, "source": "s0", "text": "x"}, {"id": 1, "source": "s1", "text": "y"}]
+    made = [
+        {"id": i, "source": f"s{i}", "text": t, "sampler": "ode", "nfe": 2}
+        for i, t in enumerate("xy")
+    ]
     shuffled = [{"id": 7, "text": "line 0"}, {"id": 3, "text": "line 1"}, {"id": 5, "text": "2"}]
     assert align_refs(made, shuffled) == ["line 0", "line 1"]
     with pytest.raises(ELFError, match=r"sample id 1 .* past the 1 references"):
         align_refs(made, shuffled[:1])
+    # Records from other tools (no elflow settings) keep matching on their ids.
+    other = [{"id": 1, "source": "s", "text": "x"}, {"id": 2, "source": "t", "text": "y"}]
+    refs = [{"id": 1, "text": "r1"}, {"id": 2, "text": "r2"}, {"id": 3, "text": "r3"}]
+    assert align_refs(other, refs) == ["r1", "r2"]

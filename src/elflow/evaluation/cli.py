@@ -11,12 +11,11 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Any
 
 from elflow.errors import ELFError
 from elflow.evaluation.judge import DEFAULT_JUDGE
 from elflow.evaluation.score import PROTOCOLS, protocol_line, score_samples
-from elflow.jsonl import read_jsonl
+from elflow.jsonl import finite_or_null, read_jsonl
 from elflow.paths import output_file
 
 SUMMARY_KEYS = (
@@ -66,17 +65,6 @@ def summary(metrics: dict) -> str:
         lines.append(line)
     lines.append(protocol_line(metrics))
     return "\n".join(lines)
-
-
-def finite_or_null(value: Any) -> Any:
-    """NaN/inf (gen PPL when every sample is empty) become null, so metrics.json is strict JSON."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: finite_or_null(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [finite_or_null(v) for v in value]
-    return value
 
 
 def write_metrics(path: Path, metrics: dict) -> None:

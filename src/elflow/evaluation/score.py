@@ -61,13 +61,15 @@ def align_refs(samples: list[dict[str, Any]], refs: list[dict[str, Any]]) -> lis
 
     A conditional sample's own `id` is its row number; the id of the source line it came from is
     `source_id` (written by `elflow sample`), which is what references are matched on. Without
-    source ids, a conditional sample (one with a `source`) takes the reference on its row's line.
+    source ids, a conditional record of `elflow sample` (with `source` and its settings) takes the
+    reference on its row's line.
     """
     key = "source_id" if samples and all("source_id" in s for s in samples) else "id"
-    positional = key == "id" and samples and all("source" in s for s in samples)
+    written = ("source", "sampler", "nfe")  # a conditional record of `elflow sample`
+    positional = key == "id" and samples and all(all(k in s for k in written) for s in samples)
     if positional and all(isinstance(s.get("id"), int) for s in samples):
-        # Conditional samples whose sources had no ids: `id` is the source's line number, so
-        # the reference is the same line of --refs (whatever ids the references carry).
+        # elflow sample's conditional records whose sources had no ids: `id` is the source's
+        # line number, so the reference is the same line of --refs (whatever ids it carries).
         bad = [s["id"] for s in samples if not 0 <= s["id"] < len(refs)]
         if bad:
             raise ELFError(
