@@ -253,7 +253,7 @@ def apply_overrides(
     return check_user_config(run_config_from_dict(data), cfg)
 
 
-def check_user_config(cfg: RunConfig, base: RunConfig | None = None) -> RunConfig:
+def check_user_config(cfg: RunConfig, base: RunConfig) -> RunConfig:
     """Settings that would be silently ignored, refused: those only a conditional task uses on an
     unconditional one, two warm-up lengths, and schedule settings the schedule does not use
     (those changed from ``base``, the config overridden: a preset's own decay_steps is harmless
@@ -271,8 +271,7 @@ def check_user_config(cfg: RunConfig, base: RunConfig | None = None) -> RunConfi
             "(the source's share of each row); leave it at 0"
         )
     if (
-        base is not None
-        and cfg.train.eval_every
+        cfg.train.eval_every
         and base.data.valid_path
         and cfg.data.path != base.data.path
         and cfg.data.valid_path == base.data.valid_path
@@ -282,7 +281,7 @@ def check_user_config(cfg: RunConfig, base: RunConfig | None = None) -> RunConfi
             f"({cfg.data.valid_path}): the held-out 'valid' loss is measured on it; set "
             "data.valid_path to your validation data (empty: none)"
         )
-    if base is not None and cfg.train.epochs != base.train.epochs and cfg.train.max_steps > 0:
+    if cfg.train.epochs != base.train.epochs and cfg.train.max_steps > 0:
         raise ELFError(
             f"train.epochs={cfg.train.epochs} applies when train.max_steps=0 (it is "
             f"{cfg.train.max_steps}); drop it, or set train.max_steps=0 to train by epochs"
@@ -293,7 +292,7 @@ def check_user_config(cfg: RunConfig, base: RunConfig | None = None) -> RunConfi
             f"train.warmup_epochs={cfg.train.warmup_epochs} and optim.warmup_steps="
             f"{o.warmup_steps} both set the warm-up; set the other one to 0"
         )
-    was = base.optim if base is not None else OptimConfig()
+    was = base.optim
     if o.decay_steps != was.decay_steps and o.decay_steps and o.schedule != "wsd":
         raise ELFError(
             f"optim.decay_steps={o.decay_steps} applies to optim.schedule=wsd only (it is "

@@ -104,11 +104,11 @@ def truncate_metrics(path: Path, step: int) -> list[str]:
     the lines of later steps."""
     keep, later = [], []
     for line in path.read_text().splitlines(keepends=True):
+        if not line.endswith("\n"):
+            continue
         try:
             record = json.loads(line)
         except json.JSONDecodeError:
-            continue
-        if not line.endswith("\n"):
             continue
         (keep if isinstance(record, dict) and record.get("step", 0) <= step else later).append(line)
     tmp = path.with_name(f".{path.name}.tmp")

@@ -32,7 +32,7 @@ from elflow.generate import (
     sample_from_args,
     sources_from_args,
 )
-from elflow.jsonl import write_jsonl
+from elflow.jsonl import read_jsonl, write_jsonl
 from elflow.paths import output_dir
 
 COLUMNS = (
@@ -338,8 +338,6 @@ def _read_metrics(path: Path) -> dict | None:
 
 def _read_samples(path: Path, expected: int) -> list[dict] | None:
     """A cell's saved samples when the file holds all ``expected`` of them, else None."""
-    from elflow.evaluation import read_jsonl
-
     try:
         records = read_jsonl(path)
     except (OSError, ELFError):
@@ -386,7 +384,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """``elflow sweep``; generation is shared across ``torchrun`` ranks, scoring is on rank 0."""
-    from elflow.evaluation import load_judge, read_jsonl, score_samples
+    from elflow.evaluation import load_judge, score_samples
     from elflow.evaluation.cli import check_counts, read_refs, write_metrics
     from elflow.evaluation.score import align_refs
 

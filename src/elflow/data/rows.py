@@ -222,8 +222,9 @@ def build_dataset(
     if split == "valid" and not location:
         raise ELFError("no validation data; set data.valid_path")
     hf_split = cfg.hf_split if split == "train" else cfg.hf_valid_split
+    spec = token_spec(tokenizer)
     if pad_id is None:
-        pad_id = token_spec(tokenizer).pad_id
+        pad_id = spec.pad_id
     kwargs = dict(
         max_length=max_length,
         pad_id=pad_id,
@@ -238,7 +239,7 @@ def build_dataset(
         )
     else:
         target, source = tokenize_source(src, cfg, tokenizer)
-        rows = RowDataset(target, source=source, eos_id=token_spec(tokenizer).eos_id, **kwargs)
+        rows = RowDataset(target, source=source, eos_id=spec.eos_id, **kwargs)
     if conditional is not None and rows.conditional != conditional:
         held, task = ("source/target pairs", "unconditional")
         if conditional:
