@@ -98,6 +98,12 @@ def check_sample_args(
     check_request(pipe, total, sources, args.batch_size)
 
 
+def source_fields(source: dict, field: str) -> dict[str, Any]:
+    """What a conditional sample's record says of its source: the text, and the id the source
+    line carried (``source_id``, which references are matched on)."""
+    return {"source": source[field]} | ({"source_id": source["id"]} if "id" in source else {})
+
+
 def requested_samples(args: argparse.Namespace) -> int:
     return 16 if args.num_samples is None else args.num_samples
 
@@ -298,9 +304,7 @@ def sample_records(
     for i, text, tokens, _ in gathered:
         rec: dict[str, Any] = {"id": i, "text": text}
         if sources is not None:
-            rec["source"] = sources[i][source_field]
-            if "id" in sources[i]:
-                rec["source_id"] = sources[i]["id"]
+            rec.update(source_fields(sources[i], source_field))
         rec.update(settings)
         if save_tokens:
             rec["tokens"] = tokens

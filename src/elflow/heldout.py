@@ -102,12 +102,18 @@ def heldout_loss(
         totals[0] += objective.denominator(batch)
         totals[1:] += out.stats.to(totals)
     denom, l2_sum, ce_sum, l2_n, ce_n = all_reduce_sum(totals).tolist()
+    l2, ce = branch_means(l2_sum, ce_sum, l2_n, ce_n)
     return {
         f"{split.name}_loss": (l2_sum + ce_sum) / max(denom, 1.0),
-        # NaN, not 0, when the split's draws give a branch no row (a handful of eval rows)
-        f"{split.name}_l2": l2_sum / l2_n if l2_n else math.nan,
-        f"{split.name}_ce": ce_sum / ce_n if ce_n else math.nan,
+        f"{split.name}_l2": l2,
+        f"{split.name}_ce": ce,
     }
+
+
+def branch_means(l2_sum: float, ce_sum: float, l2_n: float, ce_n: float) -> tuple[float, float]:
+    """The denoiser (l2) and decoder (ce) branch means of summed losses and their counts (a
+    StepLoss's stats); NaN, not 0, for a branch that had no token (a handful of rows)."""
+    return (l2_sum / l2_n if l2_n else math.nan, ce_sum / ce_n if ce_n else math.nan)
 
 
 def valid_rows(cfg: RunConfig, tokenizer, pad_id: int, info: DistInfo) -> RowDataset | None:

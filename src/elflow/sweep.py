@@ -30,6 +30,7 @@ from elflow.generate import (
     resolve_device,
     resolve_sampler,
     sample_from_args,
+    source_fields,
     sources_from_args,
 )
 from elflow.jsonl import read_jsonl, write_jsonl
@@ -314,8 +315,7 @@ def _check_previous(out: Path, overwrite: bool, resume: bool, settings: dict) ->
 def stub_records(sources: list[dict], field: str) -> list[dict]:
     """What ``elflow sample`` writes for ``sources``, short of the text: enough to align refs."""
     return [
-        {"id": i, "source": s[field], "sampler": "", "nfe": 0}
-        | ({"source_id": s["id"]} if "id" in s else {})
+        {"id": i} | source_fields(s, field) | {"sampler": "", "nfe": 0}
         for i, s in enumerate(sources)
     ]
 

@@ -37,7 +37,7 @@ from elflow.ema import EMA
 from elflow.encoder import FrozenEncoder
 from elflow.errors import ELFError, Interrupted
 from elflow.hardware import bf16_autocast, slow_bf16_warning, use_bf16
-from elflow.heldout import heldout_scores, heldout_splits, valid_rows
+from elflow.heldout import branch_means, heldout_scores, heldout_splits, valid_rows
 from elflow.model import build_model, count_parameters
 from elflow.objective import Batch, TrainForward, elf_loss, sample_draws_keyed
 from elflow.optim import build_optimizer, learning_rate, resolve_ns_dtype, set_lr
@@ -261,12 +261,9 @@ def train(
             if done % cfg.train.log_every == 0 or done == total_steps:
                 now = time.perf_counter()
                 # The branch losses are token means over the logging window (a step whose rows
-                # give a branch no token adds nothing to it); NaN if the window had none.
-                line = {
-                    "loss": sums["loss"] / sums["n"],
-                    "l2": sums["l2_sum"] / sums["l2_n"] if sums["l2_n"] else math.nan,
-                    "ce": sums["ce_sum"] / sums["ce_n"] if sums["ce_n"] else math.nan,
-                }
+                # give a branch no token adds nothing to it).
+                l2, ce = branch_means(*(sums[k] for k in ("l2_sum", "ce_sum", "l2_n", "ce_n")))
+                line = {"loss": sums["loss"] / sums["n"], "l2": l2, "ce": ce}
                 line |= {
                     "lr": lr,
                     "grad_norm": float(grad_norm),
