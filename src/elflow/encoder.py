@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from elflow.errors import ELFError
+from elflow.hardware import full_precision
 
 _T5_TYPES = {"t5", "mt5", "umt5"}
 # Implementations that honour an arbitrary 4-D additive mask; flash-attention kernels only take
@@ -272,7 +273,7 @@ class FrozenEncoder(nn.Module):
         assert input_ids.shape == attention_mask.shape, (input_ids.shape, attention_mask.shape)
         self.check_length(input_ids.shape[1])
         mask = encoder_attention_mask(attention_mask, cond_mask, label_drop, dtype=self.dtype)
-        with torch.autocast(input_ids.device.type, enabled=False):
+        with full_precision(input_ids.device):
             if self.layer == 0:
                 out = self.model(input_ids=input_ids, attention_mask=mask)
                 return out.last_hidden_state.float()  # (B, L, E)

@@ -69,6 +69,12 @@ def bf16_autocast(bf16: bool, device: torch.device) -> contextlib.AbstractContex
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
 
 
+def full_precision(device: torch.device) -> torch.autocast:
+    """Autocast off inside a caller's bf16 autocast: what spec §3 keeps in the parameters' dtype
+    (fp32) runs there (the network's projections, embedders and heads; the frozen encoder)."""
+    return torch.autocast(device.type, enabled=False)
+
+
 def slow_bf16_warning(precision: str, ns_dtype: str, device: torch.device) -> str | None:
     """A one-line warning when bf16 was asked for explicitly on a CPU that emulates it."""
     if device.type != "cpu" or cpu_has_native_bf16():

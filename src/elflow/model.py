@@ -20,6 +20,7 @@ from torch.utils.checkpoint import checkpoint
 
 from elflow.config import ModelConfig
 from elflow.errors import ELFError
+from elflow.hardware import full_precision
 
 
 class RMSNorm(nn.Module):
@@ -255,7 +256,7 @@ class ELF(nn.Module):
         gate = _per_row(gate, B, dev)
         if cfg.num_scale_tokens > 0 and w is None:
             raise ELFError("this model has SC-CFG scale tokens: pass a guidance scale w")
-        with _full_precision(dev):  # under bf16 autocast only the blocks run in bf16 (spec §3)
+        with full_precision(dev):  # under bf16 autocast only the blocks run in bf16 (spec §3)
             # The reference projects only 2E-wide inputs: an E-wide input skips self_cond_proj.
             x = self.self_cond_proj(x_in) if x_in.shape[-1] == 2 * E else x_in  # (B, L, E)
             x = self.text_proj(x)  # (B, L, D)
@@ -283,19 +284,13 @@ class ELF(nn.Module):
             else:
                 tokens = block(tokens, rotations, mask)
         hidden = tokens[:, P:].to(dtype)  # (B, L, D)
-        with _full_precision(dev):
+        with full_precision(dev):
             return self.final_layer(hidden), hidden
 
     def decode_logits(self, hidden: Tensor) -> Tensor:
         """Decoder head on hidden states (..., D) -> logits (..., V), outside any autocast."""
-        with _full_precision(hidden.device):
+        with full_precision(hidden.device):
             return self.decoder(hidden.to(self.decoder.proj.weight.dtype))
-
-
-def _full_precision(device: torch.device) -> torch.autocast:
-    """Autocast off: the input projections, prefix embedders and heads stay in the parameters'
-    dtype (fp32) when the caller runs the network under bf16 autocast (spec §3)."""
-    return torch.autocast(device.type, enabled=False)
 
 
 def _per_row(value: Tensor | float, batch: int, device: torch.device) -> Tensor:
