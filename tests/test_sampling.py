@@ -1,24 +1,29 @@
 """Sampler steps, guidance and the full sampling loop (elflow.sampling)."""
 
 import itertools
+from dataclasses import replace
 
 import pytest
 import torch
 from torch.testing import assert_close
 
 from elflow.config import SamplerConfig, elf_tiny
+from elflow.errors import ELFError
 from elflow.flow import uniform_grid, velocity
 from elflow.model import ELF, build_model
 from elflow.sampling import (
     Condition,
+    Projection,
     decode_tokens,
     heun_step,
     make_denoiser,
     nfe,
     ode_step,
+    project_denoiser,
     sample,
     sample_generators,
     sde_step,
+    text_rows,
 )
 
 E, V, L = 8, 20, 6
@@ -355,3 +360,97 @@ def test_nfe():
     assert nfe("heun", 32) == 63
     assert nfe("heun", 1) == 1
     assert nfe("ode", 1) == 1
+
+
+# --- projected sampling (an elflow addition) ----------------------------------------------------
+
+
+def test_text_rows_cut_after_the_first_eos():
+    tokens = torch.tensor([[5, 7, 2, 9, 2, 4], [5, 6, 7, 8, 9, 4], [2, 3, 3, 3, 3, 3]])
+    ids, mask = text_rows(tokens, eos_id=2, pad_id=0)
+    assert ids.tolist() == [[5, 7, 2, 0, 0, 0], [5, 6, 7, 8, 9, 4], [2, 0, 0, 0, 0, 0]]
+    assert mask.tolist() == [[1, 1, 1, 0, 0, 0], [1] * 6, [1, 0, 0, 0, 0, 0]]
+
+
+class _TableEncoder:
+    """encode(ids, mask): a fixed embedding table, recording every call's (ids, mask)."""
+
+    def __init__(self) -> None:
+        self.table = torch.randn(V, E, generator=torch.Generator().manual_seed(9))
+        self.calls: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def __call__(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        self.calls.append((ids, mask))
+        return self.table[ids] * mask[..., None]
+
+
+def test_projection_replaces_late_estimates_by_their_encoded_text():
+    model = _model()
+    enc = _TableEncoder()
+    gens = lambda: sample_generators(4, [0, 1])
+    base = SamplerConfig(steps=4, sampler="ode", time_grid="uniform")  # t = 0, .25, .5, .75
+    plain = sample(model, gens(), L, base)
+    # Only the last step's estimate (t 0.75) is projected; the final Euler step lands on it.
+    proj = Projection(enc, eos_id=2, pad_id=0)
+    late = sample(model, gens(), L, replace(base, project_from=0.7), projection=proj)
+    assert len(enc.calls) == 1
+    ids, mask = enc.calls[0]
+    assert ids.shape == (2, L) and ((ids == 2).sum(1) <= 1).all()  # cut at the first EOS
+    assert_close(late.z, enc.table[ids] * mask[..., None], rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(late.z, plain.z)
+    # A threshold above every grid time changes nothing and never encodes.
+    enc.calls.clear()
+    none = sample(model, gens(), L, replace(base, project_from=0.8), projection=proj)
+    assert enc.calls == [] and torch.equal(none.z, plain.z)
+    # From t 0, every step encodes.
+    sample(model, gens(), L, replace(base, project_from=0.0), projection=proj)
+    assert len(enc.calls) == 4
+
+
+@pytest.mark.parametrize("sampler", ["sde", "heun"])
+def test_projected_sample_independent_of_batch(sampler):
+    """Per-sample time grids project different rows at a step; a sample still depends on
+    (seed, index) only."""
+    model = _model()
+    enc = _TableEncoder()
+    proj = Projection(enc, eos_id=2, pad_id=0)
+    cfg = SamplerConfig(steps=5, sampler=sampler, gamma=1.0, time_mean=0.0, project_from=0.5)
+    batch = sample(model, sample_generators(7, [0, 1, 2, 3]), L, cfg, projection=proj)
+    assert any(0 < len(ids) < 4 for ids, _ in enc.calls)  # some step projected some rows only
+    for i in range(4):
+        single = sample(model, sample_generators(7, [i]), L, cfg, projection=proj)
+        assert_close(single.z, batch.z[i : i + 1], rtol=1e-4, atol=1e-4)
+        assert torch.equal(single.tokens, batch.tokens[i : i + 1])
+    plain = sample(model, sample_generators(7, [0, 1, 2, 3]), L, replace(cfg, project_from=1.0))
+    assert not torch.allclose(plain.z, batch.z)
+
+
+def test_projection_needs_an_encoder_and_no_condition():
+    model = _model()
+    cfg = SamplerConfig(steps=2, project_from=0.3)
+    with pytest.raises(ELFError, match=r"projection=pipe\.projection\(\)"):
+        sample(model, sample_generators(0, [0]), L, cfg)
+    proj = Projection(_TableEncoder(), eos_id=2, pad_id=0)
+    with pytest.raises(ELFError, match="unconditional model"):
+        sample(model, sample_generators(0, [0]), L, cfg, cond=_condition(1), projection=proj)
+    with pytest.raises(ELFError, match=r"project_from must be in \[0, 1\]"):
+        SamplerConfig(project_from=1.5)
+
+
+def test_project_denoiser_with_a_scalar_time_and_per_row_w():
+    model = _model()
+    enc = _TableEncoder()
+    w = torch.tensor([1.0, 3.0])
+    denoise = make_denoiser(model, w, 0.05)
+    projected = project_denoiser(denoise, model, w, 0.05, Projection(enc, 2, 0), project_from=0.5)
+    g = torch.Generator().manual_seed(3)
+    z, x_prev = torch.randn(2, L, E, generator=g), torch.randn(2, L, E, generator=g)
+    x_early, _ = projected(z, x_prev, torch.tensor(0.4))
+    assert_close(x_early, denoise(z, x_prev, torch.tensor(0.4))[0])
+    assert enc.calls == []
+    x_late, v_late = projected(z, x_prev, torch.tensor(0.6))
+    ids, mask = enc.calls[0]
+    expected_ids = decode_tokens(model, denoise(z, x_prev, torch.tensor(0.6))[0], w)
+    assert torch.equal(ids, text_rows(expected_ids, 2, 0)[0])  # each row decoded with its own w
+    assert_close(x_late, enc.table[ids] * mask[..., None])
+    assert_close(v_late, velocity(x_late, z, torch.tensor(0.6), 0.05))

@@ -134,9 +134,9 @@ def test_conditional_sweep_scores_bleu_against_refs(tmp_path):
     bad = [*argv[: refs_at + 1], str(short), *argv[refs_at + 2 :]]
     assert elflow_main([*bad, "--overwrite"]) == 2
     assert (out / "table.csv").is_file() and (out / "samples" / "ode-n2-wdefault.jsonl").is_file()
-    # A sweep.json written before --refs was recorded still resumes.
+    # A sweep.json written before --refs and project_from were recorded still resumes.
     saved = json.loads((out / "sweep.json").read_text())
-    saved.pop("refs"), saved.pop("ref_field")
+    saved.pop("refs"), saved.pop("ref_field"), saved.pop("project_from")
     (out / "sweep.json").write_text(json.dumps(saved))
     assert elflow_main([*argv[:refs_at], "--resume"]) == 0
     # The same cell scored by `elflow score` against the same references.

@@ -70,7 +70,7 @@ def _run_check_fixture(args: argparse.Namespace) -> int:
 
 
 def _add_generate(p: argparse.ArgumentParser) -> None:
-    from elflow.generate import add_task_argument
+    from elflow.generate import add_project_argument, add_task_argument
 
     p.add_argument("model", help="any model source (folder, checkpoint, Hub id)")
     add_task_argument(p)
@@ -81,6 +81,7 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gamma", type=float)
     p.add_argument("--w", type=float, help="self-conditioning CFG scale")
     p.add_argument("--cfg", type=float, help="classifier-free guidance (conditional models)")
+    add_project_argument(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:K or auto")
@@ -93,7 +94,13 @@ def _run_generate(args: argparse.Namespace) -> int:
     pipe = ELFPipeline.from_pretrained(
         args.model, device=resolve_device(args.device).device, task=args.task
     )
-    options = dict(steps=args.steps, sampler=args.sampler, gamma=args.gamma, w=args.w)
+    options = dict(
+        steps=args.steps,
+        sampler=args.sampler,
+        gamma=args.gamma,
+        w=args.w,
+        project_from=args.project_from,
+    )
     resolve_sampler(pipe, cfg=args.cfg, **options)  # its errors name the options (--steps)
     n = args.num_samples if args.num_samples is not None or args.source else 4
     texts = pipe.generate(

@@ -158,9 +158,13 @@ class SamplerConfig:
     """Logit-normal time grid location."""
     time_std: float = 0.8
     """Logit-normal time grid scale."""
+    project_from: float = 1.0
+    """Projected sampling (an elflow addition, off in the paper): a clean estimate x_hat made at
+    t >= project_from is replaced by the encoder's latents of its decoded text. 1 = off (every
+    prediction is made at t < 1); unconditional models only (README "Projected sampling")."""
 
     def __post_init__(self) -> None:
-        for name in ("gamma", "w", "cfg", "time_mean", "time_std"):
+        for name in ("gamma", "w", "cfg", "time_mean", "time_std", "project_from"):
             value = getattr(self, name)
             require(math.isfinite(value), f"sampler.{name} must be a finite number, got {value}")
         require(self.steps >= 1, f"sampler.steps must be >= 1, got {self.steps}")
@@ -176,6 +180,10 @@ class SamplerConfig:
         require(self.w > -1.0, f"sampler.w must be > -1, got {self.w}")
         require(self.cfg >= 0, f"sampler.cfg must be >= 0, got {self.cfg}")
         require(self.time_std > 0, f"sampler.time_std must be positive, got {self.time_std}")
+        require(
+            0.0 <= self.project_from <= 1.0,
+            f"sampler.project_from must be in [0, 1] (1 = off), got {self.project_from}",
+        )
 
 
 SAMPLERS = ("ode", "sde", "heun")

@@ -2,8 +2,10 @@
 
 Loads the small ELF model shipped inside the package (``elflow/demo_model/``: bf16 safetensors,
 config, the MiniLM vocabulary files and ``card.json`` with its training and quality record), or any
-model given with ``--model``; generates a few samples with the paper's 32-step SDE sampler while
-animating the trajectory in the terminal, and writes the self-contained HTML trajectory page.
+model given with ``--model``; generates a few samples with the model's 32-step SDE sampler (for the
+shipped model: projected sampling from t 0.3, which needs its MiniLM encoder; ``--project-from 1``
+gives the paper's plain SDE) while animating the trajectory in the terminal, and writes the
+self-contained HTML trajectory page.
 ``--score`` also scores them with the offline SmolLM2 judge (paper protocol) and prints the numbers
 beside the card's figures for real held-out verses. :func:`export_demo` builds such a folder from a
 training run.
@@ -73,6 +75,8 @@ def _model_dir(path: str | None) -> Path:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from elflow.generate import add_project_argument
+
     p.add_argument("--model", help="model folder or run (default: the shipped demo model)")
     p.add_argument("-n", "--num-samples", type=int, default=4)
     p.add_argument("--steps", type=int, default=32)
@@ -81,6 +85,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-animate", action="store_true", help="print only the final samples")
     p.add_argument("--delay", type=float, default=0.08, help="seconds per animation frame")
     p.add_argument("--score", action="store_true", help="score with the offline SmolLM2 judge")
+    add_project_argument(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -99,8 +104,18 @@ def run(args: argparse.Namespace) -> int:
     pipe = ELFPipeline.from_pretrained(folder)
     if pipe.config.conditional:
         raise ELFError(f"{folder} is a conditional model; elflow demo samples unconditionally")
+    from elflow.generate import resolve_sampler
+
+    scfg = resolve_sampler(pipe, steps=args.steps, sampler="sde", project_from=args.project_from)
+    if scfg.project_from < 1.0:
+        pipe.projection()  # loads the encoder before the animation starts
     out = pipe.generate_full(
-        args.num_samples, seed=args.seed, steps=args.steps, sampler="sde", trajectory=True
+        args.num_samples,
+        seed=args.seed,
+        steps=args.steps,
+        sampler="sde",
+        project_from=args.project_from,
+        trajectory=True,
     )
     frames = [*out.trajectory, out.texts]
     labels = [f"step {k + 1}/{args.steps}" for k in range(len(out.trajectory))] + ["final"]
@@ -109,7 +124,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         for i, text in enumerate(out.texts):
             print(f"{i}: {text}")
-    meta = {"model": str(folder), "sampler": "sde", "steps": args.steps, "seed": args.seed}
+    meta = {"model": str(folder), "sampler": "sde", "steps": args.steps, "gamma": scfg.gamma}
+    meta |= {"w": scfg.w, "project_from": scfg.project_from, "seed": args.seed}
     html.parent.mkdir(parents=True, exist_ok=True)
     html.write_text(render_html(frames, meta, labels=labels), encoding="utf-8")
     print(

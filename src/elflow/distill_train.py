@@ -297,6 +297,7 @@ def distill(
         objective=replace(objective, **changed),
         model=tcfg.model,
         encoder=EncoderConfig.of_model(tcfg, teacher_tokenizer(teacher_source, tcfg)),
+        sampler=replace(cfg.sampler, project_from=tcfg.sampler.project_from),
         task=tcfg.task,
         max_input_length=tcfg.max_input_length,
     )
@@ -316,7 +317,12 @@ def distill(
     last = out
     for k, (n_student, n_sub) in enumerate(plan, start=1):
         round_dir = _round_dir(out, k, n_student, n_sub)
-        sampler = replace(fewstep_sampler(n_student), cfg=tcfg.sampler.cfg)
+        # The few-step settings, with the teacher's guidance and projection (README "Few-step").
+        sampler = replace(
+            fewstep_sampler(n_student),
+            cfg=tcfg.sampler.cfg,
+            project_from=tcfg.sampler.project_from,
+        )
         round_cfg = replace(cfg, sampler=sampler)
         spec = DistillConfig(
             student_steps=n_student,

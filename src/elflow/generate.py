@@ -120,6 +120,7 @@ def resolve_sampler(
     time_grid: str | None = None,
     time_mean: float | None = None,
     time_std: float | None = None,
+    project_from: float | None = None,
 ) -> SamplerConfig:
     """The model's sampler defaults, then the preset, then the explicit (non-None) options."""
     if steps is not None and steps < 1:
@@ -143,6 +144,7 @@ def resolve_sampler(
         "time_grid": time_grid,
         "time_mean": time_mean,
         "time_std": time_std,
+        "project_from": project_from,
     }
     explicit = {k: v for k, v in given.items() if v is not None}
     try:
@@ -168,7 +170,8 @@ def settings_record(
 
     ``nfe`` counts network evaluations per sample (a Heun step costs two, the final decode is not
     counted); classifier-free guidance batches its two evaluations into the same forward, so it
-    does not change ``nfe`` but doubles the rows: ``nfe_rows`` = nfe x 2 under CFG.
+    does not change ``nfe`` but doubles the rows: ``nfe_rows`` = nfe x 2 under CFG. Projected
+    sampling adds one decode pass and one encoder pass per projected step, not counted in ``nfe``.
     """
     guided = pipe.config.conditional and scfg.cfg != 1.0
     n = nfe(scfg.sampler, scfg.steps)
@@ -185,6 +188,7 @@ def settings_record(
         "time_grid": scfg.time_grid,
         "time_mean": scfg.time_mean if scfg.time_grid == "logit_normal" else None,
         "time_std": scfg.time_std if scfg.time_grid == "logit_normal" else None,
+        "project_from": scfg.project_from if scfg.project_from < 1.0 else None,
         "seed": seed,
         "length": L or pipe.config.model.max_length,
         "dtype": "bf16" if bf16 else "fp32",
@@ -366,6 +370,17 @@ def add_task_argument(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_project_argument(p: argparse.ArgumentParser) -> None:
+    """``--project-from T``: projected sampling (an elflow addition)."""
+    p.add_argument(
+        "--project-from",
+        type=float,
+        metavar="T",
+        help="re-encode the decoded text of every clean estimate made at t >= T (unconditional "
+        "models; 1 = off; default: the model's)",
+    )
+
+
 def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
     """Options shared by ``sample`` and ``sweep``."""
     p.add_argument("--checkpoint", required=True, help="any model source (folder, run, Hub id)")
@@ -398,6 +413,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--time-std", type=float, help="logit-normal time grid scale (default: the model's)"
     )
+    add_project_argument(p)
     p.add_argument(
         "--preset",
         choices=["model", "fewstep"],
@@ -445,6 +461,7 @@ def run(args: argparse.Namespace) -> int:
             time_grid=args.time_grid,
             time_mean=args.time_mean,
             time_std=args.time_std,
+            project_from=args.project_from,
         )
         result = sample_from_args(
             pipe,

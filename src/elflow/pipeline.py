@@ -21,7 +21,7 @@ from elflow.config import SamplerConfig
 from elflow.encoder import FrozenEncoder, resolve_pretrained
 from elflow.errors import ELFError
 from elflow.model import ELF
-from elflow.sampling import Condition, sample, sample_generators
+from elflow.sampling import Condition, Projection, sample, sample_generators
 from elflow.tokens import (
     TokenSpec,
     build_unconditional_row,
@@ -205,13 +205,37 @@ class ELFPipeline:
             encoder = model_encoder(config)
         return cls(model, config, tokenizer, None if encoder is None else encoder.to(device))
 
+    @property
+    def row_pad_id(self) -> int:
+        """The id ``elflow train`` padded this model's rows with (EOS under EOS padding)."""
+        return self.tokens.eos_id if self.config.pad_with_eos else self.tokens.pad_id
+
     def training_rows(self, texts: Sequence[str]) -> tuple[Tensor, Tensor]:
         """Texts as unconditional rows, truncated to the model's length and padded as ``elflow
         train`` pads them (EOS when the model was trained on EOS padding): (ids, mask), (B, L)."""
         L = self.config.model.max_length
-        pad = self.tokens.eos_id if self.config.pad_with_eos else self.tokens.pad_id
-        rows = [build_unconditional_row(i, L, pad) for i in tokenize(self.tokenizer, list(texts))]
+        ids = tokenize(self.tokenizer, list(texts))
+        rows = [build_unconditional_row(i, L, self.row_pad_id) for i in ids]
         return torch.tensor([r[0] for r in rows]), torch.tensor([r[1] for r in rows])
+
+    def projection(self) -> Projection:
+        """What projected sampling needs: the model's frozen encoder (loaded from its config on
+        first use, or the one given) and the ids that end and pad its rows."""
+        if self.config.conditional:
+            raise ELFError(
+                "projected sampling (--project-from, sampler.project_from < 1) applies to "
+                "unconditional models; use --project-from 1 for this one"
+            )
+        if self.encoder is None:
+            try:
+                self.encoder = model_encoder(self.config).to(self.device)
+            except ELFError as e:
+                raise ELFError(
+                    f"{e} (this model's sampler projects through its encoder; --project-from 1, "
+                    "project_from=1.0, samples without it)"
+                ) from None
+        check_encoder(self.encoder, self.config, self.device)
+        return Projection(self.encoder, self.tokens.eos_id, self.row_pad_id)
 
     def sampler_config(self, **overrides: Any):
         """The model's sampler defaults with the non-None ``overrides`` applied."""
@@ -298,6 +322,7 @@ class ELFPipeline:
             raise ELFError(f"length must be >= 1, got {L}")
         if L > cfg.model.max_length:
             raise ELFError(f"length {L} exceeds the model's max_length {cfg.model.max_length}")
+        projection = self.projection() if scfg.project_from < 1.0 else None  # after the checks
         texts: list[str] = []
         token_rows: list[Tensor] = []
         frames: list[list[str]] | None = [] if trajectory else None
@@ -308,7 +333,15 @@ class ELFPipeline:
             if sources is not None:
                 cond, cond_mask = self.encode_sources([sources[i] for i in idx])
             out = sample(
-                self.model, gens, L, scfg, cfg.noise_scale, cfg.t_eps, cond, trajectory=trajectory
+                self.model,
+                gens,
+                L,
+                scfg,
+                cfg.noise_scale,
+                cfg.t_eps,
+                cond,
+                trajectory=trajectory,
+                projection=projection,
             )
             tokens = self._strip_source(out.tokens, cond_mask)
             texts += detokenize(self.tokenizer, tokens, self.tokens.eos_id, self.tokens.pad_id)
@@ -339,6 +372,7 @@ class ELFPipeline:
         time_grid: str | None = None,
         time_mean: float | None = None,
         time_std: float | None = None,
+        project_from: float | None = None,
         seed: int = 0,
         batch_size: int = 32,
         length: int | None = None,
@@ -347,6 +381,7 @@ class ELFPipeline:
 
         Unset sampler arguments take the model's defaults (e.g. ELF-B: 32-step SDE, gamma 1.5,
         w 3, logit-normal(-1.5, 0.8) time grid; conditional: 64-step ODE, cfg 2, w 1).
+        ``project_from`` < 1 turns on projected sampling (an elflow addition; 1 turns it off).
         """
         return self.generate_full(
             n,
@@ -362,6 +397,7 @@ class ELFPipeline:
             time_grid=time_grid,
             time_mean=time_mean,
             time_std=time_std,
+            project_from=project_from,
         ).texts
 
     def _strip_source(self, tokens: Tensor, cond_mask: Tensor | None) -> Tensor:

@@ -137,9 +137,11 @@ def bible_tiny() -> RunConfig:
         elf_small(max_length=64), data, "bible-tiny", objective=ObjectiveConfig(pad_with_eos=True)
     )
     # 7000 steps (12.5 epochs): the lr holds at 2e-3 for 5000, then decays linearly to 0 over the
-    # last 2000 (the demo model's run; README "The demo model").
+    # last 2000 (the demo model's run; README "The demo model"). Its sampler: projected SDE, gamma 1
+    # from t 0.3 (README "Projected sampling": the paper's plain SDE misses the demo's bars).
     return replace(
         cfg,
+        sampler=replace(cfg.sampler, gamma=1.0, project_from=0.3),
         optim=replace(cfg.optim, schedule="wsd", decay_steps=2000),
         train=replace(cfg.train, max_steps=7000),
     )

@@ -9,7 +9,7 @@ one-line errors. The network's E and V always come from the encoder and tokenize
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -253,6 +253,23 @@ def apply_overrides(
     return check_user_config(run_config_from_dict(data), cfg)
 
 
+def _unprojectable(cfg: RunConfig) -> str | None:
+    """Why projected sampling cannot run on this run's rows (it re-encodes one text per row)."""
+    if cfg.task == "conditional":
+        return "a conditional task"
+    return "data.packing" if cfg.data.packing else None
+
+
+def check_projection(cfg: RunConfig) -> None:
+    """Projected sampling (``sampler.project_from < 1``) only on rows of one unconditional text."""
+    why = _unprojectable(cfg)
+    if cfg.sampler.project_from < 1.0 and why:
+        raise ELFError(
+            f"sampler.project_from={cfg.sampler.project_from} (projected sampling) re-encodes "
+            f"one text per row and does not apply with {why}; set sampler.project_from=1"
+        )
+
+
 def check_user_config(cfg: RunConfig, base: RunConfig) -> RunConfig:
     """Settings that would be silently ignored, refused: those only a conditional task uses on an
     unconditional one, two warm-up lengths, and schedule settings the schedule does not use
@@ -260,6 +277,16 @@ def check_user_config(cfg: RunConfig, base: RunConfig) -> RunConfig:
     when the user picks another schedule). Checked on what a user asks for, not in
     :class:`RunConfig` itself, so that runs saved before the check still resume (their values
     were ignored)."""
+    why = _unprojectable(cfg)
+    project_from = cfg.sampler.project_from
+    if project_from < 1.0 and why and project_from == base.sampler.project_from:
+        # The preset's projection (bible-tiny's), not the user's: off for rows it cannot handle.
+        note_once(
+            f"elflow: note: the preset samples with projection (sampler.project_from "
+            f"{project_from}), which does not apply with {why}: it is off for this run"
+        )
+        cfg = replace(cfg, sampler=replace(cfg.sampler, project_from=1.0))
+    check_projection(cfg)
     if cfg.task == "unconditional" and cfg.sampler.cfg != 1.0:
         raise ELFError(
             f"sampler.cfg {cfg.sampler.cfg} applies to conditional tasks only "

@@ -25,7 +25,7 @@ from elflow.encoder import FrozenEncoder
 from elflow.errors import ELFError
 from elflow.jsonl import finite_or_null, write_jsonl
 from elflow.run_config import RunConfig, run_config_to_dict
-from elflow.sampling import Condition, sample, sample_generators
+from elflow.sampling import Condition, Projection, sample, sample_generators
 from elflow.tokens import detokenize, shift_out_source, token_spec
 
 
@@ -187,8 +187,19 @@ def write_samples(
         src = ids.masked_fill(cond_mask == 0, spec.pad_id)
         cond = Condition(encoder(src, cond_mask, cond_mask), cond_mask)
         gens = gens[: len(ids)]
+    projection = None
+    if cfg.sampler.project_from < 1.0:  # unconditional runs only (RunConfig checks)
+        pad = spec.eos_id if artifact.pad_with_eos else spec.pad_id
+        projection = Projection(encoder, spec.eos_id, pad)
     result = sample(
-        net, gens, model_cfg.max_length, cfg.sampler, artifact.noise_scale, artifact.t_eps, cond
+        net,
+        gens,
+        model_cfg.max_length,
+        cfg.sampler,
+        artifact.noise_scale,
+        artifact.t_eps,
+        cond,
+        projection=projection,
     )
     tokens = result.tokens
     if cond_mask is not None:

@@ -5,6 +5,10 @@ The step functions are pure: they take a ``denoise(z, x_prev, t) -> (x_hat, v_ha
 the condition) and explicit noise. :func:`sample` integrates from noise to t = 1 with per-sample
 generators (a sample depends on (seed, index) only, never on the batch it is in), then decodes once
 in decode mode. With ``trajectory=True`` it also returns each step's decoded x_hat.
+
+Projected sampling (an elflow addition, ``sampler.project_from < 1``; README "Projected sampling")
+replaces each late x_hat by the frozen encoder's latents of the text x_hat decodes to, so that the
+steps that commit to words move towards latents of real token sequences.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import torch
 from torch import Tensor
 
 from elflow.config import SamplerConfig
-from elflow.errors import check_finite
+from elflow.errors import ELFError, check_finite
 from elflow.flow import (
     euler_step,
     logit_normal_grid,
@@ -28,6 +32,8 @@ from elflow.flow import (
 from elflow.model import ELF
 
 Denoiser = Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
+Encode = Callable[[Tensor, Tensor], Tensor]
+"""``encode(ids, mask) -> latents``: (B, L) token rows to normalised (B, L, E) latents."""
 
 
 @dataclass
@@ -77,6 +83,54 @@ def make_denoiser(
         return x_hat, velocity(x_hat, z, t, t_eps).masked_fill(c3, 0.0)
 
     return denoise
+
+
+@dataclass
+class Projection:
+    """What projected sampling needs besides the network: the model's frozen encoder (with its
+    latent normalisation) and the ids that end and pad a training row."""
+
+    encode: Encode
+    eos_id: int
+    pad_id: int
+    """The id the training rows were padded with (EOS for models trained on EOS padding)."""
+
+
+def text_rows(tokens: Tensor, eos_id: int, pad_id: int) -> tuple[Tensor, Tensor]:
+    """Decoded tokens as training rows: (ids, mask), (B, L), valid up to and including the first
+    EOS and padded with ``pad_id`` after it; a row without EOS is valid throughout."""
+    L = tokens.shape[1]
+    is_eos = tokens == eos_id
+    last = torch.where(is_eos.any(1), is_eos.int().argmax(1), L - 1)  # (B,) last valid position
+    valid = torch.arange(L, device=tokens.device)[None] <= last[:, None]
+    return tokens.masked_fill(~valid, pad_id), valid.long()
+
+
+def project_denoiser(
+    denoise: Denoiser,
+    model: ELF,
+    w: float | Tensor | None,
+    t_eps: float,
+    projection: Projection,
+    project_from: float,
+) -> Denoiser:
+    """Wrap ``denoise``: rows whose time is >= ``project_from`` get x_hat replaced by the latents
+    of its decode-mode argmax text (one decode pass and one encoder pass over those rows), and the
+    velocity recomputed from it. Earlier rows pass through unchanged."""
+
+    def denoise_projected(z: Tensor, x_prev: Tensor, t: Tensor) -> tuple[Tensor, Tensor]:
+        x_hat, v = denoise(z, x_prev, t)
+        rows = (t.expand(z.shape[0]) if t.dim() == 0 else t) >= project_from
+        if not bool(rows.any()):
+            return x_hat, v
+        w_rows = w[rows] if isinstance(w, Tensor) and w.dim() > 0 else w
+        tokens = decode_tokens(model, x_hat[rows], w_rows)
+        x_hat = x_hat.clone()
+        latents = projection.encode(*text_rows(tokens, projection.eos_id, projection.pad_id))
+        x_hat[rows] = latents.to(x_hat.dtype)
+        return x_hat, velocity(x_hat, z, t, t_eps)
+
+    return denoise_projected
 
 
 def ode_step(
@@ -168,8 +222,17 @@ def sample(
     t_eps: float = 0.05,
     cond: Condition | None = None,
     trajectory: bool = False,
+    projection: Projection | None = None,
 ) -> SampleOutput:
-    """Integrate from noise to t = 1 and decode (ELF_SPEC §5). One generator per sample."""
+    """Integrate from noise to t = 1 and decode (ELF_SPEC §5). One generator per sample.
+
+    ``projection`` is required when ``sampler.project_from < 1`` (unconditional models only).
+    """
+    if sampler.project_from < 1.0 and (projection is None or cond is not None):
+        raise ELFError(
+            "projected sampling (sampler.project_from < 1) needs an unconditional model and its "
+            "encoder (sample(..., projection=pipe.projection())); project_from 1 turns it off"
+        )
     device = next(model.parameters()).device
     B, E, N = len(generators), model.cfg.encoder_dim, sampler.steps
     if sampler.time_grid == "uniform":
@@ -186,6 +249,8 @@ def sample(
         z, x_prev = torch.where(c3, cond.latents, z), torch.where(c3, cond.latents, x_prev)
     w = sampler.w if model.cfg.num_scale_tokens > 0 else None
     denoise = make_denoiser(model, w, t_eps, cond, sampler.cfg)
+    if sampler.project_from < 1.0:
+        denoise = project_denoiser(denoise, model, w, t_eps, projection, sampler.project_from)
     frames = []
     for k in range(N):
         t, t_next = grid[:, k], grid[:, k + 1]

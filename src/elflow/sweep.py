@@ -23,6 +23,7 @@ from typing import Any
 from elflow.distributed import broadcast_object, teardown
 from elflow.errors import ELFError
 from elflow.generate import (
+    add_project_argument,
     add_sampling_arguments,
     check_sample_args,
     load_pipeline,
@@ -254,9 +255,10 @@ RESUME_KEYS = (
     "bootstrap_seed",
     "refs",
     "ref_field",
+    "project_from",
 )
 """The options every cell of one sweep shares (``sweep.json``): a ``--resume`` must repeat them."""
-RESUME_DEFAULTS = {"refs": None, "ref_field": "text"}
+RESUME_DEFAULTS = {"refs": None, "ref_field": "text", "project_from": 1.0}
 """Their values in a ``sweep.json`` written before they were recorded."""
 
 
@@ -264,10 +266,14 @@ def sweep_settings(args: argparse.Namespace, cells: list[Cell]) -> dict[str, Any
     """What ``sweep.json`` records: the shared options, with the checkpoint as the one it
     resolves to (a run folder's latest checkpoint then, which a resume must sample too) and
     local paths absolute; and the grid's cells."""
-    from elflow.artifact import resolve_source
+    from elflow.artifact import read_config, resolve_source
 
     settings = {key: getattr(args, key) for key in RESUME_KEYS}
-    settings["checkpoint"] = str(resolve_source(args.checkpoint).path.resolve())
+    resolved = resolve_source(args.checkpoint)
+    settings["checkpoint"] = str(resolved.path.resolve())
+    if args.project_from is None:  # the model's own, so that a changed default is caught too
+        model = None if resolved.kind == "official" else read_config(resolved.path)
+        settings["project_from"] = 1.0 if model is None else model.sampler.project_from
     for key in ("sources", "refs"):
         if getattr(args, key):
             settings[key] = str(Path(getattr(args, key)).expanduser().resolve())
@@ -367,6 +373,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--w", help="comma list of self-conditioning CFG scales (default: the model's)")
     p.add_argument("--gamma", help="comma list of SDE gammas (default: the model's)")
     p.add_argument("--cfg", type=float, help="classifier-free guidance (conditional models)")
+    add_project_argument(p)
     p.add_argument("--judge", default=DEFAULT_JUDGE, help="judge LM for gen PPL (see elflow score)")
     p.add_argument("--reference", help="JSONL of real text ('text'): its point on the frontier")
     p.add_argument("--refs", help="conditional: JSONL references; adds BLEU and ROUGE per cell")
@@ -405,7 +412,13 @@ def run(args: argparse.Namespace) -> int:
         # Every cell's settings are checked before the first is sampled.
         samplers = [
             resolve_sampler(
-                pipe, steps=c.steps, sampler=c.sampler, gamma=c.gamma, w=c.w, cfg=args.cfg
+                pipe,
+                steps=c.steps,
+                sampler=c.sampler,
+                gamma=c.gamma,
+                w=c.w,
+                cfg=args.cfg,
+                project_from=args.project_from,
             )
             for c in cells
         ]

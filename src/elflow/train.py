@@ -54,7 +54,7 @@ from elflow.resume import (
     resumed_settings,
     saved_run_config,
 )
-from elflow.run_config import RunConfig, run_config_to_dict
+from elflow.run_config import RunConfig, check_projection, run_config_to_dict
 from elflow.run_log import MetricsLogger, progress_bar, set_aside_samples, write_samples
 from elflow.stop import StopSignal
 from elflow.tokens import token_spec, vocab_hash
@@ -82,6 +82,7 @@ def train(
     """
     out = output_dir(out, "--out")
     cfg = absolute_init(cfg)
+    check_projection(cfg)
     if cfg.train.init and init_state is not None:
         raise ELFError("train.init cannot be combined with init_state; give one of them")
     info = setup(cfg.train.device)
