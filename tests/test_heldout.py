@@ -165,7 +165,8 @@ def test_conditional_run_trains_evaluates_and_translates(tmp_path, assets):  # n
         "source_field": "de",
         "target_field": "en",
     }
-    cfg = run_config(assets, data=data, train={"eval_every": 3, "eval_rows": 8})
+    train = {"eval_every": 3, "eval_rows": 8, "sample_every": 6, "num_samples": 2}
+    cfg = run_config(assets, data=data, train=train)
     cfg |= {"task": "conditional", "max_input_length": 6}
     cfg["objective"] = {"pad_with_eos": True, "decoder_noise_scale": 1.0, "label_drop_prob": 0.5}
     cfg["sampler"] = {"steps": 3, "sampler": "ode", "gamma": 0.0, "w": 1.0, "cfg": 2.0}
@@ -173,6 +174,10 @@ def test_conditional_run_trains_evaluates_and_translates(tmp_path, assets):  # n
     lines = heldout_lines(tmp_path / "run")
     assert [x["step"] for x in lines] == [3, 6]
     assert all(math.isfinite(x["valid_loss"]) and x["valid_ce"] > 0 for x in lines)
+    # The periodic samples record the sources they translate: the first rows' (unshuffled).
+    samples = [json.loads(x) for x in (tmp_path / "run" / "samples" / "step-6.jsonl").open()]
+    firsts = [json.loads(x)["de"] for x in (tmp_path / "pairs.jsonl").open()][:2]
+    assert [r["source"] for r in samples] == firsts and all("text" in r for r in samples)
     from elflow import ELFPipeline
 
     pipe = ELFPipeline.from_pretrained(tmp_path / "run")

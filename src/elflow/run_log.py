@@ -171,7 +171,8 @@ def write_samples(
     info: DistInfo,
 ) -> None:
     """Every ``train.sample_every`` steps: samples of the EMA weights, printed and written to
-    ``OUT/samples/step-<k>.jsonl`` (seeded by ``train.seed``; no global random numbers)."""
+    ``OUT/samples/step-<k>.jsonl`` (seeded by ``train.seed``; no global random numbers). A
+    conditional run translates its first training rows' sources, recorded as ``source``."""
     ema_state = ema.state_dict_for_save()  # collective under FSDP2
     if not info.is_main or cfg.train.num_samples == 0:
         return
@@ -179,13 +180,14 @@ def write_samples(
     spec = token_spec(tokenizer)
     n = cfg.train.num_samples
     gens = sample_generators(cfg.train.seed, range(n), info.device)
-    cond, cond_mask = None, None
+    cond, cond_mask, sources = None, None, None
     if dataset.conditional:
         rows = dataset.get_rows(np.arange(min(n, len(dataset))))
         ids = torch.from_numpy(rows["input_ids"]).to(info.device)
         cond_mask = torch.from_numpy(rows["cond_mask"]).to(info.device)
         src = ids.masked_fill(cond_mask == 0, spec.pad_id)
         cond = Condition(encoder(src, cond_mask, cond_mask), cond_mask)
+        sources = detokenize(tokenizer, src, spec.eos_id, spec.pad_id)  # the rows' own sources
         gens = gens[: len(ids)]
     projection = None
     if cfg.sampler.project_from < 1.0:  # unconditional runs only (RunConfig checks)
@@ -207,5 +209,7 @@ def write_samples(
         tokens = shift_out_source(tokens, cond_mask, keep, spec.pad_id)
     texts = detokenize(tokenizer, tokens, spec.eos_id, spec.pad_id)
     records = [{"id": i, "step": step, "text": text} for i, text in enumerate(texts)]
+    for record, source in zip(records, sources or [], strict=False):
+        record["source"] = source
     write_jsonl(out / "samples" / f"step-{step}.jsonl", records)
     print(f"\n[samples @ step {step}]", *(f"  {i}: {t}" for i, t in enumerate(texts)), sep="\n")
