@@ -121,6 +121,8 @@ def main() -> None:
         p.error("the card needs the 32-step SDE row: keep 32 in --steps, sde in --samplers")
     if args.update_card and not (Path(args.update_card) / "card.json").is_file():
         p.error(f"--update-card {args.update_card}: no card.json there")
+    if (args.export or args.update_card) and (args.gamma, args.project_from) != (None, None):
+        p.error("a card describes the model's own sampler: drop --gamma/--project-from")
     train = training_record(args.model) if args.export else None
 
     pipe = ELFPipeline.from_pretrained(args.model)

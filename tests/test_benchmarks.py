@@ -153,6 +153,11 @@ def test_demo_quality_update_card_needs_a_card_before_any_work(monkeypatch, caps
     with pytest.raises(SystemExit) as e:
         run(monkeypatch, "demo_quality", "--model", "nowhere", "--update-card", str(tmp_path))
     assert e.value.code == 2 and "no card.json there" in capsys.readouterr().err
+    (tmp_path / "card.json").write_text("{}")
+    with pytest.raises(SystemExit) as e:
+        card = ["--update-card", str(tmp_path), "--gamma", "1"]
+        run(monkeypatch, "demo_quality", "--model", "x", *card)
+    assert e.value.code == 2 and "drop --gamma/--project-from" in capsys.readouterr().err
 
 
 def test_demo_quality_export_needs_a_training_run_before_any_work(monkeypatch, tmp_path):

@@ -134,6 +134,9 @@ def test_conditional_sweep_scores_bleu_against_refs(tmp_path):
     bad = [*argv[: refs_at + 1], str(short), *argv[refs_at + 2 :]]
     assert elflow_main([*bad, "--overwrite"]) == 2
     assert (out / "table.csv").is_file() and (out / "samples" / "ode-n2-wdefault.jsonl").is_file()
+    # So is projected sampling, which a conditional model cannot take.
+    assert elflow_main([*argv, "--overwrite", "--project-from", "0.3"]) == 2
+    assert (out / "table.csv").is_file() and (out / "samples" / "ode-n2-wdefault.jsonl").is_file()
     # A sweep.json written before --refs and project_from were recorded still resumes.
     saved = json.loads((out / "sweep.json").read_text())
     saved.pop("refs"), saved.pop("ref_field"), saved.pop("project_from")

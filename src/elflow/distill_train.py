@@ -292,12 +292,14 @@ def distill(
             flush=True,
         )
     user = cfg
+    # The students sample as the teacher does (projection included, where their rows allow it).
+    project_from = 1.0 if cfg.data.packing else tcfg.sampler.project_from
     cfg = replace(
         cfg,
         objective=replace(objective, **changed),
         model=tcfg.model,
         encoder=EncoderConfig.of_model(tcfg, teacher_tokenizer(teacher_source, tcfg)),
-        sampler=replace(cfg.sampler, project_from=tcfg.sampler.project_from),
+        sampler=replace(cfg.sampler, project_from=project_from),
         task=tcfg.task,
         max_input_length=tcfg.max_input_length,
     )
@@ -321,7 +323,7 @@ def distill(
         sampler = replace(
             fewstep_sampler(n_student),
             cfg=tcfg.sampler.cfg,
-            project_from=tcfg.sampler.project_from,
+            project_from=project_from,
         )
         round_cfg = replace(cfg, sampler=sampler)
         spec = DistillConfig(

@@ -423,6 +423,8 @@ def run(args: argparse.Namespace) -> int:
             for c in cells
         ]
         check_sample_args(pipe, args, sources)
+        if any(s.project_from < 1.0 for s in samplers):
+            pipe.projection()  # its encoder loads now, so that a missing one clears nothing
         if refs is not None and sources is not None:  # references that cannot align: now
             align_refs(stub_records(sources, args.source_field), refs)
         if info.is_main:
