@@ -4,8 +4,8 @@ Loads the small ELF model shipped inside the package (``elflow/demo_model/``: bf
 config, the MiniLM vocabulary files and ``card.json`` with its training and quality record), or any
 model given with ``--model``; generates a few samples with the model's 32-step SDE sampler (for the
 shipped model: projected sampling from t 0.3, which needs its MiniLM encoder; ``--project-from 1``
-gives the paper's plain SDE) while animating the trajectory in the terminal, and writes the
-self-contained HTML trajectory page.
+samples without it, at the model's gamma) while animating the trajectory in the terminal, and
+writes the self-contained HTML trajectory page.
 ``--score`` also scores them with the offline SmolLM2 judge (paper protocol) and prints the numbers
 beside the card's figures for real held-out verses. :func:`export_demo` builds such a folder from a
 training run.
