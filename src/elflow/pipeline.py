@@ -208,7 +208,7 @@ class ELFPipeline:
     @property
     def row_pad_id(self) -> int:
         """The id ``elflow train`` padded this model's rows with (EOS under EOS padding)."""
-        return self.tokens.eos_id if self.config.pad_with_eos else self.tokens.pad_id
+        return self.tokens.row_pad_id(self.config.pad_with_eos)
 
     def training_rows(self, texts: Sequence[str]) -> tuple[Tensor, Tensor]:
         """Texts as unconditional rows, truncated to the model's length and padded as ``elflow

@@ -191,8 +191,7 @@ def write_samples(
         gens = gens[: len(ids)]
     projection = None
     if cfg.sampler.project_from < 1.0:  # unconditional runs only (RunConfig checks)
-        pad = spec.eos_id if artifact.pad_with_eos else spec.pad_id
-        projection = Projection(encoder, spec.eos_id, pad)
+        projection = Projection(encoder, spec.eos_id, spec.row_pad_id(artifact.pad_with_eos))
     result = sample(
         net,
         gens,

@@ -28,6 +28,10 @@ class TokenSpec:
     vocab_size: int
     """len(tokenizer), the size the decoder head covers (added tokens included)."""
 
+    def row_pad_id(self, pad_with_eos: bool) -> int:
+        """The id training rows are padded with: EOS for a model trained on EOS padding."""
+        return self.eos_id if pad_with_eos else self.pad_id
+
 
 def token_spec(tokenizer) -> TokenSpec:
     """The special ids elflow uses for `tokenizer` (spec §10)."""

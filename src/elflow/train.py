@@ -110,7 +110,7 @@ def train(
     tokenizer = load_tokenizer(cfg.encoder.tokenizer_name)
     check_vocabulary(tokenizer, cfg, init_source, resume_from)
     spec = token_spec(tokenizer)
-    pad_id = spec.eos_id if cfg.objective.pad_with_eos else spec.pad_id
+    pad_id = spec.row_pad_id(cfg.objective.pad_with_eos)
     L = cfg.model.max_length
     dataset = build_dataset(
         cfg.data, tokenizer, L, cfg.max_input_length, pad_id, "train", cfg.task == "conditional"
