@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -188,6 +189,57 @@ def test_bad_rounds_and_teacher(tmp_path, assets, teacher, capsys):  # noqa: F81
     assert len(errs) == 3 and "does not exist" in errs[1]
     assert "train.ema_decay=0.9 would keep 81%" in errs[2] and "ema_warmup=true" in errs[2]
     assert not (tmp_path / "c").exists()
+
+
+def test_projected_teacher_rounds_are_recorded_and_kept(tmp_path, assets, teacher, capsys):  # noqa: F811
+    out, flag = tmp_path / "pd", "--teacher-project-from"
+    assert distill_cli(tmp_path, out, assets, teacher, "2/2", flag, "0") == 0
+    assert distill_cli(tmp_path, tmp_path / "plain", assets, teacher, "2/2") == 0
+    round_dir = out / "round-1-2x2"
+    assert json.loads((round_dir / "round.json").read_text())["teacher_project_from"] == 0.0
+    assert json.loads((round_dir / "start.json").read_text())["teacher_project_from"] == 0.0
+    plain = tmp_path / "plain" / "round-1-2x2"
+    assert json.loads((plain / "round.json").read_text())["teacher_project_from"] == 1.0
+    # The projected targets (every teacher x_hat here) train another student.
+    a, b = weights(round_dir / "checkpoint-2"), weights(plain / "checkpoint-2")
+    assert any(not a[k].equal(b[k]) for k in a)
+    # A round is continued only with the value it was distilled with.
+    capsys.readouterr()
+    assert distill_cli(tmp_path, out, assets, teacher, "2/2", max_steps=3) == 2
+    (line,) = error_lines(capsys.readouterr().err)
+    assert "distilled with --teacher-project-from 0.0, not 1.0" in line
+    assert not (round_dir / "checkpoint-3").exists()
+    assert distill_cli(tmp_path, out, assets, teacher, "2/2", flag, "0", max_steps=3) == 0
+    _, config = load_model(round_dir)
+    assert config.sampler.project_from == 0.0  # the students sample from T on at the latest
+    # A round recorded before the setting existed counts as unprojected.
+    record = json.loads((plain / "start.json").read_text())
+    del record["teacher_project_from"]
+    (plain / "start.json").write_text(json.dumps(record))
+    assert distill_cli(tmp_path, tmp_path / "plain", assets, teacher, "2/2", max_steps=3) == 0
+    # Bad values, and packed rows (several texts a row), are refused before anything trains.
+    assert distill_cli(tmp_path, tmp_path / "x", assets, teacher, "2/2", flag, "1.5") == 2
+    packed = ("--set", "data.packing=true")
+    assert distill_cli(tmp_path, tmp_path / "y", assets, teacher, "2/2", flag, "0.5", *packed) == 2
+    errs = error_lines(capsys.readouterr().err)
+    assert "must be a number in [0, 1]" in errs[0] and "data.packing is on" in errs[1]
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+def test_projected_teacher_must_be_unconditional(tmp_path, assets, teacher, capsys, monkeypatch):  # noqa: F811
+    import elflow.distill_train as distill_train
+
+    real = distill_train.load_model
+
+    def conditional(source, device, task):
+        model, config = real(source, device=device, task=task)
+        return model, replace(config, task="conditional", max_input_length=4)
+
+    monkeypatch.setattr(distill_train, "load_model", conditional)
+    flag = "--teacher-project-from"
+    assert distill_cli(tmp_path, tmp_path / "pd", assets, teacher, "2/2", flag, "0.3") == 2
+    (line,) = error_lines(capsys.readouterr().err)
+    assert "needs an unconditional teacher" in line and "drop the flag" in line
 
 
 def test_teacher_task(tmp_path, assets, teacher, capsys, monkeypatch):  # noqa: F811

@@ -1,6 +1,7 @@
 """The progressive-distillation objective (elflow.distill, ELF_SPEC §8): the x-target against a hand
-computation, its limits (K = 1, tiny spans, constant teachers), condition handling, the per-row
-normalisation, the frozen teacher, keyed draws and round parsing."""
+computation (plain and with a projected teacher), its limits (K = 1, tiny spans, constant
+teachers), condition handling, the per-row normalisation, the frozen teacher, keyed draws and
+round parsing."""
 
 import copy
 
@@ -22,6 +23,7 @@ from elflow.errors import ELFError
 from elflow.flow import euler_step, velocity
 from elflow.model import ELF, build_model
 from elflow.objective import Batch
+from elflow.sampling import Projection
 
 E, V, L, B = 8, 20, 8, 4
 T_EPS = 0.05
@@ -122,6 +124,90 @@ def test_two_substeps_match_a_hand_computation_and_the_student_step_lands_on_the
     row = (x_pred - x_target).pow(2).mean(-1)
     m = batch.attention_mask * ~cond
     assert_close(out.row_loss, (row * m).sum(-1) / m.sum(-1), atol=1e-5, rtol=1e-5)
+
+
+def _decoded(teacher: ELF, x_hat: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        _, hidden = teacher(torch.cat([x_hat, torch.zeros_like(x_hat)], -1), 1.0, w, 1.0)
+        return teacher.decode_logits(hidden).argmax(-1)
+
+
+def test_projected_teacher_matches_a_hand_computation():
+    """project_from T: every teacher x_hat at t >= T (sub-steps and the self-conditioning half) is
+    the encoder's latents of its decoded text, cut after the first EOS and padded."""
+    teacher, student = _model(0), _model(1)
+    T = 0.45
+    cfg = DistillConfig(student_steps=16, teacher_substeps=2, teacher_steps=None, project_from=T)
+    batch = _batch(11)
+    # Row 0 is a decoder row; t_s = u * 15/16 = 0.441 (its interior time 0.472 >= T), 0.469
+    # (with the self-conditioning half) and 0.094 (t < T throughout).
+    draws = _draws(
+        cfg,
+        11,
+        u=[0.5, 0.47, 0.5, 0.1],
+        inner_u=[[0.5]] * B,
+        decoder_active=[1, 0, 0, 0],
+        use_self_cond=[0, 1, 1, 0],
+    )
+    table = torch.randn(V, E, generator=torch.Generator().manual_seed(4))
+    pad = 0
+    eos = int(_decoded(teacher, batch.x, draws.w)[0, 1])  # a token the decoder does produce
+
+    def encode(ids, mask):
+        return table[ids] * mask[..., None]
+
+    projection = Projection(encode, eos, pad)
+    out = distill_loss(student, teacher, batch, draws, cfg, projection)
+
+    cut = []
+
+    def project(a: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        ids = _decoded(teacher, a, draws.w)
+        is_eos = ids == eos
+        last = torch.tensor([int(r.nonzero()[0]) if r.any() else L - 1 for r in is_eos])
+        keep = torch.arange(L)[None] <= last[:, None]
+        cut.append(~keep.all(1))
+        latents = table[ids.masked_fill(~keep, pad)] * keep[..., None]
+        return torch.where(rows[:, None, None], latents, a)
+
+    w, delta = draws.w, 1 / 16
+    t_s = draws.u * (1 - delta)
+    t_t, t_mid = t_s + delta, t_s + 0.5 * delta
+    z_s = t_s[:, None, None] * batch.x + (1 - t_s[:, None, None]) * 2.0 * draws.noise
+    zero = torch.zeros_like(z_s)
+    use_sc = draws.use_self_cond.bool()
+    sc = project(_half(teacher, z_s, zero, t_s, w), use_sc & (t_s >= T))
+    sc = torch.where(use_sc[:, None, None], sc, 0.0)
+    x0 = project(_half(teacher, z_s, sc, t_s, w), t_s >= T)
+    z1 = z_s + ((t_mid - t_s) / (1 - t_s))[:, None, None] * (x0 - z_s)
+    x1 = project(_half(teacher, z1, x0, t_mid, w), t_mid >= T)
+    z2 = z1 + ((t_t - t_mid) / (1 - t_mid))[:, None, None] * (x1 - z1)
+    x_target = z_s + ((1 - t_s) / delta)[:, None, None] * (z2 - z_s)
+    assert_close(out.x_target[1:], x_target[1:], atol=1e-5, rtol=1e-5)
+    assert torch.equal(out.x_target[0], torch.zeros(L, E))  # the decoder row has no target
+    assert torch.stack(cut).any()  # some decoded row did end early
+    # Against the unprojected teacher: row 3 (t < T throughout) is unchanged, rows 1-2 moved;
+    # project_from 1 is the plain objective, projection or not.
+    plain = distill_loss(student, teacher, batch, draws, DistillConfig(16, 2, None)).x_target
+    off = DistillConfig(16, 2, None, project_from=1.0)
+    unprojected = distill_loss(student, teacher, batch, draws, off, projection).x_target
+    assert torch.equal(unprojected, plain)
+    assert torch.equal(out.x_target[3], plain[3])
+    assert all((out.x_target[r] - plain[r]).abs().max() > 1e-3 for r in (1, 2))
+
+
+def test_projected_teacher_needs_an_encoder_and_an_unconditional_batch():
+    teacher = _model(0)
+    cfg = DistillConfig(16, 2, None, project_from=0.3)
+    draws = _draws(cfg)
+    projection = Projection(lambda ids, mask: torch.zeros(*ids.shape, E), V - 1, 0)
+    with pytest.raises(ELFError, match="needs an unconditional ELF teacher and its encoder"):
+        distill_loss(_model(1), teacher, _batch(), draws, cfg)
+    with pytest.raises(ELFError, match="needs an unconditional"):
+        distill_loss(_model(1), teacher, _batch(conditional=True), draws, cfg, projection)
+    for bad in (-0.1, 1.5, True, "0.3"):
+        with pytest.raises(ELFError, match=r"distill\.project_from"):
+            DistillConfig(16, 2, None, project_from=bad)
 
 
 def _targets(teacher, K: int, span: float, seed: int = 0, t_s: float = 0.3, flip: bool = False):

@@ -10,7 +10,7 @@ function of the batch and of explicit draws (:class:`DistillDraws`), like
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -28,6 +28,7 @@ from elflow.objective import (
     sample_draws,
     token_cross_entropy,
 )
+from elflow.sampling import Projection, project_latents
 
 ROUNDS = "16/4,8/8,4/16,2/32,1/64"
 """The paper's curriculum (student steps / teacher sub-steps per student step)."""
@@ -35,6 +36,9 @@ MIN_SPAN = 1e-3
 """Below this student step size the x-target is the teacher's last x-prediction (ELF_SPEC §8)."""
 MIN_TS_SCALE = 1e-6
 """t_s = u * max(1 - delta, MIN_TS_SCALE): keeps t_s a (tiny) draw in the one-step round."""
+
+Project = Callable[[Tensor, Tensor, Tensor], Tensor]
+"""(x_hat (B, L, E), rows (B,) bool, w (B,)) -> x_hat with those rows projected (a copy)."""
 
 
 @dataclass(frozen=True)
@@ -51,9 +55,19 @@ class DistillConfig:
     """N * K must equal this (teacher sub-steps of 1/64 on average); None allows any N, K."""
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     """The §3 settings shared by the decoder rows and the student-step rows."""
+    project_from: float = 1.0
+    """elflow addition (1 = off, the paper): the teacher's x-predictions at t >= project_from
+    (its sub-steps' and the self-conditioning half's) are replaced by the encoder's latents of
+    their decoded text, as in projected sampling, so that the student learns the projected
+    trajectory. Unconditional teachers with one text per row only."""
 
     def __post_init__(self) -> None:
         _check_round(self.student_steps, self.teacher_substeps, self.teacher_steps)
+        p = self.project_from
+        require(
+            isinstance(p, int | float) and not isinstance(p, bool) and 0.0 <= p <= 1.0,
+            f"distill.project_from must be a number in [0, 1] (1 = off), got {p!r}",
+        )
 
     @property
     def delta(self) -> float:
@@ -201,6 +215,19 @@ def sample_distill_draws_keyed(
     )
 
 
+def teacher_projector(teacher: ELF, projection: Projection) -> Project:
+    """Projects the given rows of the frozen teacher's x_hat (decode mode, then the encoder)."""
+
+    def project(x_hat: Tensor, rows: Tensor, w: Tensor) -> Tensor:
+        if not bool(rows.any()):
+            return x_hat
+        out = x_hat.clone()
+        out[rows] = project_latents(teacher, x_hat[rows], w[rows], projection).to(out.dtype)
+        return out
+
+    return project
+
+
 @torch.no_grad()
 def distill_targets(
     teacher: nn.Module,
@@ -213,6 +240,8 @@ def distill_targets(
     inner_u: Tensor,
     w: Tensor,
     t_eps: float,
+    project: Project | None = None,
+    project_from: float = 1.0,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The teacher's K Euler sub-steps from t_s to t_t and the student's x-target (ELF_SPEC §8).
 
@@ -224,6 +253,8 @@ def distill_targets(
         cond: (B, L) bool condition mask.
         t_s, t_t, w: (B,) per row.
         inner_u: (B, K - 1) interior times as fractions of the span, any order.
+        project: with ``project_from`` < 1, replaces each sub-step's x_hat at t >= project_from
+            (:func:`teacher_projector`; projected sampling's step, an elflow addition).
 
     Returns:
         (x_target, z_{t_t}, the teacher's last x-prediction), each (B, L, E).
@@ -247,6 +278,8 @@ def distill_targets(
         t_k, t_next = times[:, k], times[:, k + 1]
         x_in = torch.cat([z, x_prev], dim=-1)  # (B, L, 2E)
         x_hat = forward(x_in, t_k, w, 0.0)[0].float()
+        if project is not None and project_from < 1.0:
+            x_hat = project(x_hat, t_k >= project_from, w)
         # As in sampling: the condition is known, so x_hat is x there and z never moves there.
         x_hat = torch.where(cond3, x, x_hat)
         z = euler_step(z, velocity(x_hat, z, t_k, t_eps), t_k, t_next)
@@ -266,6 +299,7 @@ def distill_loss(
     batch: Batch,
     draws: DistillDraws,
     cfg: DistillConfig,
+    projection: Projection | None = None,
 ) -> DistillLossOutput:
     """The distillation loss of one batch for the given draws (ELF_SPEC §8).
 
@@ -274,6 +308,7 @@ def distill_loss(
             FSDP2: the trained forward then goes through the wrapper).
         teacher: the frozen teacher (an :class:`ELF`, in eval mode, never wrapped); every teacher
             pass runs under no_grad and only on the rows that need it.
+        projection: the encoder and row ids that ``cfg.project_from`` < 1 needs.
     """
     ocfg = cfg.objective
     x = batch.x.float()
@@ -291,6 +326,14 @@ def distill_loss(
         else torch.zeros(B, L, dtype=torch.bool, device=x.device)
     )
     cond3 = cond[..., None]  # (B, L, 1)
+    project = None
+    if cfg.project_from < 1.0:
+        if projection is None or not isinstance(teacher, ELF) or batch.cond_mask is not None:
+            raise ELFError(
+                "distill.project_from < 1 needs an unconditional ELF teacher and its encoder "
+                "(distill_loss(..., projection=...)); project_from 1 turns it off"
+            )
+        project = teacher_projector(teacher, projection)
     if batch.label_drop is not None:
         # Dropped condition: x (hence z, z_dec, every SC half and the target) is zero there.
         x = x.masked_fill(cond3 & batch.label_drop.bool()[:, None, None], 0.0)
@@ -309,6 +352,11 @@ def distill_loss(
     # 1) Self-conditioning half: the teacher's unconditional x_hat at (z_s, t_s, w) on sc rows.
     teacher_fwd = TrainForward(teacher) if isinstance(teacher, ELF) else teacher
     x_hat_u = nograd_prediction(teacher_fwd, z_s, x_cond_only, t_s, w, sc)
+    # It stands for the previous step's x_hat, projected in sampling when that step's time was
+    # >= project_from; here, for want of that time, when t_s is.
+    if project is not None:
+        with torch.no_grad():
+            x_hat_u = project(x_hat_u, sc & (t_s >= cfg.project_from), w)
     sc_half = torch.where(sc[:, None, None] & ~cond3, x_hat_u, x_cond_only)  # (B, L, E)
 
     # 2) Teacher sub-steps and the x-target, on the student-step rows only.
@@ -325,6 +373,8 @@ def distill_loss(
             draws.inner_u[den],
             w[den],
             ocfg.t_eps,
+            project,
+            cfg.project_from,
         )[0]
     x_target = x_target.detach()
 

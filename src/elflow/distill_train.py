@@ -44,6 +44,7 @@ from elflow.run_config import (
     override_keys,
     run_config_from_dict,
 )
+from elflow.sampling import Projection
 from elflow.tokens import vocab_hash
 from elflow.train import StepLoss, train
 
@@ -133,16 +134,33 @@ def _check_round_start(
     problem = None
     if info.is_main:
         path = round_dir / ROUND_START
-        try:
-            recorded = json.loads(path.read_text()) if trained is not None else None
-        except (OSError, ValueError):
-            recorded = None  # rounds from before the record: nothing to compare with
-        if isinstance(recorded, dict) and recorded.get("init_sha256") != start["init_sha256"]:
+        recorded = None  # rounds from before the record: nothing to compare with
+        # A finished round's round.json also records the projection (read if start.json is not).
+        for record in (path, round_dir / "round.json") if trained is not None else ():
+            try:
+                recorded = json.loads(record.read_text())
+                break
+            except (OSError, ValueError):
+                continue
+        if (
+            isinstance(recorded, dict)
+            and "init_sha256" in recorded
+            and recorded["init_sha256"] != start["init_sha256"]
+        ):
             problem = (
                 f"round {k} ({round_dir}) was started from other weights "
                 f"({recorded.get('from')}) than the previous round's now ({start['from']}), "
                 "since --rounds or train.max_steps changed; remove that round folder and the "
                 "ones after it, or use a new --out"
+            )
+        elif (
+            isinstance(recorded, dict)
+            and (was := recorded.get("teacher_project_from", 1.0)) != start["teacher_project_from"]
+        ):
+            problem = (
+                f"round {k} ({round_dir}) was distilled with --teacher-project-from {was}, not "
+                f"{start['teacher_project_from']}; give --teacher-project-from {was} to "
+                "continue, or use a new --out"
             )
         elif trained is None:
             round_dir.mkdir(parents=True, exist_ok=True)
@@ -155,8 +173,15 @@ def _check_round_start(
 class DistillObjective:
     """Spec §8's loss: the mean over rows of each row's masked token mean (normaliser: rows)."""
 
-    def __init__(self, cfg: RunConfig, teacher: ELF, distill: DistillConfig) -> None:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        teacher: ELF,
+        distill: DistillConfig,
+        projection: Projection | None = None,
+    ) -> None:
         self.cfg, self.teacher, self.distill = cfg, teacher, distill
+        self.projection = projection if distill.project_from < 1.0 else None
 
     def denominator(self, batch: Batch) -> float:
         return float(batch.x.shape[0])
@@ -172,7 +197,7 @@ class DistillObjective:
             self.cfg.train.seed,
             batch.x.device,
         )
-        out = distill_loss(forward, self.teacher, batch, draws, self.distill)
+        out = distill_loss(forward, self.teacher, batch, draws, self.distill, self.projection)
         dec = draws.decoder_active.bool().to(batch.x.device)
         rows = out.row_loss.detach()
         stats = torch.stack(
@@ -241,6 +266,7 @@ def distill(
     base_objective: ObjectiveConfig | None = None,
     fixed_keys: Iterable[str] = (),
     teacher_task: str | None = None,
+    teacher_project_from: float = 1.0,
 ) -> Path:
     """Run (or resume) the curriculum; returns the last round's last checkpoint.
 
@@ -250,7 +276,9 @@ def distill(
     architecture and encoder are the teacher's: a ``model.*``/``encoder.*`` key in
     ``fixed_keys`` (those the user changed from the preset's) with another value is an error.
     ``teacher_task``: an authors' checkpoint's paper task ('owt', 'de-en', 'xsum'; default
-    guessed from its name), which the students take.
+    guessed from its name), which the students take. ``teacher_project_from`` < 1 distils the
+    teacher's projected trajectory (:attr:`DistillConfig.project_from`; unconditional teachers
+    without ``data.packing``); every round of ``out`` must use the same value.
     """
     from elflow.distributed import setup
 
@@ -267,11 +295,24 @@ def distill(
             f"weights in the student saved after train.max_steps={t.max_steps}: set "
             "train.ema_warmup=true or a lower train.ema_decay"
         )
+    p = teacher_project_from
+    if isinstance(p, bool) or not isinstance(p, int | float) or not 0.0 <= p <= 1.0:
+        raise ELFError(f"--teacher-project-from must be a number in [0, 1] (1 = off), got {p!r}")
+    if p < 1.0 and cfg.data.packing:
+        raise ELFError(
+            "--teacher-project-from needs one text per row, but data.packing is on: drop one of "
+            "them"
+        )
     out = output_dir(out, "--out")  # before the teacher loads
     teacher_steps = teacher_steps or None
     plan = parse_rounds(rounds, teacher_steps)
     info = setup(cfg.train.device)
     teacher, tcfg = load_teacher(teacher_source, info.device, teacher_task)
+    if p < 1.0 and tcfg.conditional:
+        raise ELFError(
+            f"--teacher-project-from {p} needs an unconditional teacher; {teacher_source} is "
+            "conditional: drop the flag"
+        )
     # The student is the teacher's architecture, encoder, tokenizer, normalisation and objective.
     objective = teacher_objective(teacher_source, tcfg, base_objective or cfg.objective)
     changed = {
@@ -292,8 +333,10 @@ def distill(
             flush=True,
         )
     user = cfg
-    # The students sample as the teacher does (projection included, where their rows allow it).
+    # The students sample as the teacher does (projection included, where their rows allow it),
+    # and from --teacher-project-from on at the latest: what their training inputs were.
     project_from = 1.0 if cfg.data.packing else tcfg.sampler.project_from
+    project_from = min(project_from, float(p))
     cfg = replace(
         cfg,
         objective=replace(objective, **changed),
@@ -331,8 +374,12 @@ def distill(
             teacher_substeps=n_sub,
             teacher_steps=teacher_steps,
             objective=cfg.objective,
+            project_from=float(p),
         )
-        start = {"from": str(last) if k > 1 else f"teacher {teacher_source}"}
+        start = {
+            "from": str(last) if k > 1 else f"teacher {teacher_source}",
+            "teacher_project_from": float(p),
+        }
         done = ckpt_io.find_checkpoint(round_dir)
         _check_round_start(round_dir, k, {**start, "init_sha256": state_hash(init)}, done, info)
         if done is not None:
@@ -342,7 +389,7 @@ def distill(
                 round_cfg,
                 round_dir,
                 resume="auto",
-                objective_factory=lambda c, i, s=spec: DistillObjective(c, teacher, s),
+                objective_factory=lambda c, i, pr, s=spec: DistillObjective(c, teacher, s, pr),
                 init_state=init,
                 latent_cache_dir=out,  # one cache for every round: the same rows and encoder
             )
@@ -358,6 +405,7 @@ def distill(
                         "round": k,
                         "student_steps": n_student,
                         "teacher_substeps": n_sub,
+                        "teacher_project_from": float(p),
                         "teacher": str(teacher_source),
                         "teacher_sha256": reference_hash,
                     }
@@ -433,6 +481,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="student steps / teacher sub-steps per round",
     )
     p.add_argument("--teacher-steps", type=int, default=64, help="N x K of every round (0: any)")
+    p.add_argument(
+        "--teacher-project-from",
+        type=float,
+        default=1.0,
+        metavar="T",
+        help="distil the teacher's projected trajectory: its x-predictions at t >= T replaced by "
+        "the encoder's latents of their text (elflow addition; default 1 = off, the paper)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -458,6 +514,7 @@ def run(args: argparse.Namespace) -> int:
             preset(args.preset).objective,
             fixed_keys,
             args.task,
+            args.teacher_project_from,
         )
     finally:
         teardown()

@@ -124,13 +124,21 @@ def project_denoiser(
         if not bool(rows.any()):
             return x_hat, v
         w_rows = w[rows] if isinstance(w, Tensor) and w.dim() > 0 else w
-        tokens = decode_tokens(model, x_hat[rows], w_rows)
         x_hat = x_hat.clone()
-        latents = projection.encode(*text_rows(tokens, projection.eos_id, projection.pad_id))
-        x_hat[rows] = latents.to(x_hat.dtype)
+        x_hat[rows] = project_latents(model, x_hat[rows], w_rows, projection)
         return x_hat, velocity(x_hat, z, t, t_eps)
 
     return denoise_projected
+
+
+def project_latents(
+    model: ELF, x_hat: Tensor, w: float | Tensor | None, projection: Projection
+) -> Tensor:
+    """x_hat's projection: the encoder's latents of its decode-mode argmax text, cut after the
+    first EOS and padded as training rows (in x_hat's dtype). One decode and one encoder pass."""
+    tokens = decode_tokens(model, x_hat, w)
+    latents = projection.encode(*text_rows(tokens, projection.eos_id, projection.pad_id))
+    return latents.to(x_hat.dtype)
 
 
 def ode_step(

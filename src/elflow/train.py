@@ -56,6 +56,7 @@ from elflow.resume import (
 )
 from elflow.run_config import RunConfig, check_projection, run_config_to_dict
 from elflow.run_log import MetricsLogger, progress_bar, set_aside_samples, write_samples
+from elflow.sampling import Projection
 from elflow.stop import StopSignal
 from elflow.tokens import token_spec, vocab_hash
 
@@ -65,15 +66,16 @@ def train(
     out: str | Path,
     resume: str | None = None,
     *,
-    objective_factory: Callable[[RunConfig, DistInfo], Any] | None = None,
+    objective_factory: Callable[[RunConfig, DistInfo, Projection], Any] | None = None,
     init_state: dict[str, Tensor] | None = None,
     latent_cache_dir: str | Path | None = None,
 ) -> Path:
     """Train (or resume) a run into ``out``; returns the last checkpoint folder.
 
     Args:
-        objective_factory: builds the loss (default :class:`ELFObjective`); distillation passes
-            its own (see ``distill_train.py``).
+        objective_factory: builds the loss (default :class:`ELFObjective`) from the run's
+            config, processes and encoder (with the rows' ids, as projected sampling takes it);
+            distillation passes its own (see ``distill_train.py``).
         init_state: initial weights for a fresh run (ignored when resuming); ``train.init``
             gives them from a model source instead (fine-tuning, see
             :func:`elflow.resume.apply_init`).
@@ -217,7 +219,9 @@ def train(
             print(warning, file=sys.stderr, flush=True)
     progress = progress_bar(info, start_step, total_steps)
     autocast = bf16_autocast(bf16, info.device)
-    objective = objective_factory(cfg, info) if objective_factory else ELFObjective(cfg)
+    objective = ELFObjective(cfg)
+    if objective_factory is not None:
+        objective = objective_factory(cfg, info, Projection(encoder, spec.eos_id, pad_id))
     ctx = _StepContext(
         cfg, info, dataset, order, cache, encoder, wrapped, micro, accum, autocast, objective
     )
