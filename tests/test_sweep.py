@@ -79,7 +79,8 @@ def test_sweep_writes_grid_tables_plot_and_equals_sample_plus_score(model_dir, j
     assert [r["cell"] for r in rows] == [*names, "reference"]
     assert tuple(rows[0]) == sweep.COLUMNS and rows[0]["gamma"] == "" and rows[2]["gamma"] == "1.5"
     assert rows[2]["nfe"] == "2" and float(rows[2]["seconds"]) >= 0
-    assert "| sde | 3 | 3 | 1.5 | 2.0 |" in (out / "table.md").read_text()
+    assert all(r["project_from"] == "" for r in rows)  # projected sampling is off
+    assert "| sde | 3 | 3 | 1.5 | 2.0 | 2" in (out / "table.md").read_text()
     assert (out / "frontier.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     # one cell == a separate `elflow sample` + `elflow score` with the same seed
@@ -108,6 +109,25 @@ def test_frontier_without_reference(tmp_path):
     ]
     path = sweep.plot_frontier(tmp_path / "f.png", rows)
     assert path.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_tables_show_projected_sampling(tmp_path):
+    settings = {"sampler": "sde", "steps": 32, "nfe": 32, "gamma": 1.0, "w": 3.0}
+    metrics = {"gen_ppl": 319.2, "gen_ppl_ci": [295.3, 348.9], "entropy": 2.76}
+    rows = [
+        sweep.table_row("a", {**settings, "project_from": 0.3}, metrics, 4.0),
+        sweep.table_row("b", {**settings, "project_from": None}, metrics, 4.0),
+    ]
+    sweep.write_tables(tmp_path, rows, "p")
+    with (tmp_path / "table.csv").open() as f:
+        assert [r["project_from"] for r in csv.DictReader(f)] == ["0.3", ""]
+    md = (tmp_path / "table.md").read_text().splitlines()
+    assert md[0].startswith("| sampler | steps | nfe | gamma | w | project from | gen PPL")
+    assert md[1] == "|" + "---|" * 10
+    assert md[2].startswith("| sde | 32 | 32 | 1.0 | 3.0 | 0.3 | 319.20 [295.30, 348.90] | 2.760")
+    assert md[3].startswith("| sde | 32 | 32 | 1.0 | 3.0 |  | 319.20")
+    sweep.write_tables(tmp_path, rows[1:], "p")  # no projected cell: no column
+    assert "project from" not in (tmp_path / "table.md").read_text()
 
 
 def test_conditional_sweep_scores_bleu_against_refs(tmp_path):

@@ -44,6 +44,7 @@ COLUMNS = (
     "nfe",
     "gamma",
     "w",
+    "project_from",
     "gen_ppl",
     "gen_ppl_lo",
     "gen_ppl_hi",
@@ -134,6 +135,8 @@ def table_row(name: str, settings: dict, metrics: dict, seconds: float | None) -
         "nfe": settings.get("nfe", ""),
         "gamma": "" if settings.get("gamma") is None else settings["gamma"],
         "w": settings.get("w", ""),
+        # Projected sampling's start (spec'd per sweep; empty: off, or a cell from before it).
+        "project_from": "" if settings.get("project_from") is None else settings["project_from"],
         "gen_ppl": metrics.get("gen_ppl", nan),
         "gen_ppl_lo": lo,
         "gen_ppl_hi": hi,
@@ -164,15 +167,16 @@ def write_tables(folder: Path, rows: list[dict], protocol: str) -> None:
         writer.writeheader()
         writer.writerows(rows)
     refs = any(r["bleu"] != "" for r in rows)  # scored against --refs: BLEU and ROUGE-L too
-    head = "| sampler | steps | nfe | gamma | w | gen PPL [95% CI] | entropy | empty | seconds |"
+    projected = any(r.get("project_from", "") != "" for r in rows)  # a "project from" column
+    head = "| sampler | steps | nfe | gamma | w |" + (" project from |" if projected else "")
+    head += " gen PPL [95% CI] | entropy | empty | seconds |"
     head += " BLEU | ROUGE-L |" if refs else ""
-    lines = [head, "|" + "---|" * (11 if refs else 9)]
+    lines = [head, "|" + "---|" * (9 + 2 * refs + projected)]
     for r in rows:
         ppl = f"{_num(r['gen_ppl'])} [{_num(r['gen_ppl_lo'])}, {_num(r['gen_ppl_hi'])}]"
-        line = (
-            f"| {r['sampler']} | {r['steps']} | {r['nfe']} | {r['gamma']} | {r['w']} | {ppl} | "
-            f"{_num(r['entropy'], 3)} | {r['num_empty']} | {r['seconds']} |"
-        )
+        line = f"| {r['sampler']} | {r['steps']} | {r['nfe']} | {r['gamma']} | {r['w']} |"
+        line += f" {r.get('project_from', '')} |" if projected else ""
+        line += f" {ppl} | {_num(r['entropy'], 3)} | {r['num_empty']} | {r['seconds']} |"
         if refs:
             line += f" {_num(r['bleu'])} | {_num(r['rougeL'])} |"
         lines.append(line)
@@ -442,7 +446,7 @@ def run(args: argparse.Namespace) -> int:
             seed=args.bootstrap_seed,
         )
         rows = []
-        keys = ("sampler", "steps", "nfe", "gamma", "w")
+        keys = ("sampler", "steps", "nfe", "gamma", "w", "project_from")
         expected = len(sources) if sources is not None else requested_samples(args)
         for i, (cell, scfg) in enumerate(zip(cells, samplers, strict=True)):
             sample_file = out / "samples" / f"{cell.name}.jsonl"
