@@ -213,10 +213,12 @@ def test_artifact_save_load_round_trip(tmp_path):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     data = json.loads((tmp_path / "m" / "config.json").read_text())
     assert data["format"] == "elflow-model" and data["model"]["hidden_size"] == CFG.hidden_size
-    assert "encoder_layer" not in data  # the default stays out: earlier elflow loads it
-    layered = ArtifactConfig(model=CFG, encoder="enc", encoder_layer=4)
+    assert "encoder_layer" not in data and "packed" not in data  # the defaults stay out:
+    # earlier elflow loads the file
+    layered = ArtifactConfig(model=CFG, encoder="enc", encoder_layer=4, packed=True)
     save_model(tmp_path / "l", model, layered)
-    assert load_model(tmp_path / "l")[1].encoder_layer == 4
+    assert load_model(tmp_path / "l")[1] == layered
+    assert json.loads((tmp_path / "l" / "config.json").read_text())["packed"] is True
 
 
 def test_artifact_prefers_ema_and_run_folder_latest(tmp_path):

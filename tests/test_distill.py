@@ -226,20 +226,33 @@ def test_projected_teacher_rounds_are_recorded_and_kept(tmp_path, assets, teache
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
 
 
-def test_projected_teacher_must_be_unconditional(tmp_path, assets, teacher, capsys, monkeypatch):  # noqa: F811
+def test_projected_teacher_has_one_text_a_row(tmp_path, assets, teacher, capsys, monkeypatch):  # noqa: F811
     import elflow.distill_train as distill_train
 
+    # A student trained on packed rows records it, and samples without projection.
+    packed = ("--set", "data.packing=true")
+    assert distill_cli(tmp_path, tmp_path / "packed", assets, teacher, "2/2", *packed) == 0
+    _, config = load_model(tmp_path / "packed" / "round-1-2x2")
+    assert config.packed and config.sampler.project_from == 1.0
+    # A conditional or packed teacher cannot be projected.
     real = distill_train.load_model
+    changes = {}
 
-    def conditional(source, device, task):
+    def changed(source, device, task):
         model, config = real(source, device=device, task=task)
-        return model, replace(config, task="conditional", max_input_length=4)
+        return model, replace(config, **changes)
 
-    monkeypatch.setattr(distill_train, "load_model", conditional)
+    monkeypatch.setattr(distill_train, "load_model", changed)
     flag = "--teacher-project-from"
-    assert distill_cli(tmp_path, tmp_path / "pd", assets, teacher, "2/2", flag, "0.3") == 2
-    (line,) = error_lines(capsys.readouterr().err)
-    assert "needs an unconditional teacher" in line and "drop the flag" in line
+    for change, why in (
+        ({"task": "conditional", "max_input_length": 4}, "is conditional: drop the flag"),
+        ({"packed": True}, "is trained on packed rows: drop the flag"),
+    ):
+        changes.clear()
+        changes.update(change)
+        assert distill_cli(tmp_path, tmp_path / "pd", assets, teacher, "2/2", flag, "0.3") == 2
+        (line,) = error_lines(capsys.readouterr().err)
+        assert "needs an unconditional teacher with one text per row" in line and why in line
 
 
 def test_teacher_task(tmp_path, assets, teacher, capsys, monkeypatch):  # noqa: F811

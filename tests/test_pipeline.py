@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -253,6 +254,11 @@ def test_projected_sampling_is_refused_where_it_cannot_run(cond_dir, projected_d
     cond = ELFPipeline.from_pretrained(cond_dir)
     with pytest.raises(ELFError, match="applies to unconditional models"):
         cond.generate(sources=["a tool"], project_from=0.3)
+    packed = ELFPipeline.from_pretrained(projected_dir)
+    packed.config = replace(packed.config, packed=True)  # as a model trained on packed rows
+    with pytest.raises(ELFError, match="trained on packed rows; use --project-from 1"):
+        packed.generate(n=2, steps=2)
+    assert len(packed.generate(n=2, steps=2, project_from=1.0)) == 2
     from elflow.presets import preset
     from elflow.run_config import RunConfig, apply_overrides, check_projection
 

@@ -67,6 +67,9 @@ class ArtifactConfig:
     """Conditional tasks: source tokens kept (the target gets max_length - max_input_length)."""
     pad_with_eos: bool = False
     """True when the task pads with EOS (seq2seq)."""
+    packed: bool = False
+    """True when trained on packed rows (several texts a row: ``data.packing``); projected
+    sampling, which re-encodes one text per row, does not apply."""
     noise_scale: float = 2.0
     """s: the path's noise scale."""
     t_eps: float = 0.05
@@ -104,8 +107,9 @@ class ArtifactConfig:
 
     def to_json(self) -> dict[str, Any]:
         data = to_dict(self)
-        if not self.encoder_layer:  # the default: keep configs loadable by earlier elflow
-            del data["encoder_layer"]
+        for key in ("encoder_layer", "packed"):  # the defaults: configs earlier elflow loads
+            if not data[key]:
+                del data[key]
         return {"format": FORMAT, "format_version": FORMAT_VERSION, **data}
 
     @classmethod

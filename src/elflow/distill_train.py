@@ -308,10 +308,11 @@ def distill(
     plan = parse_rounds(rounds, teacher_steps)
     info = setup(cfg.train.device)
     teacher, tcfg = load_teacher(teacher_source, info.device, teacher_task)
-    if p < 1.0 and tcfg.conditional:
+    if p < 1.0 and (tcfg.conditional or tcfg.packed):
         raise ELFError(
-            f"--teacher-project-from {p} needs an unconditional teacher; {teacher_source} is "
-            "conditional: drop the flag"
+            f"--teacher-project-from {p} needs an unconditional teacher with one text per row; "
+            f"{teacher_source} is {'conditional' if tcfg.conditional else 'trained on packed rows'}"
+            ": drop the flag"
         )
     # The student is the teacher's architecture, encoder, tokenizer, normalisation and objective.
     objective = teacher_objective(teacher_source, tcfg, base_objective or cfg.objective)
@@ -335,7 +336,7 @@ def distill(
     user = cfg
     # The students sample as the teacher does (projection included, where their rows allow it),
     # and from --teacher-project-from on at the latest: what their training inputs were.
-    project_from = 1.0 if cfg.data.packing else tcfg.sampler.project_from
+    project_from = 1.0 if cfg.data.packing or tcfg.packed else tcfg.sampler.project_from
     project_from = min(project_from, float(p))
     cfg = replace(
         cfg,

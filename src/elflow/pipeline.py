@@ -226,6 +226,11 @@ class ELFPipeline:
                 "projected sampling (--project-from, sampler.project_from < 1) applies to "
                 "unconditional models; use --project-from 1 for this one"
             )
+        if self.config.packed:
+            raise ELFError(
+                "projected sampling (--project-from, sampler.project_from < 1) re-encodes one "
+                "text per row, but this model was trained on packed rows; use --project-from 1"
+            )
         if self.encoder is None:
             try:
                 self.encoder = model_encoder(self.config).to(self.device)

@@ -375,6 +375,7 @@ def _artifact(cfg: RunConfig, tokenizer_hash: str) -> ArtifactConfig:
         task=cfg.task,
         max_input_length=cfg.max_input_length if cfg.task == "conditional" else 0,
         pad_with_eos=cfg.objective.pad_with_eos,
+        packed=cfg.data.packing,
         noise_scale=cfg.objective.noise_scale,
         t_eps=cfg.objective.t_eps,
         origin=f"elflow train (preset {cfg.preset or 'custom'})"
