@@ -219,6 +219,10 @@ def test_artifact_save_load_round_trip(tmp_path):
     save_model(tmp_path / "l", model, layered)
     assert load_model(tmp_path / "l")[1] == layered
     assert json.loads((tmp_path / "l" / "config.json").read_text())["packed"] is True
+    # A training checkpoint saved before configs recorded it: its run config says.
+    data = ArtifactConfig(model=CFG, encoder="enc").to_json()
+    data["run"] = {"data": {"packing": True}}
+    assert ArtifactConfig.from_json(data).packed
 
 
 def test_artifact_prefers_ema_and_run_folder_latest(tmp_path):

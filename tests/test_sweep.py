@@ -161,7 +161,13 @@ def test_conditional_sweep_scores_bleu_against_refs(tmp_path):
     saved = json.loads((out / "sweep.json").read_text())
     saved.pop("refs"), saved.pop("ref_field"), saved.pop("project_from")
     (out / "sweep.json").write_text(json.dumps(saved))
+    # Its cell sampled but not scored, by a version whose records had no project_from.
+    sample_file = out / "samples" / "ode-n2-wdefault.jsonl"
+    old = [{k: v for k, v in r.items() if k != "project_from"} for r in read(sample_file)]
+    sample_file.write_text("".join(json.dumps(r) + "\n" for r in old))
+    (out / "metrics" / "ode-n2-wdefault.json").unlink()
     assert elflow_main([*argv[:refs_at], "--resume"]) == 0
+    assert json.loads((out / "metrics" / "ode-n2-wdefault.json").read_text())["sweep"]["cell"]
     # The same cell scored by `elflow score` against the same references.
     parser = argparse.ArgumentParser()
     score_cli.add_arguments(parser)

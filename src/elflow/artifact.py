@@ -125,7 +125,9 @@ class ArtifactConfig:
         version = data.pop("format_version")
         if version != FORMAT_VERSION:
             raise ELFError(f"unsupported elflow model format_version {version}; upgrade elflow")
-        data.pop("run", None)  # a training checkpoint's full run config (see checkpoint.py)
+        run = data.pop("run", None)  # a training checkpoint's full run config (checkpoint.py)
+        if "packed" not in data and isinstance(run, dict):  # saved before configs recorded it
+            data["packed"] = bool(run.get("data", {}).get("packing", False))
         if data.get("task", "unconditional") == "unconditional":
             data["max_input_length"] = 0  # saved by earlier versions from an ignored setting
         data["model"] = from_dict(ModelConfig, data.get("model", {}), "model")

@@ -135,7 +135,7 @@ def table_row(name: str, settings: dict, metrics: dict, seconds: float | None) -
         "nfe": settings.get("nfe", ""),
         "gamma": "" if settings.get("gamma") is None else settings["gamma"],
         "w": settings.get("w", ""),
-        # Projected sampling's start (spec'd per sweep; empty: off, or a cell from before it).
+        # Projected sampling's start (one value per sweep; empty: off).
         "project_from": "" if settings.get("project_from") is None else settings["project_from"],
         "gen_ppl": metrics.get("gen_ppl", nan),
         "gen_ppl_lo": lo,
@@ -460,7 +460,9 @@ def run(args: argparse.Namespace) -> int:
             scored, sampled = broadcast_object((metrics is not None, records is not None))
             if scored:
                 if info.is_main:
-                    done = metrics["sweep"]
+                    # Cells scored before the tables showed it used the sweep's (one) value.
+                    on = scfg.project_from if scfg.project_from < 1.0 else None
+                    done = {"project_from": on, **metrics["sweep"]}
                     rows.append(table_row(cell.name, done, metrics, done.get("seconds")))
                     print(f"[{i + 1}/{len(cells)}] {cell.name}: done earlier", file=sys.stderr)
                 continue
@@ -474,7 +476,7 @@ def run(args: argparse.Namespace) -> int:
             if not sampled:
                 write_jsonl(sample_file, records)
             metrics = score_samples(records, refs=refs, **score)
-            cell_settings = {k: records[0][k] for k in keys}
+            cell_settings = {k: records[0].get(k) for k in keys}  # older files lack some
             write_metrics(
                 metrics_file,
                 {**metrics, "sweep": {**cell_settings, "cell": cell.name, "seconds": seconds}},
