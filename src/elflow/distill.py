@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 from torch import Tensor, nn
@@ -28,7 +29,7 @@ from elflow.objective import (
     sample_draws,
     token_cross_entropy,
 )
-from elflow.sampling import Projection, project_latents
+from elflow.sampling import Projection, project_rows
 
 ROUNDS = "16/4,8/8,4/16,2/32,1/64"
 """The paper's curriculum (student steps / teacher sub-steps per student step)."""
@@ -63,11 +64,7 @@ class DistillConfig:
 
     def __post_init__(self) -> None:
         _check_round(self.student_steps, self.teacher_substeps, self.teacher_steps)
-        p = self.project_from
-        require(
-            isinstance(p, int | float) and not isinstance(p, bool) and 0.0 <= p <= 1.0,
-            f"distill.project_from must be a number in [0, 1] (1 = off), got {p!r}",
-        )
+        check_project_from(self.project_from, "distill.project_from")
 
     @property
     def delta(self) -> float:
@@ -95,6 +92,14 @@ def _check_round(
         f"round {n}/{k}{where} has N x K = {n * k}, but {steps_name} is {teacher_steps} "
         f"(teacher sub-step 1/{teacher_steps}); change the round so that N x K matches, or "
         f"{allow} to allow any N x K",
+    )
+
+
+def check_project_from(value: object, name: str) -> None:
+    """A projection start is a number in [0, 1]; ``name`` words the error (config key or flag)."""
+    require(
+        isinstance(value, int | float) and not isinstance(value, bool) and 0.0 <= value <= 1.0,
+        f"{name} must be a number in [0, 1] (1 = off), got {value!r}",
     )
 
 
@@ -217,15 +222,7 @@ def sample_distill_draws_keyed(
 
 def teacher_projector(teacher: ELF, projection: Projection) -> Project:
     """Projects the given rows of the frozen teacher's x_hat (decode mode, then the encoder)."""
-
-    def project(x_hat: Tensor, rows: Tensor, w: Tensor) -> Tensor:
-        if not bool(rows.any()):
-            return x_hat
-        out = x_hat.clone()
-        out[rows] = project_latents(teacher, x_hat[rows], w[rows], projection).to(out.dtype)
-        return out
-
-    return project
+    return partial(project_rows, teacher, projection=projection)
 
 
 @torch.no_grad()

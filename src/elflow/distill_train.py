@@ -27,7 +27,13 @@ import torch
 from elflow import checkpoint as ckpt_io
 from elflow.artifact import CONFIG, EMA_WEIGHTS, ArtifactConfig, load_model, resolve_source
 from elflow.config import ObjectiveConfig, SamplerConfig
-from elflow.distill import DistillConfig, distill_loss, parse_rounds, sample_distill_draws_keyed
+from elflow.distill import (
+    DistillConfig,
+    check_project_from,
+    distill_loss,
+    parse_rounds,
+    sample_distill_draws_keyed,
+)
 from elflow.distributed import DistInfo, broadcast_object
 from elflow.ema import initial_share
 from elflow.errors import ELFError
@@ -181,7 +187,7 @@ class DistillObjective:
         projection: Projection | None = None,
     ) -> None:
         self.cfg, self.teacher, self.distill = cfg, teacher, distill
-        self.projection = projection if distill.project_from < 1.0 else None
+        self.projection = projection  # used only when distill.project_from < 1
 
     def denominator(self, batch: Batch) -> float:
         return float(batch.x.shape[0])
@@ -296,8 +302,7 @@ def distill(
             "train.ema_warmup=true or a lower train.ema_decay"
         )
     p = teacher_project_from
-    if isinstance(p, bool) or not isinstance(p, int | float) or not 0.0 <= p <= 1.0:
-        raise ELFError(f"--teacher-project-from must be a number in [0, 1] (1 = off), got {p!r}")
+    check_project_from(p, "--teacher-project-from")
     if p < 1.0 and cfg.data.packing:
         raise ELFError(
             "--teacher-project-from needs one text per row, but data.packing is on: drop one of "

@@ -121,14 +121,25 @@ def project_denoiser(
     def denoise_projected(z: Tensor, x_prev: Tensor, t: Tensor) -> tuple[Tensor, Tensor]:
         x_hat, v = denoise(z, x_prev, t)
         rows = (t.expand(z.shape[0]) if t.dim() == 0 else t) >= project_from
-        if not bool(rows.any()):
+        projected = project_rows(model, x_hat, rows, w, projection)
+        if projected is x_hat:  # no row projected
             return x_hat, v
-        w_rows = w[rows] if isinstance(w, Tensor) and w.dim() > 0 else w
-        x_hat = x_hat.clone()
-        x_hat[rows] = project_latents(model, x_hat[rows], w_rows, projection)
-        return x_hat, velocity(x_hat, z, t, t_eps)
+        return projected, velocity(projected, z, t, t_eps)
 
     return denoise_projected
+
+
+def project_rows(
+    model: ELF, x_hat: Tensor, rows: Tensor, w: float | Tensor | None, projection: Projection
+) -> Tensor:
+    """A copy of x_hat with ``rows`` ((B,) bool) projected (:func:`project_latents`; ``w`` a
+    scalar or per row); x_hat itself when no row is selected."""
+    if not bool(rows.any()):
+        return x_hat
+    w_rows = w[rows] if isinstance(w, Tensor) and w.dim() > 0 else w
+    out = x_hat.clone()
+    out[rows] = project_latents(model, x_hat[rows], w_rows, projection)
+    return out
 
 
 def project_latents(

@@ -219,9 +219,11 @@ def train(
             print(warning, file=sys.stderr, flush=True)
     progress = progress_bar(info, start_step, total_steps)
     autocast = bf16_autocast(bf16, info.device)
-    objective = ELFObjective(cfg)
-    if objective_factory is not None:
-        objective = objective_factory(cfg, info, Projection(encoder, spec.eos_id, pad_id))
+    objective = (
+        objective_factory(cfg, info, Projection(encoder, spec.eos_id, pad_id))
+        if objective_factory
+        else ELFObjective(cfg)
+    )
     ctx = _StepContext(
         cfg, info, dataset, order, cache, encoder, wrapped, micro, accum, autocast, objective
     )
