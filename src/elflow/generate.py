@@ -188,13 +188,18 @@ def settings_record(
         "time_grid": scfg.time_grid,
         "time_mean": scfg.time_mean if scfg.time_grid == "logit_normal" else None,
         "time_std": scfg.time_std if scfg.time_grid == "logit_normal" else None,
-        "project_from": scfg.project_from if scfg.project_from < 1.0 else None,
+        "project_from": recorded_project_from(scfg),
         "seed": seed,
         "length": L or pipe.config.model.max_length,
         "dtype": "bf16" if bf16 else "fp32",
         "model": model,
         "ema": ema,
     }
+
+
+def recorded_project_from(scfg: SamplerConfig) -> float | None:
+    """Projected sampling's start as sample records and sweep tables show it: None when off."""
+    return scfg.project_from if scfg.project_from < 1.0 else None
 
 
 def shard(n: int, info: DistInfo) -> range:

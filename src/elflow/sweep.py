@@ -27,6 +27,7 @@ from elflow.generate import (
     add_sampling_arguments,
     check_sample_args,
     load_pipeline,
+    recorded_project_from,
     requested_samples,
     resolve_device,
     resolve_sampler,
@@ -461,8 +462,7 @@ def run(args: argparse.Namespace) -> int:
             if scored:
                 if info.is_main:
                     # Cells scored before the tables showed it used the sweep's (one) value.
-                    on = scfg.project_from if scfg.project_from < 1.0 else None
-                    done = {"project_from": on, **metrics["sweep"]}
+                    done = {"project_from": recorded_project_from(scfg), **metrics["sweep"]}
                     rows.append(table_row(cell.name, done, metrics, done.get("seconds")))
                     print(f"[{i + 1}/{len(cells)}] {cell.name}: done earlier", file=sys.stderr)
                 continue
