@@ -31,13 +31,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from elflow import checkpoint as ckpt_io
-from elflow.demo import export_demo
+from elflow.io import checkpoint as ckpt_io
+from elflow.generation.demo import export_demo
 from elflow.evaluation import load_judge
 from elflow.evaluation.copying import copies, ngram_set
 from elflow.model import build_model
-from elflow.pipeline import ELFPipeline
-from elflow.presets import shared_data
+from elflow.generation.pipeline import ELFPipeline
+from elflow.train.presets import shared_data
 from quality import score, timed_generate
 
 

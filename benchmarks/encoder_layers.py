@@ -23,8 +23,8 @@ import torch
 
 from elflow.encoder import FrozenEncoder
 from elflow.flow import interpolate
-from elflow.pipeline import load_tokenizer
-from elflow.presets import shared_data
+from elflow.generation.pipeline import load_tokenizer
+from elflow.train.presets import shared_data
 from elflow.tokens import build_unconditional_row, token_spec, tokenize
 
 

@@ -21,7 +21,7 @@ import json
 from pathlib import Path
 
 from elflow.evaluation import load_judge
-from elflow.pipeline import ELFPipeline
+from elflow.generation.pipeline import ELFPipeline
 from quality import score, timed_generate
 
 

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from elflow.evaluation import gen_ppl, load_judge, read_jsonl, score_samples
-from elflow.presets import shared_data
+from elflow.train.presets import shared_data
 
 
 def main() -> None:

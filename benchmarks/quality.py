@@ -10,7 +10,7 @@ import time
 from typing import Any
 
 from elflow.evaluation import score_samples
-from elflow.pipeline import ELFPipeline
+from elflow.generation.pipeline import ELFPipeline
 
 
 def timed_generate(pipe: ELFPipeline, n: int, **kwargs: Any) -> tuple[list[str], float]:

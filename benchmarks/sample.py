@@ -9,7 +9,7 @@ Usage:
 Randomly initialised weights (the speed does not depend on them); one warm-up batch per setting.
 bf16 runs the network under torch.autocast and reports the share of tokens identical to fp32.
 With ``--checkpoint`` (any model source) it times ``elflow sample``'s own path
-(``elflow.generate.sample_records``: sampling, decoding, detokenising) on that model, whose bf16
+(``elflow.generation.records.sample_records``: sampling, decoding, detokenising) on that model, whose bf16
 agreement with fp32 is the meaningful one (a random network's argmax is near-uniform).
 """
 
@@ -62,8 +62,8 @@ def run(name: str, steps: int, sampler: str, dtype: str, device: str, seed: int)
 
 def run_checkpoint(args: argparse.Namespace) -> None:
     """samples/s of ``elflow sample``'s path on a real model, fp32 vs bf16 token agreement."""
-    from elflow.generate import resolve_sampler, sample_records, token_agreement
-    from elflow.pipeline import ELFPipeline
+    from elflow.generation.records import resolve_sampler, sample_records, token_agreement
+    from elflow.generation.pipeline import ELFPipeline
 
     pipe = ELFPipeline.from_pretrained(args.checkpoint, device=args.device)
     head = f"{'steps':>5} {'NFE':>4} {'dtype':<5} {'n':>4} {'batch':>5} {'s':>8} {'samples/s':>9}"

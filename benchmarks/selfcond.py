@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 
 from elflow.flow import interpolate
-from elflow.pipeline import ELFPipeline, model_encoder
-from elflow.presets import shared_data
+from elflow.generation.pipeline import ELFPipeline, model_encoder
+from elflow.train.presets import shared_data
 
 
 def main() -> None:

@@ -38,11 +38,11 @@ def one(
     size: str, procedure: str, precision: str, steps: int, ns_dtype: str, recompute: bool = False
 ) -> dict:
     from elflow.config import ObjectiveConfig, model_preset
-    from elflow.ema import EMA
+    from elflow.train.ema import EMA
     from elflow.hardware import cpu_has_native_bf16
     from elflow.model import build_model
     from elflow.objective import Batch, elf_loss, sample_draws_keyed
-    from elflow.optim import OptimConfig, build_optimizer, resolve_ns_dtype, set_lr
+    from elflow.train.optim import OptimConfig, build_optimizer, resolve_ns_dtype, set_lr
 
     preset, E, V, L, B = SIZES[size]
     torch.manual_seed(0)
@@ -110,7 +110,7 @@ def matmul_rates(n: int = 1024, reps: int = 3) -> dict:
 
 def newton_schulz_seconds(shape: tuple[int, int] = (30522, 384), reps: int = 3) -> dict:
     """Seconds per fp32 Newton–Schulz of one ``shape`` matrix: Gram form and direct iteration."""
-    from elflow import muon
+    from elflow.train import muon
 
     grad = torch.randn(*shape)
     out = {}
@@ -133,7 +133,7 @@ def cache_speedup(batches: int = 3) -> dict:
 
     from elflow.data.latent_cache import LatentCache
     from elflow.encoder import FrozenEncoder, resolve_pretrained
-    from elflow.presets import shared_data
+    from elflow.train.presets import shared_data
 
     tok = AutoTokenizer.from_pretrained(resolve_pretrained("minilm"))
     enc = FrozenEncoder.from_pretrained("minilm", latent_std=0.358)

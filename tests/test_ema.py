@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from elflow.config import elf_tiny
-from elflow.ema import EMA, initial_share
+from elflow.train.ema import EMA, initial_share
 from elflow.errors import ELFError
 from elflow.model import build_model
 

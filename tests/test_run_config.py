@@ -7,9 +7,9 @@ import json
 import pytest
 
 from elflow.errors import ELFError
-from elflow.optim import peak_lr
-from elflow.presets import PRESETS, preset
-from elflow.run_config import (
+from elflow.train.optim import peak_lr
+from elflow.train.presets import PRESETS, preset
+from elflow.train.config import (
     apply_overrides,
     override_keys,
     run_config_from_dict,
@@ -154,7 +154,7 @@ def test_override_keys(tmp_path):
 def test_a_resume_must_keep_the_optimizer_task_and_source_length(tmp_path):
     from dataclasses import replace
 
-    from elflow.resume import check_resumable
+    from elflow.train.resume import check_resumable
 
     saved = preset("de-en-tiny")
     check_resumable(saved, saved, tmp_path)  # the same run

@@ -1,4 +1,4 @@
-"""``elflow sample`` (elflow.generate) on tiny models with the offline MiniLM tokenizer."""
+"""``elflow sample`` (elflow.generation.records) on tiny models with the offline MiniLM tokenizer."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from elflow import ArtifactConfig, SamplerConfig, build_model, save_model
 from elflow.__main__ import main as elflow_main
 from elflow.config import elf_tiny
-from elflow.generate import token_agreement
+from elflow.generation.records import token_agreement
 from tests.dist.launch import torchrun_elflow
 
 
@@ -151,7 +151,7 @@ def test_time_grid_options(uncond_dir, tmp_path, monkeypatch):
     assert (uni[0]["time_grid"], uni[0]["time_mean"], uni[0]["time_std"]) == ("uniform", None, None)
     assert seen == [(0.5, 0.8)]  # the uniform grid draws no logit-normal times
     # the Python API takes the same options and gives the same samples
-    from elflow.pipeline import ELFPipeline
+    from elflow.generation.pipeline import ELFPipeline
 
     pipe = ELFPipeline.from_pretrained(uncond_dir)
     assert (
@@ -170,7 +170,7 @@ class CallCounter:
 
 
 def test_conditional_source_and_one_batched_cfg_call(cond_dir, tmp_path, monkeypatch):
-    import elflow.generate as gen
+    import elflow.generation.records as gen
 
     sources = tmp_path / "src.jsonl"
     lines = [{"text": "the package provides a library", "id": "a"}, {"text": "a tool for text"}]

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from elflow import ELFPipeline, load_model
 from elflow.__main__ import main
-from elflow.artifact import resolve_source
+from elflow.io.artifact import resolve_source
 from elflow.errors import ELFError
 from tests.dist.launch import torchrun_elflow
 
@@ -346,7 +346,7 @@ def test_activation_checkpointing_gives_the_same_run(tmp_path, assets, checkpoin
 
 
 def test_interrupted_save_keeps_previous_checkpoint(tmp_path, assets, monkeypatch):
-    import elflow.checkpoint as ckpt_io
+    import elflow.io.checkpoint as ckpt_io
 
     cfg = run_config(assets)
     real_save = ckpt_io.save_safetensors
@@ -374,7 +374,7 @@ def test_interrupted_save_keeps_previous_checkpoint(tmp_path, assets, monkeypatc
 def test_sigterm_saves_the_finished_step_and_resumes_exactly(tmp_path, assets, monkeypatch, capsys):
     import signal
 
-    import elflow.train as train_mod
+    import elflow.train.loop as train_mod
 
     cfg = run_config(assets)
     assert train_cli(tmp_path, tmp_path / "full", cfg) == 0
@@ -412,7 +412,7 @@ def test_sigterm_saves_the_finished_step_and_resumes_exactly(tmp_path, assets, m
 def test_stop_signal_leaves_an_ignored_sigint_ignored():
     import signal
 
-    from elflow.stop import StopSignal
+    from elflow.train.stop import StopSignal
 
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # as under `nohup ... &`
     try:
@@ -427,7 +427,7 @@ def test_stop_signal_leaves_an_ignored_sigint_ignored():
 
 
 def test_full_disk_is_one_line_error_and_keeps_previous(tmp_path, assets, monkeypatch, capsys):
-    import elflow.checkpoint as ckpt_io
+    import elflow.io.checkpoint as ckpt_io
 
     real_save = ckpt_io.save_safetensors
     calls = {"n": 0}
@@ -447,7 +447,7 @@ def test_full_disk_is_one_line_error_and_keeps_previous(tmp_path, assets, monkey
 
 
 def test_non_finite_loss_stops_after_last_good_checkpoint(tmp_path, assets, monkeypatch, capsys):
-    import elflow.train as train_mod
+    import elflow.train.loop as train_mod
 
     real = train_mod.elf_loss
     calls = {"n": 0}
@@ -502,7 +502,7 @@ def test_bad_valid_path_fails_at_start(tmp_path, assets, capsys, monkeypatch):
     def no_encoding(*args, **kwargs):
         raise AssertionError("the encoder was loaded before data.valid_path was checked")
 
-    monkeypatch.setattr("elflow.train.FrozenEncoder.from_pretrained", no_encoding)
+    monkeypatch.setattr("elflow.train.loop.FrozenEncoder.from_pretrained", no_encoding)
     missing = str(tmp_path / "valid.jsonl")
     cfg = run_config(assets, data={"valid_path": missing}, train={"eval_every": 2})
     assert train_cli(tmp_path, tmp_path / "run", cfg) == 2
@@ -526,7 +526,7 @@ def test_resume_from_another_architecture_is_an_error(tmp_path, assets, capsys):
     errs = error_lines(capsys.readouterr().err)
     assert len(errs) == 1 and "another architecture" in errs[0]
     with pytest.raises(ELFError, match="no checkpoint"):
-        from elflow.resume import resolve_resume
+        from elflow.train.resume import resolve_resume
 
         resolve_resume(tmp_path / "run", str(tmp_path / "nothing-here"))
 
@@ -543,7 +543,7 @@ def test_resume_with_another_parallel_mode_is_refused(tmp_path, assets, capsys):
 
 
 def test_resume_with_another_optimizer_task_or_vocabulary_is_refused(tmp_path, assets, capsys):
-    from elflow.pipeline import load_tokenizer
+    from elflow.generation.pipeline import load_tokenizer
 
     run = tmp_path / "run"
     assert train_cli(tmp_path, run, run_config(assets, train={"max_steps": 3})) == 0
@@ -580,7 +580,7 @@ def test_resume_keeps_the_measured_latent_std(tmp_path, assets, capsys, monkeypa
     def no_measuring(*args, **kwargs):
         raise AssertionError("a resume must reuse the saved latent_std")
 
-    monkeypatch.setattr("elflow.train.measure_first_rows_latent_std", no_measuring)
+    monkeypatch.setattr("elflow.train.loop.measure_first_rows_latent_std", no_measuring)
     measured["train"]["max_steps"] = 6
     assert train_cli(tmp_path, run, measured) == 0
     resumed = json.loads((run / "checkpoint-6" / "config.json").read_text())
@@ -642,7 +642,7 @@ def test_resume_with_another_encoder_layer_is_refused(tmp_path, assets, capsys):
 def test_stop_signal_repeats():
     import signal
 
-    from elflow.stop import StopSignal
+    from elflow.train.stop import StopSignal
 
     stop = StopSignal()
     stop._handle(signal.SIGTERM, None)
@@ -653,7 +653,7 @@ def test_stop_signal_repeats():
 
 
 def test_prune_never_deletes_later_checkpoints(tmp_path):
-    from elflow.checkpoint import _prune
+    from elflow.io.checkpoint import _prune
 
     for step in (2, 4, 6, 100):
         (tmp_path / f"checkpoint-{step}").mkdir()
@@ -729,9 +729,9 @@ def test_init_errors_are_one_line(tmp_path, assets, capsys):
     argv = ["train", "--preset", "bible-tiny", "--out", str(tmp_path / "p"), "--init", base]
     assert main([*argv, "--print-config"]) == 0
     assert json.loads(capsys.readouterr().out)["model"]["hidden_size"] == 32
-    from elflow.distill_train import distill
-    from elflow.presets import preset
-    from elflow.run_config import apply_overrides
+    from elflow.train.curriculum import distill
+    from elflow.train.presets import preset
+    from elflow.train.config import apply_overrides
 
     with pytest.raises(ELFError, match="no use in distillation"):
         distill(
@@ -743,7 +743,7 @@ def test_init_errors_are_one_line(tmp_path, assets, capsys):
 
 
 def test_init_uses_the_model_folders_own_tokenizer(tmp_path, assets):
-    from elflow.pipeline import load_tokenizer
+    from elflow.generation.pipeline import load_tokenizer
 
     assert train_cli(tmp_path, tmp_path / "base", run_config(assets, train={"max_steps": 1})) == 0
     model = tmp_path / "model"  # a model whose tokenizer name does not load here, with its files
@@ -765,9 +765,9 @@ def test_print_config_shows_the_encoders_width_and_vocabulary(tmp_path, assets, 
     assert (model["encoder_dim"], model["vocab_size"]) == (8, 30522)  # the tiny BERT, MiniLM's
     assert not (tmp_path / "o").exists()
     # Such a dump is a valid --config for a fine-tune: E and V are derived, not architecture.
-    from elflow.presets import preset
-    from elflow.resume import architecture_changes
-    from elflow.run_config import apply_overrides
+    from elflow.train.presets import preset
+    from elflow.train.resume import architecture_changes
+    from elflow.train.config import apply_overrides
 
     dumped = apply_overrides(
         preset("bible-tiny"), sets=["model.encoder_dim=8", "model.vocab_size=9"]

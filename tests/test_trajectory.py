@@ -12,7 +12,13 @@ from html.parser import HTMLParser
 
 import pytest
 
-from elflow.trajectory import _fit, animate_terminal, changed_words, frame_words, render_html
+from elflow.generation.trajectory import (
+    _fit,
+    animate_terminal,
+    changed_words,
+    frame_words,
+    render_html,
+)
 
 EVIL = '</script><script>alert("x")</script> & <b>bold</b>'
 FRAMES = [

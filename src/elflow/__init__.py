@@ -4,12 +4,12 @@ Public entry points: :class:`ELFPipeline` for generation, :func:`load_model` for
 :class:`ELF` the network, :func:`elf_loss` the training objective, :func:`sample` the sampler.
 """
 
-from elflow.artifact import ArtifactConfig, import_official, load_model, save_model
+from elflow.io.artifact import ArtifactConfig, import_official, load_model, save_model
 from elflow.config import ModelConfig, ObjectiveConfig, SamplerConfig, model_preset
 from elflow.errors import ELFError
 from elflow.model import ELF, build_model
 from elflow.objective import Batch, Draws, elf_loss, sample_draws
-from elflow.pipeline import ELFPipeline
+from elflow.generation.pipeline import ELFPipeline
 from elflow.sampling import sample, sample_generators
 
 __version__ = "0.1.0"

@@ -21,7 +21,7 @@ from elflow.errors import ELFError
 
 
 def _add_import(p: argparse.ArgumentParser) -> None:
-    from elflow.generate import add_task_argument
+    from elflow.generation.records import add_task_argument
 
     p.add_argument("source", help="authors' checkpoint: checkpoint_<step> file, folder or Hub id")
     p.add_argument("--out", required=True, help="folder for the elflow model")
@@ -30,7 +30,7 @@ def _add_import(p: argparse.ArgumentParser) -> None:
 
 
 def _run_import(args: argparse.Namespace) -> int:
-    from elflow.artifact import import_official
+    from elflow.io.artifact import import_official
 
     out = import_official(args.source, args.out, task=args.task, use_ema=not args.no_ema)
     print(f"wrote {out}")
@@ -38,14 +38,14 @@ def _run_import(args: argparse.Namespace) -> int:
 
 
 def _add_info(p: argparse.ArgumentParser) -> None:
-    from elflow.generate import add_task_argument
+    from elflow.generation.records import add_task_argument
 
     p.add_argument("model", help="any model source (folder, checkpoint, Hub id)")
     add_task_argument(p)
 
 
 def _run_info(args: argparse.Namespace) -> int:
-    from elflow.artifact import load_model
+    from elflow.io.artifact import load_model
     from elflow.model import count_parameters
 
     model, config = load_model(args.model, task=args.task)
@@ -70,7 +70,7 @@ def _run_check_fixture(args: argparse.Namespace) -> int:
 
 
 def _add_generate(p: argparse.ArgumentParser) -> None:
-    from elflow.generate import add_project_argument, add_task_argument
+    from elflow.generation.records import add_project_argument, add_task_argument
 
     p.add_argument("model", help="any model source (folder, checkpoint, Hub id)")
     add_task_argument(p)
@@ -88,8 +88,8 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
 
 
 def _run_generate(args: argparse.Namespace) -> int:
-    from elflow.generate import resolve_device, resolve_sampler
-    from elflow.pipeline import ELFPipeline
+    from elflow.generation.records import resolve_device, resolve_sampler
+    from elflow.generation.pipeline import ELFPipeline
 
     pipe = ELFPipeline.from_pretrained(
         args.model, device=resolve_device(args.device).device, task=args.task
@@ -145,7 +145,7 @@ def _with_model_dims(cfg):
     from transformers import AutoConfig
 
     from elflow.encoder import resolve_pretrained
-    from elflow.pipeline import load_tokenizer
+    from elflow.generation.pipeline import load_tokenizer
 
     try:
         width = AutoConfig.from_pretrained(resolve_pretrained(cfg.encoder.name)).hidden_size
@@ -161,8 +161,8 @@ def _with_model_dims(cfg):
 
 
 def _run_train(args: argparse.Namespace) -> int:
-    from elflow.presets import preset
-    from elflow.run_config import apply_overrides, run_config_to_dict
+    from elflow.train.presets import preset
+    from elflow.train.config import apply_overrides, run_config_to_dict
 
     base = preset(args.preset)
     cfg = apply_overrides(base, args.config, args.set)
@@ -170,8 +170,8 @@ def _run_train(args: argparse.Namespace) -> int:
         if cfg.train.init and cfg.train.init != args.init:
             raise ELFError(f"--init {args.init} and train.init={cfg.train.init} differ; give one")
         cfg = replace(cfg, train=replace(cfg.train, init=args.init))
-    from elflow.resume import apply_init, check_no_architecture
-    from elflow.train import train
+    from elflow.train.resume import apply_init, check_no_architecture
+    from elflow.train.loop import train
 
     if cfg.train.init:
         check_no_architecture(cfg, base)
@@ -203,21 +203,24 @@ def _delegate(module: str) -> tuple[Callable, Callable]:
 
 
 COMMANDS: dict[str, tuple[str, Callable, Callable]] = {
-    "demo": ("watch the shipped CPU model write verses out of noise", *_delegate("elflow.demo")),
-    "sample": ("generate samples into a JSONL file", *_delegate("elflow.generate")),
+    "demo": (
+        "watch the shipped CPU model write verses out of noise",
+        *_delegate("elflow.generation.demo"),
+    ),
+    "sample": ("generate samples into a JSONL file", *_delegate("elflow.generation.records")),
     "score": (
         "score samples: generative perplexity, entropy, BLEU, ROUGE",
-        *_delegate("elflow.evaluation.cli"),
+        *_delegate("elflow.cli.score"),
     ),
-    "sweep": ("sample and score a grid of sampler settings", *_delegate("elflow.sweep")),
+    "sweep": ("sample and score a grid of sampler settings", *_delegate("elflow.evaluation.sweep")),
     "prepare": (
         "tokenise a corpus once into a memory-mapped token file",
-        *_delegate("elflow.data.cli"),
+        *_delegate("elflow.cli.prepare"),
     ),
     "train": ("train or resume an ELF model", _add_train, _run_train),
     "distill": (
         "progressive distillation into few-step students",
-        *_delegate("elflow.distill_train"),
+        *_delegate("elflow.train.curriculum"),
     ),
     "generate": ("generate text and print it", _add_generate, _run_generate),
     "import": ("convert an authors' checkpoint to an elflow model", _add_import, _run_import),

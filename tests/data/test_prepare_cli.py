@@ -8,7 +8,7 @@ import pytest
 from elflow.__main__ import main
 from elflow.data import DataConfig, build_dataset
 from elflow.errors import ELFError
-from elflow.pipeline import load_tokenizer
+from elflow.generation.pipeline import load_tokenizer
 from tests.data.conftest import write_jsonl
 
 
@@ -95,7 +95,7 @@ def test_errors_name_the_flags(tokenizer, tmp_path, capsys):
     with pytest.raises(ELFError, match=r"data\.valid_path '.*none\.txt' does not exist"):
         build_dataset(cfg, tokenizer, 8, split="valid")
     # A key is translated only where it stands alone, not inside a path or a quoted value.
-    from elflow.data.cli import flag_names
+    from elflow.cli.prepare import flag_names
 
     assert flag_names("'/x/data.path' and data.path.gz: set data.path") == (
         "'/x/data.path' and data.path.gz: set --data"
@@ -126,7 +126,7 @@ def test_a_data_file_named_like_a_key_keeps_its_name(tokenizer, tmp_path, capsys
 
 
 def test_tokenizer_of_an_elflow_model_folder(tokenizer, tmp_path, capsys):
-    from elflow.demo import DEMO_DIR
+    from elflow.generation.demo import DEMO_DIR
     from tests.test_sample_cli import make_uncond
 
     assert load_tokenizer(str(DEMO_DIR)).get_vocab() == tokenizer.get_vocab()  # its tokenizer/

@@ -199,7 +199,7 @@ def test_damaged_prepared_folder_is_one_line(tokenizer, tmp_path):
 
 
 def test_prepare_checks_tokenizer_and_cli(tokenizer, tmp_path, capsys):
-    from elflow.data import cli
+    from elflow.cli import prepare as cli
 
     recs = shared_rows("web_bible", 10)
     path = write_jsonl(tmp_path / "d.jsonl", recs)

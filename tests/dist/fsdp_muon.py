@@ -20,9 +20,9 @@ from torch import Tensor, nn
 from tests.dist.launch import free_port
 
 from elflow.config import elf_tiny
-from elflow.ema import EMA
+from elflow.train.ema import EMA
 from elflow.model import ELF, build_model
-from elflow.optim import OptimConfig, build_optimizer, learning_rate, set_lr
+from elflow.train.optim import OptimConfig, build_optimizer, learning_rate, set_lr
 
 WORLD_SIZE = 2
 STEPS = 3
@@ -119,7 +119,7 @@ def run_direct(make_param, make_grad, opt_cls: type) -> list[Tensor]:
 def _direct(mesh) -> dict[str, object]:
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from elflow.muon import ShardedMuon
+    from elflow.train.muon import ShardedMuon
 
     def shard(t: Tensor) -> Tensor:
         return distribute_tensor(t, mesh, [Shard(0)])

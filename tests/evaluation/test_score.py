@@ -12,7 +12,7 @@ import pytest
 
 from elflow.errors import ELFError
 from elflow.evaluation import bleu, gen_ppl, load_judge, read_jsonl, score_samples
-from elflow.evaluation import cli as score_cli
+from elflow.cli import score as score_cli
 from elflow.evaluation import judge as judge_mod
 
 SAMPLES = [

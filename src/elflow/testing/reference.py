@@ -19,7 +19,7 @@ from elflow.config import ObjectiveConfig
 from elflow.errors import ELFError
 from elflow.model import ELF
 from elflow.objective import Batch, Draws, elf_loss
-from elflow.official import (
+from elflow.io.official import (
     elflow_to_official,
     infer_model_config,
     load_state_dict_strict,

@@ -4,7 +4,7 @@ The paper's (``owt-b/m/l``, ``de-en-b``, ``xsum-b``) carry the released settings
 latent_std 0.2, batch 512, EMA 0.9999. The CPU presets (``bible-tiny``, ``de-en-tiny``,
 ``summ-tiny``) train on the offline data sets with the offline MiniLM encoder, a measured
 latent_std, a latent cache and an EMA suited to a few thousand steps (README "Configuration and
-presets"). ``--config``/``--set`` then override any key (:func:`elflow.run_config.apply_overrides`).
+presets"). ``--config``/``--set`` then override any key (:func:`elflow.train.config.apply_overrides`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from elflow.artifact import T5_SMALL
+from elflow.io.artifact import T5_SMALL
 from elflow.config import (
     ModelConfig,
     ObjectiveConfig,
@@ -27,14 +27,14 @@ from elflow.config import (
 )
 from elflow.data.config import DataConfig
 from elflow.errors import ELFError
-from elflow.optim import OptimConfig
-from elflow.run_config import EncoderConfig, RunConfig, TrainConfig
+from elflow.train.optim import OptimConfig
+from elflow.train.config import EncoderConfig, RunConfig, TrainConfig
 
 
 def shared_data(*parts: str) -> str:
     """A file of the offline data: ``$ELFLOW_SHARED_DATA`` or the repo's ``../shared/data``."""
     root = os.environ.get("ELFLOW_SHARED_DATA")
-    base = Path(root) if root else Path(__file__).resolve().parents[3] / "shared" / "data"
+    base = Path(root) if root else Path(__file__).resolve().parents[4] / "shared" / "data"
     return str(base.joinpath(*parts))
 
 

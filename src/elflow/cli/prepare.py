@@ -14,7 +14,7 @@ import re
 
 from elflow.data.config import FORMATS, DataConfig
 from elflow.errors import ELFError
-from elflow.pipeline import load_tokenizer
+from elflow.generation.pipeline import load_tokenizer
 
 FLAGS = {
     "data.path": "--data",

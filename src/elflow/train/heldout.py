@@ -18,16 +18,16 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from elflow.batches import make_batch
+from elflow.train.batches import make_batch
 from elflow.config import ModelConfig
 from elflow.data.latent_cache import LatentCache
 from elflow.data.rows import RowDataset, build_dataset
 from elflow.distributed import DistInfo, all_reduce_sum
-from elflow.ema import EMA, ema_network
+from elflow.train.ema import EMA, ema_network
 from elflow.encoder import FrozenEncoder
 from elflow.errors import ELFError
 from elflow.objective import Batch, TrainForward
-from elflow.run_config import RunConfig
+from elflow.train.config import RunConfig
 
 BatchMaker = Callable[[np.ndarray, np.ndarray], Batch]
 """(row indices into the split's rows, draw keys) -> Batch."""

@@ -6,7 +6,7 @@ in fp32 the file is the same whatever the batch size or the number of ``torchrun
 generates a contiguous share of the indices, rank 0 gathers them and writes one file in index
 order. Each line holds ``id``, ``text`` (``source`` when conditional) and the settings that made
 it. ``--trajectory`` renders every step's decoded x_hat (§10 "Trajectories") as a self-contained
-HTML page or a terminal animation. Also runnable as ``python -m elflow.generate``.
+HTML page or a terminal animation. Also runnable as ``python -m elflow.generation.records``.
 """
 
 from __future__ import annotations
@@ -22,14 +22,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from elflow.artifact import OFFICIAL_TASKS
+from elflow.io.artifact import OFFICIAL_TASKS
 from elflow.config import SamplerConfig
 from elflow.distributed import DistInfo, setup, teardown
 from elflow.errors import ELFError, note_once
 from elflow.hardware import bf16_autocast, fast_bf16
 from elflow.jsonl import read_jsonl, write_jsonl
 from elflow.paths import input_file, output_file
-from elflow.pipeline import ELFPipeline, check_sde_gamma
+from elflow.generation.pipeline import ELFPipeline, check_sde_gamma
 from elflow.sampling import nfe
 
 # Few-step students (spec §5, "Distilled few-step"): (gamma, w) by number of steps. The paper
@@ -345,7 +345,7 @@ def token_agreement(a: Sequence[dict], b: Sequence[dict]) -> float:
 
 def write_trajectory(target: str, frames: list[list[str]], meta: dict) -> None:
     """``-``: animate in the terminal (stdout); else write the HTML page to ``target``."""
-    from elflow.trajectory import animate_terminal, render_html
+    from elflow.generation.trajectory import animate_terminal, render_html
 
     labels = [f"step {k + 1}/{len(frames) - 1}" for k in range(len(frames) - 1)] + ["final"]
     if target == "-":

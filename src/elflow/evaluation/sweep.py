@@ -1,7 +1,7 @@
 """``elflow sweep``: sample and score a grid of sampler settings; the quality-diversity frontier.
 
 Grid = sampler x steps x w x gamma (gamma only for the SDE; spec §5). Each cell is exactly an
-``elflow sample`` run (the same :func:`elflow.generate.sample_records`, the same seed) followed by
+``elflow sample`` run (the same :func:`elflow.generation.records.sample_records`, the same seed) followed by
 an ``elflow score`` run (:func:`elflow.evaluation.score_samples`, spec §6), so a cell can be
 reproduced on its own. Writes ``samples/<cell>.jsonl``, ``metrics/<cell>.json``, ``table.csv``,
 ``table.md`` and ``frontier.png`` (generative perplexity vs unigram entropy, one curve per sampler,
@@ -22,7 +22,7 @@ from typing import Any
 
 from elflow.distributed import broadcast_object, teardown
 from elflow.errors import ELFError
-from elflow.generate import (
+from elflow.generation.records import (
     add_project_argument,
     add_sampling_arguments,
     check_sample_args,
@@ -271,7 +271,7 @@ def sweep_settings(args: argparse.Namespace, cells: list[Cell]) -> dict[str, Any
     """What ``sweep.json`` records: the shared options, with the checkpoint as the one it
     resolves to (a run folder's latest checkpoint then, which a resume must sample too) and
     local paths absolute; and the grid's cells."""
-    from elflow.artifact import read_config, resolve_source
+    from elflow.io.artifact import read_config, resolve_source
 
     settings = {key: getattr(args, key) for key in RESUME_KEYS}
     resolved = resolve_source(args.checkpoint)
@@ -397,7 +397,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """``elflow sweep``; generation is shared across ``torchrun`` ranks, scoring is on rank 0."""
     from elflow.evaluation import load_judge, score_samples
-    from elflow.evaluation.cli import check_counts, read_refs, write_metrics
+    from elflow.cli.score import check_counts, read_refs, write_metrics
     from elflow.evaluation.score import align_refs
 
     cells = grid(args.sampler, args.steps, args.w, args.gamma)

@@ -24,11 +24,11 @@ from typing import Any
 
 import torch
 
-from elflow.artifact import CONFIG, WEIGHTS, load_model, save_model
+from elflow.io.artifact import CONFIG, WEIGHTS, load_model, save_model
 from elflow.errors import ELFError
 from elflow.paths import output_file
 
-DEMO_DIR = Path(__file__).resolve().parent / "demo_model"
+DEMO_DIR = Path(__file__).resolve().parents[1] / "demo_model"
 CARD = "card.json"
 TOKENIZER_FILES = (
     "vocab.txt",
@@ -75,7 +75,7 @@ def _model_dir(path: str | None) -> Path:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from elflow.generate import add_project_argument
+    from elflow.generation.records import add_project_argument
 
     p.add_argument("--model", help="model folder or run (default: the shipped demo model)")
     p.add_argument("-n", "--num-samples", type=int, default=4)
@@ -89,8 +89,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from elflow.pipeline import ELFPipeline
-    from elflow.trajectory import animate_terminal, render_html
+    from elflow.generation.pipeline import ELFPipeline
+    from elflow.generation.trajectory import animate_terminal, render_html
 
     t0 = time.perf_counter()
     html = output_file(args.html, "--html")
@@ -104,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
     pipe = ELFPipeline.from_pretrained(folder)
     if pipe.config.conditional:
         raise ELFError(f"{folder} is a conditional model; elflow demo samples unconditionally")
-    from elflow.generate import resolve_sampler
+    from elflow.generation.records import resolve_sampler
 
     scfg = resolve_sampler(pipe, steps=args.steps, sampler="sde", project_from=args.project_from)
     out = pipe.generate_full(

@@ -14,7 +14,7 @@ from elflow.data.latent_cache import LatentCache
 from elflow.data.order import keyed_bernoulli
 from elflow.encoder import FrozenEncoder
 from elflow.objective import Batch
-from elflow.run_config import RunConfig
+from elflow.train.config import RunConfig
 
 
 def make_batch(

@@ -16,15 +16,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from elflow.artifact import ArtifactConfig
+from elflow.io.artifact import ArtifactConfig
 from elflow.config import ModelConfig
 from elflow.data.rows import RowDataset
 from elflow.distributed import DistInfo
-from elflow.ema import EMA, ema_network
+from elflow.train.ema import EMA, ema_network
 from elflow.encoder import FrozenEncoder
 from elflow.errors import ELFError
 from elflow.jsonl import finite_or_null, write_jsonl
-from elflow.run_config import RunConfig, run_config_to_dict
+from elflow.train.config import RunConfig, run_config_to_dict
 from elflow.sampling import Condition, Projection, sample, sample_generators
 from elflow.tokens import detokenize, shift_out_source, token_spec
 

@@ -24,8 +24,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from elflow import checkpoint as ckpt_io
-from elflow.artifact import CONFIG, EMA_WEIGHTS, ArtifactConfig, load_model, resolve_source
+from elflow.io import checkpoint as ckpt_io
+from elflow.io.artifact import CONFIG, EMA_WEIGHTS, ArtifactConfig, load_model, resolve_source
 from elflow.config import ObjectiveConfig, SamplerConfig
 from elflow.distill import (
     DistillConfig,
@@ -35,15 +35,15 @@ from elflow.distill import (
     sample_distill_draws_keyed,
 )
 from elflow.distributed import DistInfo, broadcast_object
-from elflow.ema import initial_share
+from elflow.train.ema import initial_share
 from elflow.errors import ELFError
 from elflow.model import ELF
 from elflow.objective import Batch
 from elflow.paths import output_dir
-from elflow.pipeline import load_tokenizer
-from elflow.presets import preset
-from elflow.resume import architecture_changes, init_tokenizer, local_absolute
-from elflow.run_config import (
+from elflow.generation.pipeline import load_tokenizer
+from elflow.train.presets import preset
+from elflow.train.resume import architecture_changes, init_tokenizer, local_absolute
+from elflow.train.config import (
     EncoderConfig,
     RunConfig,
     apply_overrides,
@@ -52,7 +52,7 @@ from elflow.run_config import (
 )
 from elflow.sampling import Projection
 from elflow.tokens import vocab_hash
-from elflow.train import StepLoss, train
+from elflow.train.loop import StepLoss, train
 
 MAX_EMA_INITIAL_SHARE = 0.5
 """A round whose EMA would still be mostly its starting weights at the end is refused."""
@@ -473,7 +473,7 @@ def _check_round_objective(ckpt: Path, objective: ObjectiveConfig, k: int) -> No
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from elflow.generate import add_task_argument
+    from elflow.generation.records import add_task_argument
 
     p.add_argument("--teacher", required=True, help="any model source (elflow or authors')")
     add_task_argument(p)

@@ -25,25 +25,25 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from elflow import checkpoint as ckpt_io
-from elflow.artifact import ArtifactConfig
-from elflow.batches import make_batch
+from elflow.io import checkpoint as ckpt_io
+from elflow.io.artifact import ArtifactConfig
+from elflow.train.batches import make_batch
 from elflow.data.latent_cache import run_latent_cache
 from elflow.data.order import StreamOrder, rank_positions
 from elflow.data.prepare import measure_first_rows_latent_std, prepared_latent_std
 from elflow.data.rows import build_dataset
 from elflow.distributed import DistInfo, all_reduce_sum, broadcast_object, parallelize, setup
-from elflow.ema import EMA
+from elflow.train.ema import EMA
 from elflow.encoder import FrozenEncoder
 from elflow.errors import ELFError, Interrupted
 from elflow.hardware import bf16_autocast, slow_bf16_warning, use_bf16
-from elflow.heldout import branch_means, heldout_scores, heldout_splits, valid_rows
+from elflow.train.heldout import branch_means, heldout_scores, heldout_splits, valid_rows
 from elflow.model import build_model, count_parameters
 from elflow.objective import Batch, TrainForward, elf_loss, sample_draws_keyed
-from elflow.optim import build_optimizer, learning_rate, resolve_ns_dtype, set_lr
+from elflow.train.optim import build_optimizer, learning_rate, resolve_ns_dtype, set_lr
 from elflow.paths import output_dir
-from elflow.pipeline import load_tokenizer
-from elflow.resume import (
+from elflow.generation.pipeline import load_tokenizer
+from elflow.train.resume import (
     absolute_init,
     apply_init,
     check_resumable,
@@ -54,10 +54,10 @@ from elflow.resume import (
     resumed_settings,
     saved_run_config,
 )
-from elflow.run_config import RunConfig, check_projection, run_config_to_dict
-from elflow.run_log import MetricsLogger, progress_bar, set_aside_samples, write_samples
+from elflow.train.config import RunConfig, check_projection, run_config_to_dict
+from elflow.train.reporting import MetricsLogger, progress_bar, set_aside_samples, write_samples
 from elflow.sampling import Projection
-from elflow.stop import StopSignal
+from elflow.train.stop import StopSignal
 from elflow.tokens import token_spec, vocab_hash
 
 
@@ -78,7 +78,7 @@ def train(
             distillation passes its own (see ``distill_train.py``).
         init_state: initial weights for a fresh run (ignored when resuming); ``train.init``
             gives them from a model source instead (fine-tuning, see
-            :func:`elflow.resume.apply_init`).
+            :func:`elflow.train.resume.apply_init`).
         latent_cache_dir: where the latent cache file lives (default ``out``); distillation
             rounds share one (its key says whether a file fits the rows and the encoder).
     """
@@ -160,7 +160,7 @@ def train(
 
     model = build_model(model_cfg, info.device)
     if init_state is not None and resume_from is None:
-        from elflow.official import load_state_dict_strict
+        from elflow.io.official import load_state_dict_strict
 
         load_state_dict_strict(model, {k: v.to(info.device) for k, v in init_state.items()})
     init_state = None  # the copy is no longer needed (train.init loads a whole model)
@@ -168,7 +168,7 @@ def train(
     start_step = 0
     rank_state = None
     if resume_from is not None:
-        from elflow.official import load_state_dict_strict
+        from elflow.io.official import load_state_dict_strict
 
         load_state_dict_strict(model, ckpt_io.load_weights(resume_from, "model.safetensors"))
         start_step = resume_state["step"]

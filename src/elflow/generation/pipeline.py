@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from elflow.artifact import ArtifactConfig, load_resolved, read_config, resolve_source
+from elflow.io.artifact import ArtifactConfig, load_resolved, read_config, resolve_source
 from elflow.config import SamplerConfig
 from elflow.encoder import FrozenEncoder, resolve_pretrained
 from elflow.errors import ELFError
@@ -145,7 +145,7 @@ def check_encoder(encoder: FrozenEncoder, config: ArtifactConfig, device: torch.
     if given != wanted:
         raise ELFError(
             f"the encoder given has width, layer, latent_mean, latent_std {given}, but the model "
-            f"was trained on {wanted}; build it with elflow.pipeline.model_encoder(config), or "
+            f"was trained on {wanted}; build it with elflow.generation.pipeline.model_encoder(config), or "
             "pass none"
         )
     at = next(encoder.model.parameters()).device

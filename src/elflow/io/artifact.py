@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 from elflow.config import ModelConfig, SamplerConfig, from_dict, to_dict
 from elflow.errors import ELFError, note_once
 from elflow.model import ELF
-from elflow.official import (
+from elflow.io.official import (
     infer_model_config,
     latest_official_checkpoint,
     load_state_dict_strict,

@@ -4,7 +4,7 @@ Implements the "Optimiser" paragraph of ELF_SPEC §3: Muon (momentum 0.95, Neste
 steps, update scaled by sqrt(max(1, fan_out/fan_in)), no weight decay) on every 2-D weight, Adam on
 biases, norms and token parameters, one shared lr = blr · global_batch / 256 with a linear warm-up.
 ``torch.optim.Muon`` is used as is on plain tensors; on FSDP2 shards, and for fp32 Newton–Schulz,
-:class:`elflow.muon.ShardedMuon`.
+:class:`elflow.train.muon.ShardedMuon`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from torch import nn
 
 from elflow.errors import ELFError, require
 from elflow.hardware import cpu_has_native_bf16
-from elflow.muon import ShardedMuon
+from elflow.train.muon import ShardedMuon
 
 
 @dataclass(frozen=True)

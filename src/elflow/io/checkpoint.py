@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file
 from torch import Tensor
 
-from elflow.artifact import (
+from elflow.io.artifact import (
     CONFIG,
     EMA_WEIGHTS,
     WEIGHTS,

@@ -14,12 +14,12 @@ from pathlib import Path
 
 from torch import Tensor
 
-from elflow import checkpoint as ckpt_io
-from elflow.artifact import ArtifactConfig, load_resolved, read_config, resolve_source
+from elflow.io import checkpoint as ckpt_io
+from elflow.io.artifact import ArtifactConfig, load_resolved, read_config, resolve_source
 from elflow.encoder import PACKAGED_MODELS
 from elflow.errors import ELFError
-from elflow.pipeline import load_tokenizer
-from elflow.run_config import EncoderConfig, RunConfig, run_config_from_dict
+from elflow.generation.pipeline import load_tokenizer
+from elflow.train.config import EncoderConfig, RunConfig, run_config_from_dict
 from elflow.tokens import vocab_hash
 
 

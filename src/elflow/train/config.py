@@ -1,7 +1,7 @@
 """The full configuration of a training run and its overrides (ELF_SPEC §3, §4).
 
 :class:`RunConfig` nests one frozen dataclass per concern (model, objective, sampler, data, optim,
-train, encoder); the named starting points are in :mod:`elflow.presets`. ``--config FILE.yaml``
+train, encoder); the named starting points are in :mod:`elflow.train.presets`. ``--config FILE.yaml``
 and ``--set a.b=value`` go through :func:`apply_overrides`: unknown keys and wrong types are
 one-line errors. The network's E and V always come from the encoder and tokenizer.
 """
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from elflow.artifact import T5_SMALL, ArtifactConfig
+from elflow.io.artifact import T5_SMALL, ArtifactConfig
 from elflow.config import (
     ModelConfig,
     ObjectiveConfig,
@@ -25,7 +25,7 @@ from elflow.config import (
 )
 from elflow.data.config import DataConfig
 from elflow.errors import ELFError, note_once, require
-from elflow.optim import OptimConfig
+from elflow.train.optim import OptimConfig
 
 
 @dataclass(frozen=True)
