@@ -31,12 +31,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from elflow.io import checkpoint as ckpt_io
-from elflow.generation.demo import export_demo
 from elflow.evaluation import load_judge
 from elflow.evaluation.copying import copies, ngram_set
-from elflow.model import build_model
+from elflow.generation.demo import export_demo
 from elflow.generation.pipeline import ELFPipeline
+from elflow.io import checkpoint as ckpt_io
+from elflow.model import build_model
 from elflow.train.presets import shared_data
 from quality import score, timed_generate
 

@@ -24,8 +24,8 @@ import torch
 from elflow.encoder import FrozenEncoder
 from elflow.flow import interpolate
 from elflow.generation.pipeline import load_tokenizer
-from elflow.train.presets import shared_data
 from elflow.tokens import build_unconditional_row, token_spec, tokenize
+from elflow.train.presets import shared_data
 
 
 def encode_layers(enc, tokenizer, texts, L, pad_id, batch=64):

@@ -18,15 +18,16 @@ from itertools import pairwise
 
 import torch
 
-from elflow.train.batches import make_batch
 from elflow.data.rows import build_dataset
+from elflow.generation.pipeline import ELFPipeline, model_encoder
+from elflow.network import TrainForward
+from elflow.objective import elf_loss, sample_draws_keyed
+from elflow.train.batches import make_batch
+from elflow.train.config import EncoderConfig
 from elflow.train.curriculum import teacher_objective
 from elflow.train.heldout import HeldOutSplit, RowSubset, heldout_loss, spread_rows
-from elflow.objective import TrainForward, elf_loss, sample_draws_keyed
-from elflow.generation.pipeline import ELFPipeline, model_encoder
-from elflow.train.presets import preset
-from elflow.train.config import EncoderConfig
 from elflow.train.loop import ELFObjective
+from elflow.train.presets import preset
 
 BANDS = (0.0, 0.1, 0.2, 0.3, 0.5, 1.0)
 

@@ -21,6 +21,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from elflow.config import ObjectiveConfig, model_preset
 from elflow.model import build_model, count_parameters
+from elflow.network import TrainForward
 from elflow.objective import Batch, elf_loss, sample_draws
 
 SIZES = {
@@ -66,7 +67,7 @@ def run_size(name: str, steps: int, seed: int) -> dict:
 
     def step(procedure: str, d) -> float:
         model.zero_grad(set_to_none=True)
-        out = elf_loss(model, batch, d, cfg, procedure)
+        out = elf_loss(TrainForward(model), batch, d, cfg, procedure)
         out.loss.backward()
         return out.loss.item()
 

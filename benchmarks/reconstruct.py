@@ -25,8 +25,8 @@ import torch
 
 from elflow.flow import interpolate
 from elflow.generation.pipeline import ELFPipeline, model_encoder
+from elflow.network import decode_tokens
 from elflow.train.presets import shared_data
-from elflow.sampling import decode_tokens
 
 
 def main() -> None:

@@ -23,7 +23,8 @@ import torch
 
 from elflow.config import SamplerConfig, model_preset
 from elflow.model import build_model
-from elflow.sampling import nfe, sample, sample_generators
+from elflow.network import sample_model
+from elflow.sampling import nfe, sample_generators
 
 SIZES = {
     # name: (model preset, E, V, L, batch)
@@ -48,7 +49,7 @@ def run(name: str, steps: int, sampler: str, dtype: str, device: str, seed: int)
 
     def once():
         with autocast:
-            out = sample(model, sample_generators(seed, range(B), device), L, cfg)
+            out = sample_model(model, sample_generators(seed, range(B), device), L, cfg)
         if device.startswith("cuda"):
             torch.cuda.synchronize()
         return out.tokens
@@ -62,8 +63,8 @@ def run(name: str, steps: int, sampler: str, dtype: str, device: str, seed: int)
 
 def run_checkpoint(args: argparse.Namespace) -> None:
     """samples/s of ``elflow sample``'s path on a real model, fp32 vs bf16 token agreement."""
-    from elflow.generation.records import resolve_sampler, sample_records, token_agreement
     from elflow.generation.pipeline import ELFPipeline
+    from elflow.generation.records import resolve_sampler, sample_records, token_agreement
 
     pipe = ELFPipeline.from_pretrained(args.checkpoint, device=args.device)
     head = f"{'steps':>5} {'NFE':>4} {'dtype':<5} {'n':>4} {'batch':>5} {'s':>8} {'samples/s':>9}"

@@ -38,10 +38,11 @@ def one(
     size: str, procedure: str, precision: str, steps: int, ns_dtype: str, recompute: bool = False
 ) -> dict:
     from elflow.config import ObjectiveConfig, model_preset
-    from elflow.train.ema import EMA
     from elflow.hardware import cpu_has_native_bf16
     from elflow.model import build_model
+    from elflow.network import TrainForward
     from elflow.objective import Batch, elf_loss, sample_draws_keyed
+    from elflow.train.ema import EMA
     from elflow.train.optim import OptimConfig, build_optimizer, resolve_ns_dtype, set_lr
 
     preset, E, V, L, B = SIZES[size]
@@ -67,7 +68,7 @@ def one(
     def step(i: int) -> None:
         draws = sample_draws_keyed(range(i * B, (i + 1) * B), L, E, cfg, 0)
         with autocast:
-            out = elf_loss(model, batch, draws, cfg, procedure)
+            out = elf_loss(TrainForward(model), batch, draws, cfg, procedure)
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from elflow import errors
-
+from elflow.config import elf_tiny
+from elflow.errors import ELFError
 from elflow.io import artifact
 from elflow.io.artifact import (
     ArtifactConfig,
@@ -19,9 +20,6 @@ from elflow.io.artifact import (
     resolve_source,
     save_model,
 )
-from elflow.config import elf_tiny
-from elflow.errors import ELFError
-from elflow.model import build_model
 from elflow.io.official import (
     elflow_to_official,
     infer_model_config,
@@ -29,6 +27,7 @@ from elflow.io.official import (
     read_official_checkpoint,
     strip_prefixes,
 )
+from elflow.model import build_model
 
 CFG = elf_tiny(encoder_dim=8, vocab_size=20, max_length=16)
 
@@ -401,9 +400,9 @@ def test_infer_model_config_at_widths_that_round_down():
 def test_fine_tune_from_an_authors_checkpoint_needs_no_task(tmp_path, capsys, monkeypatch):
     """train.init takes only the weights and dims of an authors' checkpoint (the lengths, task
     and padding are the run's): no task is guessed, and no note asks for one."""
+    from elflow.train.config import apply_overrides
     from elflow.train.presets import preset
     from elflow.train.resume import apply_init
-    from elflow.train.config import apply_overrides
 
     monkeypatch.setattr(errors, "_NOTED", set())
     raw, ema = _perturbed_model(0), _perturbed_model(1)

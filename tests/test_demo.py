@@ -157,8 +157,8 @@ def test_a_bad_delay_is_one_line_before_sampling(tiny_model, tmp_path, capsys, d
 def test_score_reads_any_card(tiny_model, tmp_path, capsys, monkeypatch):
     import shutil
 
-    import elflow.generation.demo as demo
     import elflow.evaluation as evaluation
+    import elflow.generation.demo as demo
 
     def fake_score(samples, **kw):  # no judge download in unit tests
         card = {"name": "paper", "judge": "stub", "dtype": "fp32", "eos_id": 0}

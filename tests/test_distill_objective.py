@@ -22,11 +22,18 @@ from elflow.distill import (
 from elflow.errors import ELFError
 from elflow.flow import euler_step, velocity
 from elflow.model import ELF, build_model
+from elflow.network import TrainForward, projector
 from elflow.objective import Batch
-from elflow.sampling import Projection
+from elflow.projection import Projection
 
 E, V, L, B = 8, 20, 8, 4
 T_EPS = 0.05
+
+
+def _distill(student, teacher, batch, draws, cfg, projection=None):
+    """distill_loss with both networks adapted (and the teacher's projector when given)."""
+    project = None if projection is None else projector(teacher, projection)
+    return distill_loss(TrainForward(student), TrainForward(teacher), batch, draws, cfg, project)
 
 
 def _model(seed: int = 0) -> ELF:
@@ -74,11 +81,11 @@ def test_copied_student_with_one_substep_has_zero_loss():
     cfg = DistillConfig(student_steps=64, teacher_substeps=1)
     batch = _batch(conditional=True, label_drop=[1, 0, 0, 1])
     draws = _draws(cfg, decoder_active=[0, 0, 0, 0], use_self_cond=[1, 0, 1, 0])
-    out = distill_loss(copy.deepcopy(teacher), teacher, batch, draws, cfg)
+    out = _distill(copy.deepcopy(teacher), teacher, batch, draws, cfg)
     assert torch.equal(out.row_loss, torch.zeros(B))
     assert out.loss.item() == 0.0 and out.num_rows == B
     # Not vacuous: another student is penalised.
-    assert distill_loss(_model(1), teacher, batch, draws, cfg).loss.item() > 1e-3
+    assert _distill(_model(1), teacher, batch, draws, cfg).loss.item() > 1e-3
 
 
 @pytest.mark.parametrize("conditional", [False, True])
@@ -89,7 +96,7 @@ def test_two_substeps_match_a_hand_computation_and_the_student_step_lands_on_the
     cfg = DistillConfig(student_steps=16, teacher_substeps=2, teacher_steps=None)
     batch = _batch(3, conditional, label_drop=[0, 1, 0, 0] if conditional else None)
     draws = _draws(cfg, 3, decoder_active=[0, 0, 0, 0], use_self_cond=[1, 0, 0, 1])
-    out = distill_loss(student, teacher, batch, draws, cfg)
+    out = _distill(student, teacher, batch, draws, cfg)
 
     cond = batch.cond_mask.bool() if conditional else torch.zeros(B, L, dtype=torch.bool)
     c3 = cond[..., None]
@@ -157,7 +164,7 @@ def test_projected_teacher_matches_a_hand_computation():
         return table[ids] * mask[..., None]
 
     projection = Projection(encode, eos, pad)
-    out = distill_loss(student, teacher, batch, draws, cfg, projection)
+    out = _distill(student, teacher, batch, draws, cfg, projection)
 
     cut = []
 
@@ -188,9 +195,9 @@ def test_projected_teacher_matches_a_hand_computation():
     assert torch.stack(cut).any()  # some decoded row did end early
     # Against the unprojected teacher: row 3 (t < T throughout) is unchanged, rows 1-2 moved;
     # project_from 1 is the plain objective, projection or not.
-    plain = distill_loss(student, teacher, batch, draws, DistillConfig(16, 2, None)).x_target
+    plain = _distill(student, teacher, batch, draws, DistillConfig(16, 2, None)).x_target
     off = DistillConfig(16, 2, None, project_from=1.0)
-    unprojected = distill_loss(student, teacher, batch, draws, off, projection).x_target
+    unprojected = _distill(student, teacher, batch, draws, off, projection).x_target
     assert torch.equal(unprojected, plain)
     assert torch.equal(out.x_target[3], plain[3])
     assert all((out.x_target[r] - plain[r]).abs().max() > 1e-3 for r in (1, 2))
@@ -201,10 +208,10 @@ def test_projected_teacher_needs_an_encoder_and_an_unconditional_batch():
     cfg = DistillConfig(16, 2, None, project_from=0.3)
     draws = _draws(cfg)
     projection = Projection(lambda ids, mask: torch.zeros(*ids.shape, E), V - 1, 0)
-    with pytest.raises(ELFError, match="needs an unconditional ELF teacher and its encoder"):
-        distill_loss(_model(1), teacher, _batch(), draws, cfg)
+    with pytest.raises(ELFError, match="needs an unconditional teacher and its projector"):
+        _distill(_model(1), teacher, _batch(), draws, cfg)
     with pytest.raises(ELFError, match="needs an unconditional"):
-        distill_loss(_model(1), teacher, _batch(conditional=True), draws, cfg, projection)
+        _distill(_model(1), teacher, _batch(conditional=True), draws, cfg, projection)
     for bad in (-0.1, 1.5, True, "0.3"):
         with pytest.raises(ELFError, match=r"distill\.project_from"):
             DistillConfig(16, 2, None, project_from=bad)
@@ -220,7 +227,9 @@ def _targets(teacher, K: int, span: float, seed: int = 0, t_s: float = 0.3, flip
     inner = torch.rand(B, K - 1, generator=g)
     inner = inner.flip(-1) if flip else inner
     w = torch.full((B,), 2.0)
-    return distill_targets(teacher, z_s, sc, x, cond, ts, ts + span, inner, w, T_EPS), (z_s, ts)
+    return distill_targets(
+        TrainForward(teacher), z_s, sc, x, cond, ts, ts + span, inner, w, T_EPS
+    ), (z_s, ts)
 
 
 def test_tiny_span_targets_the_last_teacher_prediction():
@@ -236,7 +245,7 @@ def test_tiny_span_targets_the_last_teacher_prediction():
     # Through the loss: N = 2000 gives a span of 5e-4.
     cfg = DistillConfig(student_steps=2000, teacher_substeps=2, teacher_steps=None)
     draws = _draws(cfg, decoder_active=[0, 0, 0, 0])
-    out = distill_loss(_model(1), teacher, _batch(), draws, cfg)
+    out = _distill(_model(1), teacher, _batch(), draws, cfg)
     assert torch.isfinite(out.loss) and out.x_target.abs().max() < 10
 
 
@@ -257,7 +266,7 @@ def test_constant_teacher_target_is_the_constant():
     c = teacher.final_layer.linear.bias.detach()
     cfg = DistillConfig(student_steps=4, teacher_substeps=16)
     draws = _draws(cfg, 5, decoder_active=[0, 1, 0, 0])
-    out = distill_loss(_model(1), teacher, _batch(5), draws, cfg)
+    out = _distill(_model(1), teacher, _batch(5), draws, cfg)
     for row in (0, 2, 3):
         assert_close(out.x_target[row], c.expand(L, E), atol=1e-4, rtol=1e-4)
     assert torch.equal(out.x_target[1], torch.zeros(L, E))  # decoder row: no target
@@ -269,7 +278,7 @@ def test_row_mean_normalisation_and_condition_positions_excluded():
     batch = _batch(7, conditional=True)
     dec = torch.tensor([0.0, 1.0, 0.0, 1.0])
     draws = _draws(cfg, 7, decoder_active=dec, use_self_cond=[0, 0, 0, 0])
-    out = distill_loss(student, teacher, batch, draws, cfg)
+    out = _distill(student, teacher, batch, draws, cfg)
 
     x, c3 = batch.x, batch.cond_mask.bool()[..., None]
     z0 = torch.where(c3, x, 0.0)  # zeros with x at the condition: both branches' SC half
@@ -306,10 +315,10 @@ def test_label_dropped_rows_are_blind_to_the_condition():
     cfg = DistillConfig(student_steps=16, teacher_substeps=4)
     batch = _batch(9, conditional=True, label_drop=[1, 0, 1, 0])
     draws = _draws(cfg, 9, decoder_active=[0, 0, 1, 0], use_self_cond=[1, 1, 0, 1])
-    out = distill_loss(student, teacher, batch, draws, cfg)
+    out = _distill(student, teacher, batch, draws, cfg)
     moved = copy.copy(batch)
     moved.x = torch.where(batch.cond_mask.bool()[..., None], batch.x + 3.0, batch.x)
-    out2 = distill_loss(student, teacher, moved, draws, cfg)
+    out2 = _distill(student, teacher, moved, draws, cfg)
     for row in (0, 2):  # dropped: identical
         assert torch.equal(out.row_loss[row], out2.row_loss[row])
         assert torch.equal(out.x_target[row], out2.x_target[row])
@@ -322,7 +331,7 @@ def test_teacher_gets_no_gradient_and_stays_unchanged():
     before = {n: p.detach().clone() for n, p in teacher.named_parameters()}
     cfg = DistillConfig(student_steps=16, teacher_substeps=4)
     draws = _draws(cfg, 2, decoder_active=[0, 1, 0, 0], use_self_cond=[1, 0, 1, 0])
-    distill_loss(student, teacher, _batch(2, conditional=True), draws, cfg).loss.backward()
+    _distill(student, teacher, _batch(2, conditional=True), draws, cfg).loss.backward()
     assert all(p.grad is None for p in teacher.parameters())
     assert all(torch.equal(p, before[n]) for n, p in teacher.named_parameters())
     grads = {n: p.grad for n, p in student.named_parameters()}

@@ -5,9 +5,9 @@ import torch
 from torch import nn
 
 from elflow.config import elf_tiny
-from elflow.train.ema import EMA, initial_share
 from elflow.errors import ELFError
 from elflow.model import build_model
+from elflow.train.ema import EMA, initial_share
 
 
 class Scalar(nn.Module):

@@ -7,8 +7,9 @@ import torch
 
 from elflow import Batch, ELFError, ObjectiveConfig, SamplerConfig, build_model, elf_loss
 from elflow.config import elf_tiny
+from elflow.network import TrainForward, sample_model
 from elflow.objective import sample_draws
-from elflow.sampling import Condition, sample, sample_generators
+from elflow.sampling import Condition, sample_generators
 
 CFG = elf_tiny(encoder_dim=8, vocab_size=20, max_length=8)
 
@@ -28,7 +29,7 @@ def test_non_finite_latents_in_training_batch():
     )
     draws = sample_draws(2, 8, 8, ObjectiveConfig(), torch.Generator().manual_seed(0))
     with pytest.raises(ELFError, match="NaN or inf") as e:
-        elf_loss(model, batch, draws, ObjectiveConfig())
+        elf_loss(TrainForward(model), batch, draws, ObjectiveConfig())
     assert "latents" in _one_line(e)
 
 
@@ -39,7 +40,7 @@ def test_non_finite_condition_in_sampling():
     mask = torch.zeros(1, 8)
     mask[0, :2] = 1
     with pytest.raises(ELFError, match="condition latents"):
-        sample(
+        sample_model(
             model,
             sample_generators(0, [0]),
             8,
@@ -60,7 +61,7 @@ def test_unknown_procedure():
     batch = Batch(torch.randn(1, 4, 8), torch.zeros(1, 4, dtype=torch.long), torch.ones(1, 4))
     draws = sample_draws(1, 4, 8, ObjectiveConfig())
     with pytest.raises(ELFError, match="procedure"):
-        elf_loss(model, batch, draws, ObjectiveConfig(), procedure="fast")
+        elf_loss(TrainForward(model), batch, draws, ObjectiveConfig(), procedure="fast")
 
 
 @pytest.mark.parametrize(

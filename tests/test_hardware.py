@@ -7,9 +7,9 @@ import torch
 
 from elflow import hardware
 from elflow.hardware import slow_bf16_warning, use_bf16
+from elflow.train.config import apply_overrides
 from elflow.train.optim import resolve_ns_dtype
 from elflow.train.presets import preset
-from elflow.train.config import apply_overrides
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from elflow.train.heldout import HeldOutSplit, RowSubset, heldout_loss, spread_rows
-from elflow.objective import TrainForward
+from elflow.network import TrainForward
 from elflow.train.config import run_config_from_dict
+from elflow.train.heldout import HeldOutSplit, RowSubset, heldout_loss, spread_rows
 from elflow.train.loop import ELFObjective
 
 from .test_distill import distill_cli, teacher  # noqa: F401
@@ -82,11 +82,11 @@ def test_heldout_loss_is_logged_and_leaves_training_unchanged(
     assert lines[1]["valid_loss"] != lines[0]["valid_loss"]
     # The logged value is the objective on the first 10 rows with the EMA weights, recomputed here.
     from elflow import load_model
-    from elflow.train.batches import make_batch
     from elflow.data.rows import build_dataset
     from elflow.encoder import FrozenEncoder
     from elflow.generation.pipeline import load_tokenizer
     from elflow.tokens import token_spec
+    from elflow.train.batches import make_batch
 
     ckpt = tmp_path / "eval" / "checkpoint-6"
     cfg = run_config_from_dict(json.loads((ckpt / "config.json").read_text())["run"])

@@ -9,6 +9,7 @@ from torch.testing import assert_close
 
 from elflow.config import ObjectiveConfig, elf_tiny
 from elflow.model import ELF, build_model
+from elflow.network import TrainForward
 from elflow.objective import Batch, Draws, elf_loss, sample_draws
 
 E, V, L, B = 8, 20, 10, 6
@@ -73,7 +74,7 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _run(model: ELF, batch: Batch, draws: Draws, cfg: ObjectiveConfig, procedure: str):
     model.zero_grad(set_to_none=True)
-    out = elf_loss(model, batch, draws, cfg, procedure)
+    out = elf_loss(TrainForward(model), batch, draws, cfg, procedure)
     out.loss.backward()
     return out, _grads(model)
 
@@ -139,7 +140,7 @@ def test_efficient_matches_reference(case):
 def test_unknown_procedure():
     model, batch = _model(), _batch()
     with pytest.raises(ValueError):
-        elf_loss(model, batch, _draws(), ObjectiveConfig(), "fast")
+        elf_loss(TrainForward(model), batch, _draws(), ObjectiveConfig(), "fast")
 
 
 # --- row counting --------------------------------------------------------------------------------
@@ -181,7 +182,7 @@ def test_row_counts(dropout):
     n_dec = 2
     model = _model(dropout=dropout).train()
     counter = _RowCounter(model)
-    out = elf_loss(model, batch, draws, cfg, "efficient")
+    out = elf_loss(TrainForward(model), batch, draws, cfg, "efficient")
     expected = n_sc if dropout == 0.0 else 2 * n_sc
     assert out.num_nograd_rows == expected
     assert counter.nograd == expected
@@ -190,7 +191,7 @@ def test_row_counts(dropout):
 
     ref = _model(dropout=dropout).train()
     counter = _RowCounter(ref)
-    out = elf_loss(ref, batch, draws, cfg, "reference")
+    out = elf_loss(TrainForward(ref), batch, draws, cfg, "reference")
     assert out.num_nograd_rows == 2 * B
     assert counter.nograd == 2 * B
     assert counter.grad == B
@@ -204,11 +205,11 @@ def test_no_nograd_pass_without_self_conditioning():
     model = _model()
     counter = _RowCounter(model)
     draws = _draws(seed=5, use_self_cond=ONES, decoder_active=ONES)
-    out = elf_loss(model, _batch(), draws, ObjectiveConfig(), "efficient")
+    out = elf_loss(TrainForward(model), _batch(), draws, ObjectiveConfig(), "efficient")
     assert out.num_nograd_rows == 0 and counter.nograd == 0
     assert counter.decoder_rows == B
     draws = _draws(seed=5, use_self_cond=ZEROS, decoder_active=ZEROS)
-    out = elf_loss(model, _batch(), draws, ObjectiveConfig(), "efficient")
+    out = elf_loss(TrainForward(model), _batch(), draws, ObjectiveConfig(), "efficient")
     assert out.num_nograd_rows == 0 and counter.nograd == 0
     assert counter.decoder_rows == B  # unchanged: no decoder rows this time
 
@@ -287,7 +288,7 @@ def test_loss_mask(procedure, pad_with_eos):
     draws = _draws(seed=7, decoder_active=DEC, use_self_cond=SC)
     model = _model()
     grads = _OutputGrads(model)
-    out = elf_loss(model, batch, draws, cfg, procedure)
+    out = elf_loss(TrainForward(model), batch, draws, cfg, procedure)
     out.loss.backward()
     cond = batch.cond_mask.bool()
     pad = ~batch.attention_mask.bool()
@@ -320,14 +321,14 @@ def test_ids_at_padding(pad_with_eos):
     batch = _batch(seed=8, conditional=True)
     draws = _draws(seed=9, decoder_active=ONES)
     model = _model()
-    loss = elf_loss(model, batch, draws, cfg).loss
+    loss = elf_loss(TrainForward(model), batch, draws, cfg).loss
     changed = copy.copy(batch)
     ids = batch.input_ids.clone()
     pad = batch.attention_mask == 0
     ids[pad] = (ids[pad] + 7) % V
     ids[batch.cond_mask.bool()] = (ids[batch.cond_mask.bool()] + 3) % V
     changed.input_ids = ids
-    loss2 = elf_loss(model, changed, draws, cfg).loss
+    loss2 = elf_loss(TrainForward(model), changed, draws, cfg).loss
     if pad_with_eos:
         assert not torch.allclose(loss, loss2)
     else:
@@ -341,12 +342,12 @@ def test_latents_at_padding_reach_valid_positions_through_attention():
     batch = _batch(seed=10)
     draws = _draws(seed=11)
     model = _model()
-    loss = elf_loss(model, batch, draws, cfg).loss
+    loss = elf_loss(TrainForward(model), batch, draws, cfg).loss
     changed = copy.copy(batch)
     x = batch.x.clone()
     x[batch.attention_mask == 0] += 3.0
     changed.x = x
-    assert not torch.allclose(elf_loss(model, changed, draws, cfg).loss, loss)
+    assert not torch.allclose(elf_loss(TrainForward(model), changed, draws, cfg).loss, loss)
 
 
 # --- label drop ----------------------------------------------------------------------------------
@@ -359,7 +360,7 @@ def test_dropped_condition_is_invisible(procedure):
     batch = _batch(seed=12, conditional=True, label_drop=drop)
     draws = _draws(seed=13, decoder_active=DEC, use_self_cond=SC)
     model = _model()
-    loss = elf_loss(model, batch, draws, cfg, procedure).loss
+    loss = elf_loss(TrainForward(model), batch, draws, cfg, procedure).loss
     cond = batch.cond_mask.bool()
     dropped = torch.tensor(drop).bool()[:, None] & cond
     kept = ~torch.tensor(drop).bool()[:, None] & cond
@@ -367,12 +368,16 @@ def test_dropped_condition_is_invisible(procedure):
     x = batch.x.clone()
     x[dropped] = torch.randn(int(dropped.sum()), E, generator=torch.Generator().manual_seed(0))
     changed.x = x
-    assert_close(elf_loss(model, changed, draws, cfg, procedure).loss, loss, rtol=0, atol=0)
+    assert_close(
+        elf_loss(TrainForward(model), changed, draws, cfg, procedure).loss, loss, rtol=0, atol=0
+    )
     # The same change on rows that keep their condition does change the loss.
     x = batch.x.clone()
     x[kept] += 1.0
     changed.x = x
-    assert not torch.allclose(elf_loss(model, changed, draws, cfg, procedure).loss, loss)
+    assert not torch.allclose(
+        elf_loss(TrainForward(model), changed, draws, cfg, procedure).loss, loss
+    )
 
 
 # --- overfit sanity ------------------------------------------------------------------------------
@@ -395,7 +400,7 @@ def test_overfits_one_batch():
     losses = []
     for _ in range(150):
         draws = sample_draws(8, L, E, cfg, g)
-        out = elf_loss(model, batch, draws, cfg)
+        out = elf_loss(TrainForward(model), batch, draws, cfg)
         opt.zero_grad(set_to_none=True)
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -412,13 +417,17 @@ def test_no_scale_tokens_trains_towards_v_star(procedure):
     model, batch, cfg = _model(num_scale_tokens=0), _batch(), ObjectiveConfig()
     sc = dict(use_self_cond=ONES, decoder_active=ZEROS)
     losses = [
-        elf_loss(model, batch, _draws(cfg=cfg, w=[w] * B, **sc), cfg, procedure).loss.item()
+        elf_loss(
+            TrainForward(model), batch, _draws(cfg=cfg, w=[w] * B, **sc), cfg, procedure
+        ).loss.item()
         for w in (0.5, 1.0, 5.0)
     ]
     assert losses[0] == losses[1] == losses[2]
     with_tokens = _model()  # the same draws do move an SC-CFG model's loss
     moved = [
-        elf_loss(with_tokens, batch, _draws(cfg=cfg, w=[w] * B, **sc), cfg).loss.item()
+        elf_loss(
+            TrainForward(with_tokens), batch, _draws(cfg=cfg, w=[w] * B, **sc), cfg
+        ).loss.item()
         for w in (0.5, 5.0)
     ]
     assert moved[0] != moved[1]

@@ -216,7 +216,7 @@ def projected_dir(tmp_path_factory):
 
 
 def test_projected_sampling_loads_the_encoder_and_is_deterministic(projected_dir, monkeypatch):
-    from elflow import sampling
+    from elflow import projection as sampling
 
     pipe = ELFPipeline.from_pretrained(projected_dir)
     assert pipe.encoder is None  # an unconditional model loads it only to project
@@ -236,7 +236,7 @@ def test_projected_sampling_loads_the_encoder_and_is_deterministic(projected_dir
 
 
 def test_projection_rows_are_the_training_rows(projected_dir, uncond_dir):
-    from elflow.sampling import text_rows
+    from elflow.projection import text_rows
 
     texts = ["in the beginning", "", "a much longer verse that will not fit in twelve tokens"]
     for folder, pad_with_eos in ((projected_dir, True), (uncond_dir, False)):
@@ -259,8 +259,8 @@ def test_projected_sampling_is_refused_where_it_cannot_run(cond_dir, projected_d
     with pytest.raises(ELFError, match="trained on packed rows; use --project-from 1"):
         packed.generate(n=2, steps=2)
     assert len(packed.generate(n=2, steps=2, project_from=1.0)) == 2
-    from elflow.train.presets import preset
     from elflow.train.config import RunConfig, apply_overrides, check_projection
+    from elflow.train.presets import preset
 
     config = ELFPipeline.from_pretrained(projected_dir).config
     conditional = RunConfig(

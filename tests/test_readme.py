@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from elflow.__main__ import build_parser
-from elflow.train.presets import preset
 from elflow.train.config import apply_overrides
+from elflow.train.presets import preset
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -7,14 +7,14 @@ import json
 import pytest
 
 from elflow.errors import ELFError
-from elflow.train.optim import peak_lr
-from elflow.train.presets import PRESETS, preset
 from elflow.train.config import (
     apply_overrides,
     override_keys,
     run_config_from_dict,
     run_config_to_dict,
 )
+from elflow.train.optim import peak_lr
+from elflow.train.presets import PRESETS, preset
 
 
 def test_paper_presets_have_the_released_settings():

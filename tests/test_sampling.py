@@ -2,6 +2,7 @@
 
 import itertools
 from dataclasses import replace
+from functools import partial
 
 import pytest
 import torch
@@ -11,19 +12,15 @@ from elflow.config import SamplerConfig, elf_tiny
 from elflow.errors import ELFError
 from elflow.flow import uniform_grid, velocity
 from elflow.model import ELF, build_model
+from elflow.network import decode_tokens, make_denoiser, sample_model
+from elflow.projection import Projection, project_denoiser, text_rows
 from elflow.sampling import (
     Condition,
-    Projection,
-    decode_tokens,
     heun_step,
-    make_denoiser,
     nfe,
     ode_step,
-    project_denoiser,
-    sample,
     sample_generators,
     sde_step,
-    text_rows,
 )
 
 E, V, L = 8, 20, 6
@@ -252,18 +249,18 @@ def test_sample_independent_of_batch(sampler, grid, conditional):
     model = _model()
     cfg = SamplerConfig(steps=5, sampler=sampler, time_grid=grid, cfg=2.0 if conditional else 1.0)
     cond = _condition(4) if conditional else None
-    batch = sample(model, sample_generators(7, [0, 1, 2, 3]), L, cfg, cond=cond)
+    batch = sample_model(model, sample_generators(7, [0, 1, 2, 3]), L, cfg, cond=cond)
     assert batch.tokens.shape == (4, L) and batch.z.shape == (4, L, E)
     for i in range(4):
-        single = sample(model, sample_generators(7, [i]), L, cfg, cond=_slice(cond, i))
+        single = sample_model(model, sample_generators(7, [i]), L, cfg, cond=_slice(cond, i))
         assert_close(single.z, batch.z[i : i + 1], rtol=1e-4, atol=1e-4)
         assert torch.equal(single.tokens, batch.tokens[i : i + 1])
     # Samples differ from each other and from another seed's.
     assert not torch.allclose(batch.z[0], batch.z[1])
-    other = sample(model, sample_generators(8, [0, 1, 2, 3]), L, cfg, cond=cond)
+    other = sample_model(model, sample_generators(8, [0, 1, 2, 3]), L, cfg, cond=cond)
     assert not torch.allclose(other.z, batch.z)
     # Same seed, same samples.
-    again = sample(model, sample_generators(7, [0, 1, 2, 3]), L, cfg, cond=cond)
+    again = sample_model(model, sample_generators(7, [0, 1, 2, 3]), L, cfg, cond=cond)
     assert torch.equal(again.z, batch.z) and torch.equal(again.tokens, batch.tokens)
 
 
@@ -280,8 +277,8 @@ def test_trajectory(sampler):
     model = _model()
     N = 4
     cfg = SamplerConfig(steps=N, sampler=sampler)
-    plain = sample(model, sample_generators(3, [0, 1]), L, cfg)
-    traj = sample(model, sample_generators(3, [0, 1]), L, cfg, trajectory=True)
+    plain = sample_model(model, sample_generators(3, [0, 1]), L, cfg)
+    traj = sample_model(model, sample_generators(3, [0, 1]), L, cfg, trajectory=True)
     assert plain.trajectory is None
     assert traj.trajectory.shape == (N, 2, L)
     assert traj.trajectory.dtype == torch.long
@@ -308,7 +305,7 @@ def test_network_calls_and_rows(sampler, cfg):
     counter = _CallCounter(model)
     B, N = 3, 4
     sampler_cfg = SamplerConfig(steps=N, sampler=sampler, cfg=cfg)
-    sample(model, sample_generators(0, range(B)), L, sampler_cfg, cond=_condition(B))
+    sample_model(model, sample_generators(0, range(B)), L, sampler_cfg, cond=_condition(B))
     assert len(counter.rows) == nfe(sampler, N) + 1  # + the final decode
     step_rows = 2 * B if cfg != 1.0 else B
     assert counter.rows[:-1] == [step_rows] * nfe(sampler, N)
@@ -318,7 +315,9 @@ def test_network_calls_and_rows(sampler, cfg):
 def test_unconditional_calls_ignore_cfg():
     model = _model()
     counter = _CallCounter(model)
-    sample(model, sample_generators(0, [0, 1]), L, SamplerConfig(steps=3, sampler="ode", cfg=2.0))
+    sample_model(
+        model, sample_generators(0, [0, 1]), L, SamplerConfig(steps=3, sampler="ode", cfg=2.0)
+    )
     assert counter.rows == [2, 2, 2, 2]
 
 
@@ -327,7 +326,7 @@ def test_unconditional_calls_ignore_cfg():
 def test_condition_positions_stay_clean(sampler, cfg):
     model = _model()
     cond = _condition(3, seed=9)
-    out = sample(
+    out = sample_model(
         model,
         sample_generators(1, range(3)),
         L,
@@ -341,7 +340,7 @@ def test_condition_positions_stay_clean(sampler, cfg):
 
 def test_sample_without_scale_tokens():
     model = _model(num_scale_tokens=0)
-    out = sample(model, sample_generators(0, [0, 1]), L, SamplerConfig(steps=3))
+    out = sample_model(model, sample_generators(0, [0, 1]), L, SamplerConfig(steps=3))
     assert out.tokens.shape == (2, L) and torch.isfinite(out.z).all()
 
 
@@ -349,7 +348,9 @@ def test_sample_one_step():
     model = _model()
     counter = _CallCounter(model)
     for sampler in ("ode", "sde", "heun"):
-        out = sample(model, sample_generators(0, [0]), L, SamplerConfig(steps=1, sampler=sampler))
+        out = sample_model(
+            model, sample_generators(0, [0]), L, SamplerConfig(steps=1, sampler=sampler)
+        )
         assert torch.isfinite(out.z).all()
     assert counter.rows == [1, 1] * 3
 
@@ -389,10 +390,10 @@ def test_projection_replaces_late_estimates_by_their_encoded_text():
     enc = _TableEncoder()
     gens = lambda: sample_generators(4, [0, 1])
     base = SamplerConfig(steps=4, sampler="ode", time_grid="uniform")  # t = 0, .25, .5, .75
-    plain = sample(model, gens(), L, base)
+    plain = sample_model(model, gens(), L, base)
     # Only the last step's estimate (t 0.75) is projected; the final Euler step lands on it.
     proj = Projection(enc, eos_id=2, pad_id=0)
-    late = sample(model, gens(), L, replace(base, project_from=0.7), projection=proj)
+    late = sample_model(model, gens(), L, replace(base, project_from=0.7), projection=proj)
     assert len(enc.calls) == 1
     ids, mask = enc.calls[0]
     assert ids.shape == (2, L) and ((ids == 2).sum(1) <= 1).all()  # cut at the first EOS
@@ -400,10 +401,10 @@ def test_projection_replaces_late_estimates_by_their_encoded_text():
     assert not torch.allclose(late.z, plain.z)
     # A threshold above every grid time changes nothing and never encodes.
     enc.calls.clear()
-    none = sample(model, gens(), L, replace(base, project_from=0.8), projection=proj)
+    none = sample_model(model, gens(), L, replace(base, project_from=0.8), projection=proj)
     assert enc.calls == [] and torch.equal(none.z, plain.z)
     # From t 0, every step encodes.
-    sample(model, gens(), L, replace(base, project_from=0.0), projection=proj)
+    sample_model(model, gens(), L, replace(base, project_from=0.0), projection=proj)
     assert len(enc.calls) == 4
 
 
@@ -415,13 +416,15 @@ def test_projected_sample_independent_of_batch(sampler):
     enc = _TableEncoder()
     proj = Projection(enc, eos_id=2, pad_id=0)
     cfg = SamplerConfig(steps=5, sampler=sampler, gamma=1.0, time_mean=0.0, project_from=0.5)
-    batch = sample(model, sample_generators(7, [0, 1, 2, 3]), L, cfg, projection=proj)
+    batch = sample_model(model, sample_generators(7, [0, 1, 2, 3]), L, cfg, projection=proj)
     assert any(0 < len(ids) < 4 for ids, _ in enc.calls)  # some step projected some rows only
     for i in range(4):
-        single = sample(model, sample_generators(7, [i]), L, cfg, projection=proj)
+        single = sample_model(model, sample_generators(7, [i]), L, cfg, projection=proj)
         assert_close(single.z, batch.z[i : i + 1], rtol=1e-4, atol=1e-4)
         assert torch.equal(single.tokens, batch.tokens[i : i + 1])
-    plain = sample(model, sample_generators(7, [0, 1, 2, 3]), L, replace(cfg, project_from=1.0))
+    plain = sample_model(
+        model, sample_generators(7, [0, 1, 2, 3]), L, replace(cfg, project_from=1.0)
+    )
     assert not torch.allclose(plain.z, batch.z)
 
 
@@ -429,10 +432,10 @@ def test_projection_needs_an_encoder_and_no_condition():
     model = _model()
     cfg = SamplerConfig(steps=2, project_from=0.3)
     with pytest.raises(ELFError, match=r"projection=pipe\.projection\(\)"):
-        sample(model, sample_generators(0, [0]), L, cfg)
+        sample_model(model, sample_generators(0, [0]), L, cfg)
     proj = Projection(_TableEncoder(), eos_id=2, pad_id=0)
     with pytest.raises(ELFError, match="unconditional model"):
-        sample(model, sample_generators(0, [0]), L, cfg, cond=_condition(1), projection=proj)
+        sample_model(model, sample_generators(0, [0]), L, cfg, cond=_condition(1), projection=proj)
     with pytest.raises(ELFError, match=r"project_from must be in \[0, 1\]"):
         SamplerConfig(project_from=1.5)
 
@@ -442,7 +445,9 @@ def test_project_denoiser_with_a_scalar_time_and_per_row_w():
     enc = _TableEncoder()
     w = torch.tensor([1.0, 3.0])
     denoise = make_denoiser(model, w, 0.05)
-    projected = project_denoiser(denoise, model, w, 0.05, Projection(enc, 2, 0), project_from=0.5)
+    projected = project_denoiser(
+        denoise, partial(decode_tokens, model), w, 0.05, Projection(enc, 2, 0), project_from=0.5
+    )
     g = torch.Generator().manual_seed(3)
     z, x_prev = torch.randn(2, L, E, generator=g), torch.randn(2, L, E, generator=g)
     x_early, _ = projected(z, x_prev, torch.tensor(0.4))

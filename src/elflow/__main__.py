@@ -88,8 +88,8 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
 
 
 def _run_generate(args: argparse.Namespace) -> int:
-    from elflow.generation.records import resolve_device, resolve_sampler
     from elflow.generation.pipeline import ELFPipeline
+    from elflow.generation.records import resolve_device, resolve_sampler
 
     pipe = ELFPipeline.from_pretrained(
         args.model, device=resolve_device(args.device).device, task=args.task
@@ -161,8 +161,8 @@ def _with_model_dims(cfg):
 
 
 def _run_train(args: argparse.Namespace) -> int:
-    from elflow.train.presets import preset
     from elflow.train.config import apply_overrides, run_config_to_dict
+    from elflow.train.presets import preset
 
     base = preset(args.preset)
     cfg = apply_overrides(base, args.config, args.set)
@@ -170,8 +170,8 @@ def _run_train(args: argparse.Namespace) -> int:
         if cfg.train.init and cfg.train.init != args.init:
             raise ELFError(f"--init {args.init} and train.init={cfg.train.init} differ; give one")
         cfg = replace(cfg, train=replace(cfg.train, init=args.init))
-    from elflow.train.resume import apply_init, check_no_architecture
     from elflow.train.loop import train
+    from elflow.train.resume import apply_init, check_no_architecture
 
     if cfg.train.init:
         check_no_architecture(cfg, base)

@@ -10,26 +10,24 @@ function of the batch and of explicit draws (:class:`DistillDraws`), like
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from functools import partial
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from elflow.config import ObjectiveConfig
 from elflow.errors import ELFError, check_finite, require
 from elflow.flow import euler_step, interpolate, logit_normal, velocity
-from elflow.model import ELF
 from elflow.objective import (
     Batch,
-    TrainForward,
+    Forward,
     example_generator,
     nograd_prediction,
     sample_draws,
     token_cross_entropy,
 )
-from elflow.sampling import Projection, project_rows
+from elflow.projection import Project
 
 ROUNDS = "16/4,8/8,4/16,2/32,1/64"
 """The paper's curriculum (student steps / teacher sub-steps per student step)."""
@@ -37,9 +35,6 @@ MIN_SPAN = 1e-3
 """Below this student step size the x-target is the teacher's last x-prediction (ELF_SPEC §8)."""
 MIN_TS_SCALE = 1e-6
 """t_s = u * max(1 - delta, MIN_TS_SCALE): keeps t_s a (tiny) draw in the one-step round."""
-
-Project = Callable[[Tensor, Tensor, Tensor], Tensor]
-"""(x_hat (B, L, E), rows (B,) bool, w (B,)) -> x_hat with those rows projected (a copy)."""
 
 
 @dataclass(frozen=True)
@@ -220,14 +215,9 @@ def sample_distill_draws_keyed(
     )
 
 
-def teacher_projector(teacher: ELF, projection: Projection) -> Project:
-    """Projects the given rows of the frozen teacher's x_hat (decode mode, then the encoder)."""
-    return partial(project_rows, teacher, projection=projection)
-
-
 @torch.no_grad()
 def distill_targets(
-    teacher: nn.Module,
+    teacher: Forward,
     z_s: Tensor,
     sc_half: Tensor,
     x: Tensor,
@@ -243,7 +233,7 @@ def distill_targets(
     """The teacher's K Euler sub-steps from t_s to t_t and the student's x-target (ELF_SPEC §8).
 
     Args:
-        teacher: an :class:`ELF` or a :class:`TrainForward` around one (called in denoise mode).
+        teacher: the frozen teacher's forward function (called in denoise mode).
         z_s: (B, L, E) z_{t_s}, condition positions already equal to x.
         sc_half: (B, L, E) the self-conditioning half the student gets (condition reset).
         x: (B, L, E) clean latents (zeroed at the condition of label-dropped rows).
@@ -251,7 +241,8 @@ def distill_targets(
         t_s, t_t, w: (B,) per row.
         inner_u: (B, K - 1) interior times as fractions of the span, any order.
         project: with ``project_from`` < 1, replaces each sub-step's x_hat at t >= project_from
-            (:func:`teacher_projector`; projected sampling's step, an elflow addition).
+            (:func:`elflow.network.projector`; projected sampling's step, an elflow
+            addition).
 
     Returns:
         (x_target, z_{t_t}, the teacher's last x-prediction), each (B, L, E).
@@ -264,7 +255,6 @@ def distill_targets(
     formula equals the teacher's x-prediction when the clamp is inactive; the spec's rule
     "with K = 1 it is the teacher's x" is applied literally (and exactly, without rounding).
     """
-    forward = TrainForward(teacher) if isinstance(teacher, ELF) else teacher
     K = inner_u.shape[1] + 1
     span = t_t - t_s  # (B,)
     inner = torch.sort(inner_u.float(), dim=-1).values
@@ -274,7 +264,7 @@ def distill_targets(
     for k in range(K):
         t_k, t_next = times[:, k], times[:, k + 1]
         x_in = torch.cat([z, x_prev], dim=-1)  # (B, L, 2E)
-        x_hat = forward(x_in, t_k, w, 0.0)[0].float()
+        x_hat = teacher(x_in, t_k, w, 0.0)[0].float()
         if project is not None and project_from < 1.0:
             x_hat = project(x_hat, t_k >= project_from, w)
         # As in sampling: the condition is known, so x_hat is x there and z never moves there.
@@ -291,21 +281,22 @@ def distill_targets(
 
 
 def distill_loss(
-    student: ELF | nn.Module,
-    teacher: nn.Module,
+    student: Forward,
+    teacher: Forward,
     batch: Batch,
     draws: DistillDraws,
     cfg: DistillConfig,
-    projection: Projection | None = None,
+    project: Project | None = None,
 ) -> DistillLossOutput:
     """The distillation loss of one batch for the given draws (ELF_SPEC §8).
 
     Args:
-        student: an :class:`ELF`, or a :class:`TrainForward` around one (possibly wrapped in DDP or
-            FSDP2: the trained forward then goes through the wrapper).
-        teacher: the frozen teacher (an :class:`ELF`, in eval mode, never wrapped); every teacher
-            pass runs under no_grad and only on the rows that need it.
-        projection: the encoder and row ids that ``cfg.project_from`` < 1 needs.
+        student: the student's forward function (:class:`elflow.network.TrainForward`, possibly
+            wrapped in DDP or FSDP2).
+        teacher: the frozen teacher's forward function (in eval mode, never wrapped); every
+            teacher pass runs under no_grad and only on the rows that need it.
+        project: the teacher's projector (:func:`elflow.network.projector`), which
+            ``cfg.project_from`` < 1 needs.
     """
     ocfg = cfg.objective
     x = batch.x.float()
@@ -323,14 +314,14 @@ def distill_loss(
         else torch.zeros(B, L, dtype=torch.bool, device=x.device)
     )
     cond3 = cond[..., None]  # (B, L, 1)
-    project = None
-    if cfg.project_from < 1.0:
-        if projection is None or not isinstance(teacher, ELF) or batch.cond_mask is not None:
-            raise ELFError(
-                "distill.project_from < 1 needs an unconditional ELF teacher and its encoder "
-                "(distill_loss(..., projection=...)); project_from 1 turns it off"
-            )
-        project = teacher_projector(teacher, projection)
+    if cfg.project_from < 1.0 and (project is None or batch.cond_mask is not None):
+        raise ELFError(
+            "distill.project_from < 1 needs an unconditional teacher and its projector "
+            "(distill_loss(..., project=elflow.network.projector(teacher, projection))); "
+            "project_from 1 turns it off"
+        )
+    if cfg.project_from >= 1.0:
+        project = None
     if batch.label_drop is not None:
         # Dropped condition: x (hence z, z_dec, every SC half and the target) is zero there.
         x = x.masked_fill(cond3 & batch.label_drop.bool()[:, None, None], 0.0)
@@ -347,8 +338,7 @@ def distill_loss(
     x_cond_only = torch.where(cond3, x, 0.0)  # Z0: zeros with x at the condition positions
 
     # 1) Self-conditioning half: the teacher's unconditional x_hat at (z_s, t_s, w) on sc rows.
-    teacher_fwd = TrainForward(teacher) if isinstance(teacher, ELF) else teacher
-    x_hat_u = nograd_prediction(teacher_fwd, z_s, x_cond_only, t_s, w, sc)
+    x_hat_u = nograd_prediction(teacher, z_s, x_cond_only, t_s, w, sc)
     # It stands for the previous step's x_hat, projected in sampling when that step's time was
     # >= project_from; here, for want of that time, when t_s is.
     if project is not None:
@@ -360,7 +350,7 @@ def distill_loss(
     x_target = torch.zeros_like(x)
     if bool(den.any()):
         x_target[den] = distill_targets(
-            teacher_fwd,
+            teacher,
             z_s[den],
             sc_half[den],
             x[den],
@@ -380,8 +370,7 @@ def distill_loss(
     dec_in = torch.cat([z_dec, x_cond_only], dim=-1)
     x_in = torch.where(dec[:, None, None], dec_in, den_in)  # (B, L, 2E)
     t_in = torch.where(dec, torch.ones_like(t_s), t_s)
-    forward = TrainForward(student) if isinstance(student, ELF) else student
-    x_pred, logits = forward(x_in, t_in, w, dec.float(), dec)
+    x_pred, logits = student(x_in, t_in, w, dec.float(), dec)
 
     # 4) Per-row masked token means (x-space MSE or CE), then the plain mean over rows.
     valid = torch.ones_like(cond) if ocfg.pad_with_eos else batch.attention_mask.bool()

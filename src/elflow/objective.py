@@ -15,19 +15,21 @@ Two procedures compute the same loss and gradients:
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
 from elflow.config import ObjectiveConfig
 from elflow.errors import ELFError, check_finite
 from elflow.flow import interpolate, log_uniform_scale, logit_normal, velocity
-from elflow.model import ELF
 
 PROCEDURES = ("efficient", "reference")
+Forward = Callable[..., tuple[Tensor, "Tensor | None"]]
+"""``forward(x_in, t, w, gate, head_rows=None) -> (x_pred, logits)``: one network call; logits
+of the decoder head for ``head_rows`` (None: none computed)."""
 
 
 @dataclass
@@ -131,8 +133,17 @@ def sample_draws_keyed(
     )
 
 
+def network_traits(forward: Forward) -> tuple[bool, bool]:
+    """(deterministic, sees_w) of a forward function, read from its attributes (a DDP wrapper's
+    from its ``module``): ``deterministic`` (no active dropout: the trained pass's output can
+    stand for a second no-grad pass; default False, always correct) and ``sees_w`` (the network
+    has SC-CFG scale tokens; default True). :class:`elflow.network.TrainForward` sets both."""
+    inner = getattr(forward, "module", forward)
+    return bool(getattr(inner, "deterministic", False)), bool(getattr(inner, "sees_w", True))
+
+
 def elf_loss(
-    model: ELF | nn.Module,
+    forward: Forward,
     batch: Batch,
     draws: Draws,
     cfg: ObjectiveConfig,
@@ -141,8 +152,8 @@ def elf_loss(
     """The ELF loss of one batch for the given draws (ELF_SPEC §3 steps 2–10).
 
     Args:
-        model: an :class:`ELF`, or a :class:`TrainForward` around one (possibly wrapped in DDP or
-            FSDP2: every network call then goes through the wrapper).
+        forward: the network's forward function (:class:`elflow.network.TrainForward`, possibly
+            wrapped in DDP or FSDP2: every network call then goes through the wrapper).
     """
     if procedure not in PROCEDURES:
         raise ELFError(f"procedure must be one of {PROCEDURES}, got {procedure!r}")
@@ -169,8 +180,7 @@ def elf_loss(
     x_cond_only = torch.where(cond3, x, 0.0)  # Z0: zeros with x at the condition positions
 
     # 1) No-grad unconditional pass at (z_t, t, w) -> x_hat_u.
-    forward = TrainForward(model) if isinstance(model, ELF) else model
-    elf = forward_network(forward)
+    deterministic, sees_w = network_traits(forward)
     nograd_rows = torch.ones_like(sc) if reference else sc
     x_hat_u = nograd_prediction(forward, z_t, x_cond_only, t, w, nograd_rows, with_head=reference)
     sc_half = torch.where(cond3, x, x_hat_u)  # the self-conditioning input (condition reset)
@@ -190,14 +200,14 @@ def elf_loss(
             forward, z_t, sc_half, t, w, torch.ones_like(sc), with_head=True
         )
         num_nograd += B
-    elif elf.cfg.dropout == 0.0 or not elf.training:
+    elif deterministic:
         # Same input as the trained pass for these rows, so the same output: reuse it.
         x_hat_c = x_pred.detach()
     else:
         x_hat_c = nograd_prediction(forward, z_t, sc_half, t, w, sc)
         num_nograd += int(sc.sum())
     v_star = velocity(x, z_t, t, cfg.t_eps)
-    if elf.cfg.num_scale_tokens == 0:
+    if not sees_w:
         # A network without scale tokens cannot see w: its one consistent target is v* (w = 1).
         w = torch.ones_like(w)
     guidance = (1.0 - 1.0 / w)[:, None, None] * (
@@ -242,7 +252,7 @@ def token_cross_entropy(logits: Tensor, ids: Tensor) -> Tensor:
 
 @torch.no_grad()
 def nograd_prediction(
-    forward: nn.Module,
+    forward: Forward,
     z: Tensor,
     sc_half: Tensor,
     t: Tensor,
@@ -267,36 +277,3 @@ def nograd_prediction(
         head_rows = x_in.new_ones(n, dtype=torch.bool) if with_head else None
         out[rows] = forward(x_in, t[rows], w[rows], 0.0, head_rows)[0].float()
     return out
-
-
-class TrainForward(nn.Module):
-    """One network call of the objective: x-prediction, plus decoder logits for ``head_rows``.
-
-    NOTE: the decoder head runs inside this forward so that DDP and FSDP2, which wrap this module,
-    see every parameter use inside ``forward`` (a separate ``decode_logits`` call would bypass
-    FSDP2's unsharding and DDP's unused-parameter bookkeeping). With zero decoder rows the head
-    still runs on an empty slice, so its parameters get (zero) gradients on every rank.
-    """
-
-    def __init__(self, model: ELF) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(
-        self,
-        x_in: Tensor,
-        t: Tensor | float,
-        w: Tensor | float | None,
-        gate: Tensor | float,
-        head_rows: Tensor | None = None,
-    ) -> tuple[Tensor, Tensor | None]:
-        x_pred, hidden = self.model(x_in, t, w, gate)
-        if head_rows is None:
-            return x_pred, None
-        return x_pred, self.model.decode_logits(hidden[head_rows])
-
-
-def forward_network(forward: nn.Module) -> ELF:
-    """The ELF inside a (possibly DDP/FSDP-wrapped) :class:`TrainForward`."""
-    inner = getattr(forward, "module", forward)
-    return inner.model if isinstance(inner, TrainForward) else inner

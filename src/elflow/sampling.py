@@ -1,14 +1,11 @@
-"""Generation: guided predictions, sampler steps and the full loop (paper §3.3; ELF_SPEC §5, §10).
+"""Samplers: ODE, SDE and Heun steps and the loop from noise to tokens (paper §3.3; ELF_SPEC §5).
 
-The step functions are pure: they take a ``denoise(z, x_prev, t) -> (x_hat, v_hat)`` callable
-(built by :func:`make_denoiser` from the network, the SC-CFG scale w, classifier-free guidance and
-the condition) and explicit noise. :func:`sample` integrates from noise to t = 1 with per-sample
-generators (a sample depends on (seed, index) only, never on the batch it is in), then decodes once
-in decode mode. With ``trajectory=True`` it also returns each step's decoded x_hat.
-
-Projected sampling (an elflow addition, ``sampler.project_from < 1``; README "Projected sampling")
-replaces each late x_hat by the frozen encoder's latents of the text x_hat decodes to, so that the
-steps that commit to words move towards latents of real token sequences.
+Pure tensor functions over two callables: ``denoise(z, x_prev, t) -> (x_hat, v_hat)`` (the
+guided network call, with the condition reset; :func:`elflow.network.make_denoiser` builds it
+from a model) and ``decode(z) -> tokens`` (decode mode at t = 1). Randomness comes from explicit
+per-sample generators, so a sample depends on (seed, index) only, never on the batch it is in.
+With ``trajectory=True`` :func:`sample` also returns each step's decoded x_hat (§10).
+Projected sampling wraps the denoiser (:mod:`elflow.projection`); nothing here knows of it.
 """
 
 from __future__ import annotations
@@ -21,19 +18,13 @@ import torch
 from torch import Tensor
 
 from elflow.config import SamplerConfig
-from elflow.errors import ELFError, check_finite
-from elflow.flow import (
-    euler_step,
-    logit_normal_grid,
-    sde_backtrack,
-    uniform_grid,
-    velocity,
-)
-from elflow.model import ELF
+from elflow.errors import check_finite
+from elflow.flow import euler_step, logit_normal_grid, sde_backtrack, uniform_grid
 
 Denoiser = Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
-Encode = Callable[[Tensor, Tensor], Tensor]
-"""``encode(ids, mask) -> latents``: (B, L) token rows to normalised (B, L, E) latents."""
+"""``denoise(z, x_prev, t) -> (x_hat, v_hat)``, each (B, L, E); t (B,) or a scalar."""
+Decoder = Callable[[Tensor], Tensor]
+"""``decode(z) -> tokens``: (B, L, E) latents at t = 1 to (B, L) argmax token ids."""
 
 
 @dataclass
@@ -44,112 +35,6 @@ class Condition:
     """(B, L, E) clean latents, meaningful at condition positions."""
     mask: Tensor
     """(B, L) 1 at condition (source) positions."""
-
-
-def make_denoiser(
-    model: ELF,
-    w: float | Tensor | None,
-    t_eps: float,
-    cond: Condition | None = None,
-    cfg: float = 1.0,
-    key_mask: Tensor | None = None,
-) -> Denoiser:
-    """``denoise(z, x_prev, t) -> (x_hat, v_hat)`` with condition reset and guidance.
-
-    With a condition and ``cfg != 1`` the conditional and the unconditional evaluation (z and x_prev
-    zeroed at the condition, zero condition latents) go through ONE batched forward, and
-    v = v_u + cfg (v_c - v_u), likewise for x_hat.
-    """
-
-    def denoise(z: Tensor, x_prev: Tensor, t: Tensor) -> tuple[Tensor, Tensor]:
-        B = z.shape[0]
-        if cond is None:
-            x_hat = model(torch.cat([z, x_prev], -1), t, w, 0.0, key_mask)[0].float()
-            return x_hat, velocity(x_hat, z, t, t_eps)
-        c3 = cond.mask.bool()[..., None]
-        if cfg == 1.0:
-            x_hat = model(torch.cat([z, x_prev], -1), t, w, 0.0, key_mask)[0].float()
-        else:
-            z_u, x_prev_u = z.masked_fill(c3, 0.0), x_prev.masked_fill(c3, 0.0)
-            x_in = torch.cat([torch.cat([z, x_prev], -1), torch.cat([z_u, x_prev_u], -1)])
-            t = t.expand(B) if t.dim() == 0 else t  # per row, so that it can be repeated
-            km = None if key_mask is None else key_mask.repeat(2, 1)
-            w2 = w.repeat(2) if isinstance(w, Tensor) and w.dim() > 0 else w
-            x_both = model(x_in, t.repeat(2), w2, 0.0, km)[0].float()
-            x_c = torch.where(c3, cond.latents, x_both[:B])
-            x_u = x_both[B:].masked_fill(c3, 0.0)
-            x_hat = x_u + cfg * (x_c - x_u)
-        x_hat = torch.where(c3, cond.latents, x_hat)
-        return x_hat, velocity(x_hat, z, t, t_eps).masked_fill(c3, 0.0)
-
-    return denoise
-
-
-@dataclass
-class Projection:
-    """What projected sampling needs besides the network: the model's frozen encoder (with its
-    latent normalisation) and the ids that end and pad a training row."""
-
-    encode: Encode
-    eos_id: int
-    pad_id: int
-    """The id the training rows were padded with (EOS for models trained on EOS padding)."""
-
-
-def text_rows(tokens: Tensor, eos_id: int, pad_id: int) -> tuple[Tensor, Tensor]:
-    """Decoded tokens as training rows: (ids, mask), (B, L), valid up to and including the first
-    EOS and padded with ``pad_id`` after it; a row without EOS is valid throughout."""
-    L = tokens.shape[1]
-    is_eos = tokens == eos_id
-    last = torch.where(is_eos.any(1), is_eos.int().argmax(1), L - 1)  # (B,) last valid position
-    valid = torch.arange(L, device=tokens.device)[None] <= last[:, None]
-    return tokens.masked_fill(~valid, pad_id), valid.long()
-
-
-def project_denoiser(
-    denoise: Denoiser,
-    model: ELF,
-    w: float | Tensor | None,
-    t_eps: float,
-    projection: Projection,
-    project_from: float,
-) -> Denoiser:
-    """Wrap ``denoise``: rows whose time is >= ``project_from`` get x_hat replaced by the latents
-    of its decode-mode argmax text (one decode pass and one encoder pass over those rows), and the
-    velocity recomputed from it. Earlier rows pass through unchanged."""
-
-    def denoise_projected(z: Tensor, x_prev: Tensor, t: Tensor) -> tuple[Tensor, Tensor]:
-        x_hat, v = denoise(z, x_prev, t)
-        rows = (t.expand(z.shape[0]) if t.dim() == 0 else t) >= project_from
-        projected = project_rows(model, x_hat, rows, w, projection)
-        if projected is x_hat:  # no row projected
-            return x_hat, v
-        return projected, velocity(projected, z, t, t_eps)
-
-    return denoise_projected
-
-
-def project_rows(
-    model: ELF, x_hat: Tensor, rows: Tensor, w: float | Tensor | None, projection: Projection
-) -> Tensor:
-    """A copy of x_hat with ``rows`` ((B,) bool) projected (:func:`project_latents`; ``w`` a
-    scalar or per row); x_hat itself when no row is selected."""
-    if not bool(rows.any()):
-        return x_hat
-    w_rows = w[rows] if isinstance(w, Tensor) and w.dim() > 0 else w
-    out = x_hat.clone()
-    out[rows] = project_latents(model, x_hat[rows], w_rows, projection)
-    return out
-
-
-def project_latents(
-    model: ELF, x_hat: Tensor, w: float | Tensor | None, projection: Projection
-) -> Tensor:
-    """x_hat's projection: the encoder's latents of its decode-mode argmax text, cut after the
-    first EOS and padded as training rows (in x_hat's dtype). One decode and one encoder pass."""
-    tokens = decode_tokens(model, x_hat, w)
-    latents = projection.encode(*text_rows(tokens, projection.eos_id, projection.pad_id))
-    return latents.to(x_hat.dtype)
 
 
 def ode_step(
@@ -223,66 +108,51 @@ class SampleOutput:
 
 
 @torch.no_grad()
-def decode_tokens(
-    model: ELF, z: Tensor, w: float | Tensor | None, t: float | Tensor = 1.0
-) -> Tensor:
-    """Decode mode (at t = 1 in sampling) on [z, 0] -> argmax tokens (B, L)."""
-    _, hidden = model(torch.cat([z, torch.zeros_like(z)], -1), t, w, 1.0)
-    return model.decode_logits(hidden).argmax(-1)
-
-
-@torch.no_grad()
 def sample(
-    model: ELF,
+    denoise: Denoiser,
+    decode: Decoder,
     generators: Sequence[torch.Generator],
-    length: int,
+    shape: tuple[int, int],
     sampler: SamplerConfig,
     noise_scale: float = 2.0,
-    t_eps: float = 0.05,
     cond: Condition | None = None,
     trajectory: bool = False,
-    projection: Projection | None = None,
 ) -> SampleOutput:
     """Integrate from noise to t = 1 and decode (ELF_SPEC §5). One generator per sample.
 
-    ``projection`` is required when ``sampler.project_from < 1`` (unconditional models only).
+    Args:
+        denoise, decode: the network's calls (:func:`elflow.network.sample_model` wires them).
+        shape: (L, E), one sample's latents.
+        sampler: steps, method, gamma and time grid; its guidance scales (w, cfg) and
+            ``project_from`` are the denoiser's business.
     """
-    if sampler.project_from < 1.0 and (projection is None or cond is not None):
-        raise ELFError(
-            "projected sampling (sampler.project_from < 1) needs an unconditional model and its "
-            "encoder (sample(..., projection=pipe.projection())); project_from 1 turns it off"
-        )
-    device = next(model.parameters()).device
-    B, E, N = len(generators), model.cfg.encoder_dim, sampler.steps
+    B, N = len(generators), sampler.steps
+    device = generators[0].device
+    L, E = shape
     if sampler.time_grid == "uniform":
         grid = uniform_grid(N, B, device)
     else:
         grid = logit_normal_grid(
             _randn(generators, (N - 1,), device), sampler.time_mean, sampler.time_std
         )  # (B, N + 1)
-    z = noise_scale * _randn(generators, (length, E), device)
+    z = noise_scale * _randn(generators, (L, E), device)
     x_prev = torch.zeros_like(z)
     if cond is not None:
         check_finite(cond.latents, "the condition latents")
         c3 = cond.mask.bool()[..., None]
         z, x_prev = torch.where(c3, cond.latents, z), torch.where(c3, cond.latents, x_prev)
-    w = sampler.w if model.cfg.num_scale_tokens > 0 else None
-    denoise = make_denoiser(model, w, t_eps, cond, sampler.cfg)
-    if sampler.project_from < 1.0:
-        denoise = project_denoiser(denoise, model, w, t_eps, projection, sampler.project_from)
     frames = []
     for k in range(N):
         t, t_next = grid[:, k], grid[:, k + 1]
         if k == N - 1 or sampler.sampler == "ode":  # the last step is always Euler
             z, x_prev = ode_step(denoise, z, x_prev, t, t_next)
         elif sampler.sampler == "sde":
-            noise = _randn(generators, (length, E), device)
+            noise = _randn(generators, (L, E), device)
             z, x_prev = sde_step(
                 denoise, z, x_prev, t, t_next, sampler.gamma, noise, noise_scale, cond
             )
         else:
             z, x_prev = heun_step(denoise, z, x_prev, t, t_next)
         if trajectory:
-            frames.append(decode_tokens(model, x_prev, w))
-    tokens = decode_tokens(model, z, w)
-    return SampleOutput(tokens, z, torch.stack(frames) if trajectory else None)
+            frames.append(decode(x_prev))
+    return SampleOutput(decode(z), z, torch.stack(frames) if trajectory else None)

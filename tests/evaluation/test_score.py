@@ -10,9 +10,9 @@ import shutil
 
 import pytest
 
+from elflow.cli import score as score_cli
 from elflow.errors import ELFError
 from elflow.evaluation import bleu, gen_ppl, load_judge, read_jsonl, score_samples
-from elflow.cli import score as score_cli
 from elflow.evaluation import judge as judge_mod
 
 SAMPLES = [

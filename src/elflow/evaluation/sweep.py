@@ -396,8 +396,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """``elflow sweep``; generation is shared across ``torchrun`` ranks, scoring is on rank 0."""
-    from elflow.evaluation import load_judge, score_samples
     from elflow.cli.score import check_counts, read_refs, write_metrics
+    from elflow.evaluation import load_judge, score_samples
     from elflow.evaluation.score import align_refs
 
     cells = grid(args.sampler, args.steps, args.w, args.gamma)

@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from elflow.io.artifact import CONFIG, WEIGHTS, load_model, save_model
 from elflow.errors import ELFError
+from elflow.io.artifact import CONFIG, WEIGHTS, load_model, save_model
 from elflow.paths import output_file
 
 DEMO_DIR = Path(__file__).resolve().parents[1] / "demo_model"

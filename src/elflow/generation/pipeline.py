@@ -16,12 +16,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from elflow.io.artifact import ArtifactConfig, load_resolved, read_config, resolve_source
 from elflow.config import SamplerConfig
 from elflow.encoder import FrozenEncoder, resolve_pretrained
 from elflow.errors import ELFError
+from elflow.io.artifact import ArtifactConfig, load_resolved, read_config, resolve_source
 from elflow.model import ELF
-from elflow.sampling import Condition, Projection, sample, sample_generators
+from elflow.network import sample_model
+from elflow.projection import Projection
+from elflow.sampling import Condition, sample_generators
 from elflow.tokens import (
     TokenSpec,
     build_unconditional_row,
@@ -337,7 +339,7 @@ class ELFPipeline:
             cond, cond_mask = (None, None)
             if sources is not None:
                 cond, cond_mask = self.encode_sources([sources[i] for i in idx])
-            out = sample(
+            out = sample_model(
                 self.model,
                 gens,
                 L,

@@ -22,14 +22,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from elflow.io.artifact import OFFICIAL_TASKS
 from elflow.config import SamplerConfig
 from elflow.distributed import DistInfo, setup, teardown
 from elflow.errors import ELFError, note_once
+from elflow.generation.pipeline import ELFPipeline, check_sde_gamma
 from elflow.hardware import bf16_autocast, fast_bf16
+from elflow.io.artifact import OFFICIAL_TASKS
 from elflow.jsonl import read_jsonl, write_jsonl
 from elflow.paths import input_file, output_file
-from elflow.generation.pipeline import ELFPipeline, check_sde_gamma
 from elflow.sampling import nfe
 
 # Few-step students (spec §5, "Distilled few-step"): (gamma, w) by number of steps. The paper

@@ -23,7 +23,6 @@ from safetensors.torch import load_file
 
 from elflow.config import ModelConfig, SamplerConfig, from_dict, to_dict
 from elflow.errors import ELFError, note_once
-from elflow.model import ELF
 from elflow.io.official import (
     infer_model_config,
     latest_official_checkpoint,
@@ -31,6 +30,7 @@ from elflow.io.official import (
     official_to_elflow,
     read_official_checkpoint,
 )
+from elflow.model import ELF
 from elflow.paths import save_safetensors
 
 FORMAT = "elflow-model"

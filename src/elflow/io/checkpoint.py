@@ -22,6 +22,8 @@ import torch
 from safetensors.torch import load_file
 from torch import Tensor
 
+from elflow.distributed import DistInfo, barrier, broadcast_object
+from elflow.errors import ELFError
 from elflow.io.artifact import (
     CONFIG,
     EMA_WEIGHTS,
@@ -30,8 +32,6 @@ from elflow.io.artifact import (
     latest_run_checkpoint,
     run_checkpoints,
 )
-from elflow.distributed import DistInfo, barrier, broadcast_object
-from elflow.errors import ELFError
 from elflow.paths import save_safetensors
 
 STATE = "state.json"

@@ -17,15 +17,16 @@ from torch import Tensor
 
 from elflow.config import ObjectiveConfig
 from elflow.errors import ELFError
-from elflow.model import ELF
-from elflow.objective import Batch, Draws, elf_loss
 from elflow.io.official import (
     elflow_to_official,
     infer_model_config,
     load_state_dict_strict,
     official_to_elflow,
 )
-from elflow.sampling import Condition, decode_tokens, make_denoiser, ode_step, sde_step
+from elflow.model import ELF
+from elflow.network import TrainForward, decode_tokens, make_denoiser
+from elflow.objective import Batch, Draws, elf_loss
+from elflow.sampling import Condition, ode_step, sde_step
 
 
 def _max_abs(a: Tensor, b: Tensor) -> float:
@@ -119,7 +120,7 @@ def _check_training(
     )
     model.train()
     model.zero_grad(set_to_none=True)
-    out = elf_loss(model, batch, draws, cfg, procedure="efficient")
+    out = elf_loss(TrainForward(model), batch, draws, cfg, procedure="efficient")
     out.loss.backward()
     for name in ("loss", "l2_loss", "ce_loss"):
         ref = g(name).reshape(()).double()

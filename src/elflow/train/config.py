@@ -13,7 +13,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from elflow.io.artifact import T5_SMALL, ArtifactConfig
 from elflow.config import (
     ModelConfig,
     ObjectiveConfig,
@@ -25,6 +24,7 @@ from elflow.config import (
 )
 from elflow.data.config import DataConfig
 from elflow.errors import ELFError, note_once, require
+from elflow.io.artifact import T5_SMALL, ArtifactConfig
 from elflow.train.optim import OptimConfig
 
 

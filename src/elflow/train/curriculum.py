@@ -24,8 +24,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from elflow.io import checkpoint as ckpt_io
-from elflow.io.artifact import CONFIG, EMA_WEIGHTS, ArtifactConfig, load_model, resolve_source
 from elflow.config import ObjectiveConfig, SamplerConfig
 from elflow.distill import (
     DistillConfig,
@@ -35,14 +33,16 @@ from elflow.distill import (
     sample_distill_draws_keyed,
 )
 from elflow.distributed import DistInfo, broadcast_object
-from elflow.train.ema import initial_share
 from elflow.errors import ELFError
+from elflow.generation.pipeline import load_tokenizer
+from elflow.io import checkpoint as ckpt_io
+from elflow.io.artifact import CONFIG, EMA_WEIGHTS, ArtifactConfig, load_model, resolve_source
 from elflow.model import ELF
+from elflow.network import TrainForward, projector
 from elflow.objective import Batch
 from elflow.paths import output_dir
-from elflow.generation.pipeline import load_tokenizer
-from elflow.train.presets import preset
-from elflow.train.resume import architecture_changes, init_tokenizer, local_absolute
+from elflow.projection import Projection
+from elflow.tokens import vocab_hash
 from elflow.train.config import (
     EncoderConfig,
     RunConfig,
@@ -50,9 +50,10 @@ from elflow.train.config import (
     override_keys,
     run_config_from_dict,
 )
-from elflow.sampling import Projection
-from elflow.tokens import vocab_hash
+from elflow.train.ema import initial_share
 from elflow.train.loop import StepLoss, train
+from elflow.train.presets import preset
+from elflow.train.resume import architecture_changes, init_tokenizer, local_absolute
 
 MAX_EMA_INITIAL_SHARE = 0.5
 """A round whose EMA would still be mostly its starting weights at the end is refused."""
@@ -186,8 +187,10 @@ class DistillObjective:
         distill: DistillConfig,
         projection: Projection | None = None,
     ) -> None:
-        self.cfg, self.teacher, self.distill = cfg, teacher, distill
-        self.projection = projection  # used only when distill.project_from < 1
+        self.cfg, self.distill = cfg, distill
+        self.teacher = TrainForward(teacher)  # frozen, in eval mode, never wrapped
+        # The teacher's projector, used only when distill.project_from < 1.
+        self.project = None if projection is None else projector(teacher, projection)
 
     def denominator(self, batch: Batch) -> float:
         return float(batch.x.shape[0])
@@ -203,7 +206,7 @@ class DistillObjective:
             self.cfg.train.seed,
             batch.x.device,
         )
-        out = distill_loss(forward, self.teacher, batch, draws, self.distill, self.projection)
+        out = distill_loss(forward, self.teacher, batch, draws, self.distill, self.project)
         dec = draws.decoder_active.bool().to(batch.x.device)
         rows = out.row_loss.detach()
         stats = torch.stack(

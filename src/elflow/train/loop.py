@@ -25,24 +25,29 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from elflow.io import checkpoint as ckpt_io
-from elflow.io.artifact import ArtifactConfig
-from elflow.train.batches import make_batch
 from elflow.data.latent_cache import run_latent_cache
 from elflow.data.order import StreamOrder, rank_positions
 from elflow.data.prepare import measure_first_rows_latent_std, prepared_latent_std
 from elflow.data.rows import build_dataset
 from elflow.distributed import DistInfo, all_reduce_sum, broadcast_object, parallelize, setup
-from elflow.train.ema import EMA
 from elflow.encoder import FrozenEncoder
 from elflow.errors import ELFError, Interrupted
-from elflow.hardware import bf16_autocast, slow_bf16_warning, use_bf16
-from elflow.train.heldout import branch_means, heldout_scores, heldout_splits, valid_rows
-from elflow.model import build_model, count_parameters
-from elflow.objective import Batch, TrainForward, elf_loss, sample_draws_keyed
-from elflow.train.optim import build_optimizer, learning_rate, resolve_ns_dtype, set_lr
-from elflow.paths import output_dir
 from elflow.generation.pipeline import load_tokenizer
+from elflow.hardware import bf16_autocast, slow_bf16_warning, use_bf16
+from elflow.io import checkpoint as ckpt_io
+from elflow.io.artifact import ArtifactConfig
+from elflow.model import build_model, count_parameters
+from elflow.network import TrainForward
+from elflow.objective import Batch, elf_loss, sample_draws_keyed
+from elflow.paths import output_dir
+from elflow.projection import Projection
+from elflow.tokens import token_spec, vocab_hash
+from elflow.train.batches import make_batch
+from elflow.train.config import RunConfig, check_projection, run_config_to_dict
+from elflow.train.ema import EMA
+from elflow.train.heldout import branch_means, heldout_scores, heldout_splits, valid_rows
+from elflow.train.optim import build_optimizer, learning_rate, resolve_ns_dtype, set_lr
+from elflow.train.reporting import MetricsLogger, progress_bar, set_aside_samples, write_samples
 from elflow.train.resume import (
     absolute_init,
     apply_init,
@@ -54,11 +59,7 @@ from elflow.train.resume import (
     resumed_settings,
     saved_run_config,
 )
-from elflow.train.config import RunConfig, check_projection, run_config_to_dict
-from elflow.train.reporting import MetricsLogger, progress_bar, set_aside_samples, write_samples
-from elflow.sampling import Projection
 from elflow.train.stop import StopSignal
-from elflow.tokens import token_spec, vocab_hash
 
 
 def train(

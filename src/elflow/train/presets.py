@@ -15,7 +15,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from elflow.io.artifact import T5_SMALL
 from elflow.config import (
     ModelConfig,
     ObjectiveConfig,
@@ -27,8 +26,9 @@ from elflow.config import (
 )
 from elflow.data.config import DataConfig
 from elflow.errors import ELFError
-from elflow.train.optim import OptimConfig
+from elflow.io.artifact import T5_SMALL
 from elflow.train.config import EncoderConfig, RunConfig, TrainConfig
+from elflow.train.optim import OptimConfig
 
 
 def shared_data(*parts: str) -> str:

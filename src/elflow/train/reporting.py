@@ -16,17 +16,19 @@ from typing import Any
 import numpy as np
 import torch
 
-from elflow.io.artifact import ArtifactConfig
 from elflow.config import ModelConfig
 from elflow.data.rows import RowDataset
 from elflow.distributed import DistInfo
-from elflow.train.ema import EMA, ema_network
 from elflow.encoder import FrozenEncoder
 from elflow.errors import ELFError
+from elflow.io.artifact import ArtifactConfig
 from elflow.jsonl import finite_or_null, write_jsonl
-from elflow.train.config import RunConfig, run_config_to_dict
-from elflow.sampling import Condition, Projection, sample, sample_generators
+from elflow.network import sample_model
+from elflow.projection import Projection
+from elflow.sampling import Condition, sample_generators
 from elflow.tokens import detokenize, shift_out_source, token_spec
+from elflow.train.config import RunConfig, run_config_to_dict
+from elflow.train.ema import EMA, ema_network
 
 
 class MetricsLogger:
@@ -192,7 +194,7 @@ def write_samples(
     projection = None
     if cfg.sampler.project_from < 1.0:  # unconditional runs only (RunConfig checks)
         projection = Projection(encoder, spec.eos_id, spec.row_pad_id(artifact.pad_with_eos))
-    result = sample(
+    result = sample_model(
         net,
         gens,
         model_cfg.max_length,

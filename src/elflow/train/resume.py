@@ -14,13 +14,13 @@ from pathlib import Path
 
 from torch import Tensor
 
-from elflow.io import checkpoint as ckpt_io
-from elflow.io.artifact import ArtifactConfig, load_resolved, read_config, resolve_source
 from elflow.encoder import PACKAGED_MODELS
 from elflow.errors import ELFError
 from elflow.generation.pipeline import load_tokenizer
-from elflow.train.config import EncoderConfig, RunConfig, run_config_from_dict
+from elflow.io import checkpoint as ckpt_io
+from elflow.io.artifact import ArtifactConfig, load_resolved, read_config, resolve_source
 from elflow.tokens import vocab_hash
+from elflow.train.config import EncoderConfig, RunConfig, run_config_from_dict
 
 
 def resolve_resume(out: Path, resume: str | None) -> Path | None:
