@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 
 from elflow.evaluation import read_jsonl, score_samples
-from elflow.generation.pipeline import load_tokenizer
+from elflow.io.tokenizer import load_tokenizer
 from elflow.tokens import detokenize, token_spec, tokenize
 
 

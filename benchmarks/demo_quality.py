@@ -33,11 +33,11 @@ import torch
 
 from elflow.evaluation import load_judge
 from elflow.evaluation.copying import copies, ngram_set
+from elflow.examples import web_bible
 from elflow.generation.demo import export_demo
 from elflow.generation.pipeline import ELFPipeline
 from elflow.io import checkpoint as ckpt_io
 from elflow.model import build_model
-from elflow.train.presets import shared_data
 from quality import score, timed_generate
 
 
@@ -98,8 +98,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True)
     p.add_argument("--num", type=int, default=256)
-    p.add_argument("--train", default=shared_data("web_bible", "train.jsonl.gz"))
-    p.add_argument("--valid", default=shared_data("web_bible", "valid.jsonl.gz"))
+    p.add_argument("--train", default=web_bible("train"))
+    p.add_argument("--valid", default=web_bible("valid"))
     p.add_argument("--judge", default="smollm2-135m")
     p.add_argument("--steps", default="8,16,32")
     p.add_argument("--samplers", default="ode,sde")
@@ -221,7 +221,7 @@ def _measured(args: argparse.Namespace, pipe: ELFPipeline, rows: list[dict]) -> 
 def _export(args: argparse.Namespace, pipe: ELFPipeline, rows: list[dict], train: dict) -> None:
     card = {
         "name": "elflow bible-tiny demo model",
-        "data": "World English Bible (public domain), train split of ../shared/data/web_bible, "
+        "data": "World English Bible (public domain), train split (elflow/examples/web_bible), "
         "one verse per row, MiniLM-L6 WordPiece tokens, L 64",
         "encoder": "sentence-transformers/all-MiniLM-L6-v2 (Apache-2.0; only its vocabulary "
         "files ship here, in tokenizer/; projected sampling loads the encoder from the "

@@ -22,10 +22,10 @@ import random
 import torch
 
 from elflow.encoder import FrozenEncoder
+from elflow.examples import web_bible
 from elflow.flow import interpolate
-from elflow.generation.pipeline import load_tokenizer
+from elflow.io.tokenizer import load_tokenizer
 from elflow.tokens import build_unconditional_row, token_spec, tokenize
-from elflow.train.presets import shared_data
 
 
 def encode_layers(enc, tokenizer, texts, L, pad_id, batch=64):
@@ -52,7 +52,7 @@ def encode_layers(enc, tokenizer, texts, L, pad_id, batch=64):
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--encoder", default="minilm")
-    p.add_argument("--data", default=shared_data("web_bible", "train.jsonl.gz"))
+    p.add_argument("--data", default=web_bible("train"))
     p.add_argument("--train", type=int, default=3000, help="verses for the centroids")
     p.add_argument("--test", type=int, default=300, help="held-out verses to identify")
     p.add_argument("--max-length", type=int, default=64)

@@ -23,11 +23,11 @@ from elflow.generation.pipeline import ELFPipeline, model_encoder
 from elflow.network import TrainForward
 from elflow.objective import elf_loss, sample_draws_keyed
 from elflow.train.batches import make_batch
-from elflow.train.config import EncoderConfig
 from elflow.train.curriculum import teacher_objective
 from elflow.train.heldout import HeldOutSplit, RowSubset, heldout_loss, spread_rows
-from elflow.train.loop import ELFObjective
 from elflow.train.presets import preset
+from elflow.train.resume import model_encoder_config
+from elflow.train.step import ELFObjective
 
 BANDS = (0.0, 0.1, 0.2, 0.3, 0.5, 1.0)
 
@@ -47,7 +47,7 @@ def main() -> None:
         cfg,
         model=acfg.model,
         objective=teacher_objective(args.model, acfg, cfg.objective),
-        encoder=EncoderConfig.of_model(acfg),
+        encoder=model_encoder_config(acfg),
     )
     encoder = model_encoder(acfg)
     pad = pipe.tokens.eos_id if acfg.pad_with_eos else pipe.tokens.pad_id

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from elflow.evaluation import gen_ppl, load_judge, read_jsonl, score_samples
-from elflow.train.presets import shared_data
+from elflow.examples import web_bible
 
 
 def main() -> None:
@@ -31,7 +31,7 @@ def main() -> None:
     p.add_argument("--judge", default="smollm2-135m")
     p.add_argument(
         "--data",
-        default=shared_data("web_bible", "valid.jsonl.gz"),
+        default=web_bible("valid"),
         help="JSONL(.gz) with a 'text' field",
     )
     p.add_argument("--speed-samples", type=int, default=64)

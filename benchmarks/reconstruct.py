@@ -23,16 +23,16 @@ from pathlib import Path
 
 import torch
 
+from elflow.examples import web_bible
 from elflow.flow import interpolate
 from elflow.generation.pipeline import ELFPipeline, model_encoder
 from elflow.network import decode_tokens
-from elflow.train.presets import shared_data
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True, help="an unconditional elflow model or run")
-    p.add_argument("--valid", default=shared_data("web_bible", "valid.jsonl.gz"))
+    p.add_argument("--valid", default=web_bible("valid"))
     p.add_argument("--num", type=int, default=128, help="validation rows")
     p.add_argument("--times", default="0.1,0.2,0.3,0.4,0.5,0.6,0.8")
     p.add_argument("--seed", type=int, default=0)

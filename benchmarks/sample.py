@@ -9,7 +9,7 @@ Usage:
 Randomly initialised weights (the speed does not depend on them); one warm-up batch per setting.
 bf16 runs the network under torch.autocast and reports the share of tokens identical to fp32.
 With ``--checkpoint`` (any model source) it times ``elflow sample``'s own path
-(``elflow.generation.records.sample_records``: sampling, decoding, detokenising) on that model, whose bf16
+(``sample_records``: sampling, decoding, detokenising) on that model, whose bf16
 agreement with fp32 is the meaningful one (a random network's argmax is near-uniform).
 """
 
@@ -18,13 +18,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import time
+from dataclasses import replace
 
 import torch
 
 from elflow.config import SamplerConfig, model_preset
 from elflow.model import build_model
 from elflow.network import sample_model
-from elflow.sampling import nfe, sample_generators
+from elflow.sampling import sample_generators
 
 SIZES = {
     # name: (model preset, E, V, L, batch)
@@ -64,13 +65,13 @@ def run(name: str, steps: int, sampler: str, dtype: str, device: str, seed: int)
 def run_checkpoint(args: argparse.Namespace) -> None:
     """samples/s of ``elflow sample``'s path on a real model, fp32 vs bf16 token agreement."""
     from elflow.generation.pipeline import ELFPipeline
-    from elflow.generation.records import resolve_sampler, sample_records, token_agreement
+    from elflow.generation.records import sample_records, token_agreement
 
     pipe = ELFPipeline.from_pretrained(args.checkpoint, device=args.device)
     head = f"{'steps':>5} {'NFE':>4} {'dtype':<5} {'n':>4} {'batch':>5} {'s':>8} {'samples/s':>9}"
     print(f"{head} {'same tokens as fp32':>20}")
     for steps in (int(s) for s in args.steps.split(",")):
-        scfg = resolve_sampler(pipe, steps=steps, sampler=args.sampler)
+        scfg = replace(pipe.sampler, steps=steps, sampler=args.sampler or pipe.sampler.sampler)
         ref = None
         for dtype in args.dtypes.split(","):
             kw = {"n": args.num_samples, "seed": args.seed, "batch_size": args.batch_size}
@@ -89,7 +90,7 @@ def run_checkpoint(args: argparse.Namespace) -> None:
             elif ref is not None:
                 agree = f"{100 * token_agreement(ref, recs):.1f}%"
             print(
-                f"{steps:>5} {nfe(scfg.sampler, steps):>4} {dtype:<5} {len(recs):>4} "
+                f"{steps:>5} {scfg.nfe:>4} {dtype:<5} {len(recs):>4} "
                 f"{args.batch_size:>5} {dt:>8.2f} {len(recs) / dt:>9.2f} {agree:>20}"
             )
 
@@ -117,6 +118,7 @@ def main() -> None:
     for name in args.sizes.split(","):
         for steps in (int(s) for s in args.steps.split(",")):
             ref = None
+            nfe = SamplerConfig(steps=steps, sampler=args.sampler).nfe
             for dtype in args.dtypes.split(","):
                 r = run(name, steps, args.sampler, dtype, args.device, args.seed)
                 agree = ""
@@ -125,7 +127,7 @@ def main() -> None:
                 elif ref is not None:
                     agree = f"{100 * (r['tokens'] == ref).float().mean().item():.1f}%"
                 print(
-                    f"{name:<6} {steps:>5} {nfe(args.sampler, steps):>4} {dtype:<5} {r['B']:>5} "
+                    f"{name:<6} {steps:>5} {nfe:>4} {dtype:<5} {r['B']:>5} "
                     f"{r['s_per_batch']:>8.2f} {r['samples_per_s']:>9.2f} {agree:>20}"
                 )
 

@@ -134,11 +134,11 @@ def cache_speedup(batches: int = 3) -> dict:
 
     from elflow.data.latent_cache import LatentCache
     from elflow.encoder import FrozenEncoder, resolve_pretrained
-    from elflow.train.presets import shared_data
+    from elflow.examples import web_bible
 
     tok = AutoTokenizer.from_pretrained(resolve_pretrained("minilm"))
     enc = FrozenEncoder.from_pretrained("minilm", latent_std=0.358)
-    with gzip.open(shared_data("web_bible", "valid.jsonl.gz"), "rt") as f:
+    with gzip.open(web_bible("valid"), "rt") as f:
         texts = [json.loads(line)["text"] for line in f][: 64 * batches]
     ids = tok(texts, max_length=64, truncation=True, padding="max_length", return_tensors="pt")
     enc(ids["input_ids"][:64], ids["attention_mask"][:64])

@@ -11,6 +11,18 @@ FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
 REFERENCE_FIXTURE = FIXTURES / "elf_reference_tiny.safetensors"
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _elflow_cache(tmp_path_factory):
+    """Every test's user cache (judges, latent caches) is a temporary folder, never ~/.cache."""
+    saved = os.environ.get("ELFLOW_CACHE")
+    os.environ["ELFLOW_CACHE"] = str(tmp_path_factory.mktemp("elflow-cache"))
+    yield
+    if saved is None:
+        os.environ.pop("ELFLOW_CACHE", None)
+    else:
+        os.environ["ELFLOW_CACHE"] = saved
+
+
 @pytest.fixture(autouse=True)
 def _seed_and_threads():
     # Test tensors are tiny: intra-op threads gain nothing, and two OpenMP threads on a loaded

@@ -12,14 +12,8 @@ import torch
 from elflow import errors
 from elflow.config import elf_tiny
 from elflow.errors import ELFError
-from elflow.io import artifact
-from elflow.io.artifact import (
-    ArtifactConfig,
-    import_official,
-    load_model,
-    resolve_source,
-    save_model,
-)
+from elflow.io import artifact, sources
+from elflow.io.artifact import ArtifactConfig, import_official, load_model, save_model
 from elflow.io.official import (
     elflow_to_official,
     infer_model_config,
@@ -27,6 +21,7 @@ from elflow.io.official import (
     read_official_checkpoint,
     strip_prefixes,
 )
+from elflow.io.sources import resolve_source
 from elflow.model import build_model
 
 CFG = elf_tiny(encoder_dim=8, vocab_size=20, max_length=16)
@@ -268,9 +263,9 @@ def test_export_imported_checkpoint(tmp_path):
 
 
 def test_official_presets_match_paper():
-    assert artifact.official_task_from_name("embedded-language-flows/ELF-B-owt-torch") == "owt"
-    assert artifact.official_task_from_name("embedded-language-flows/ELF-B-xsum-torch") == "xsum"
-    assert artifact.official_task_from_name("x/ELF-B-de-en-torch") == "de-en"
+    assert sources.official_task_from_name("embedded-language-flows/ELF-B-owt-torch") == "owt"
+    assert sources.official_task_from_name("embedded-language-flows/ELF-B-xsum-torch") == "xsum"
+    assert sources.official_task_from_name("x/ELF-B-de-en-torch") == "de-en"
     official = elflow_to_official(_perturbed_model().state_dict())
     cfg = artifact.official_artifact_config(official, "owt")
     assert (cfg.sampler.steps, cfg.sampler.sampler, cfg.sampler.gamma, cfg.sampler.w) == (
@@ -283,17 +278,17 @@ def test_official_presets_match_paper():
 
 
 def test_official_task_comes_from_the_last_parts_and_is_said(tmp_path, capsys, monkeypatch):
-    assert artifact.official_task_from_name("wmt-runs/ELF-B-owt/checkpoint_5") == "owt"
-    assert artifact.official_task_from_name("/data/xsum-exp/owt-model/checkpoint_5") == "owt"
+    assert sources.official_task_from_name("wmt-runs/ELF-B-owt/checkpoint_5") == "owt"
+    assert sources.official_task_from_name("/data/xsum-exp/owt-model/checkpoint_5") == "owt"
     # When the last two parts name none, the whole name does (the Hugging Face cache layout).
-    assert artifact.official_task_from_name("/data/xsum-exp/run1/checkpoint_5") == "xsum"
+    assert sources.official_task_from_name("/data/xsum-exp/run1/checkpoint_5") == "xsum"
     cache = "/hf/models--org--ELF-B-de-en-torch/snapshots/3f2a9c/checkpoint_5"
-    assert artifact.official_task_from_name(cache) == "de-en"
-    assert artifact.official_task_from_name("runs/elf-b-de-en-lowtemp/checkpoint_5") == "de-en"
-    assert artifact.official_task_from_name("runs/openwebtext/checkpoint_5") == "owt"
-    assert artifact.official_task_from_name("runs/mine/checkpoint_5") is None
-    assert artifact.official_task_from_name("/home/me/code-env/elf/checkpoint_5") is None
-    assert artifact.official_task_from_name("/data/wmt14-runs/a/checkpoint_5") == "de-en"
+    assert sources.official_task_from_name(cache) == "de-en"
+    assert sources.official_task_from_name("runs/elf-b-de-en-lowtemp/checkpoint_5") == "de-en"
+    assert sources.official_task_from_name("runs/openwebtext/checkpoint_5") == "owt"
+    assert sources.official_task_from_name("runs/mine/checkpoint_5") is None
+    assert sources.official_task_from_name("/home/me/code-env/elf/checkpoint_5") is None
+    assert sources.official_task_from_name("/data/wmt14-runs/a/checkpoint_5") == "de-en"
     monkeypatch.setattr(errors, "_NOTED", set())
     _save_reference(tmp_path / "checkpoint_5", _perturbed_model(0), _perturbed_model(1))
     assert load_model(tmp_path / "checkpoint_5")[1].task == "unconditional"

@@ -173,10 +173,23 @@ def test_missing_out_folder_is_refused_before_any_work(name, model, monkeypatch,
     assert e.value.code == 2 and "does not exist" in capsys.readouterr().err
 
 
-def test_judge_data_follows_elflow_shared_data(monkeypatch, tmp_path):
-    monkeypatch.setenv("ELFLOW_SHARED_DATA", str(tmp_path))
-    args = parse(monkeypatch, "judge")
-    assert args.data == str(tmp_path / "web_bible" / "valid.jsonl.gz")
+@pytest.mark.parametrize(
+    ("name", "argv", "flag", "split"),
+    [
+        ("judge", [], "data", "valid"),
+        ("encoder_layers", [], "data", "train"),
+        ("selfcond", ["--model", "m"], "valid", "valid"),
+        ("demo_quality", ["--model", "m"], "train", "train"),
+    ],
+)
+def test_bible_defaults_are_the_packaged_files(monkeypatch, name, argv, flag, split):
+    import elflow
+
+    path = Path(getattr(parse(monkeypatch, name, *argv), flag))
+    assert path.parent == Path(elflow.__file__).resolve().parent / "examples" / "web_bible"
+    assert path.name == f"{split}.jsonl.gz"
+    with gzip.open(path, "rt") as f:
+        assert json.loads(f.readline())["text"]
 
 
 # ---- tiny real runs ---------------------------------------------------------------------------
@@ -233,3 +246,11 @@ def test_selfcond_runs_on_the_demo_model(monkeypatch, capsys, valid_rows):
     assert all(v >= 0 for r in rows.values() for v in r)
     assert rows["0.7"][0] < rows["0.3"][0]  # less noise, smaller error of f0
     assert "2 rows, seed 0" in out
+
+
+def test_startup_times_the_help_commands(monkeypatch, capsys):
+    run(monkeypatch, "startup", "--repeat", "1")
+    out = capsys.readouterr().out
+    assert "elflow --help" in out and "elflow sample --help" in out
+    best = [float(line.split()[-2]) for line in out.splitlines() if "--help" in line]
+    assert len(best) == 2 and all(0 < t < 60 for t in best)

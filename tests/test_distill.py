@@ -140,7 +140,8 @@ def test_rounds_share_one_latent_cache(tmp_path, assets, teacher, capsys):  # no
     cfg = run_config(
         assets,
         train={"max_steps": 1, "ema_decay": 0.1},
-        data={"latent_cache": True, "latent_cache_dtype": "float32"},
+        # "run": the folder train() is given, which distillation shares between its rounds.
+        data={"latent_cache": True, "latent_cache_dtype": "float32", "latent_cache_dir": "run"},
     )
     path = tmp_path / "c.json"
     path.write_text(json.dumps(cfg))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +14,7 @@ import torch
 from elflow.network import TrainForward
 from elflow.train.config import run_config_from_dict
 from elflow.train.heldout import HeldOutSplit, RowSubset, heldout_loss, spread_rows
-from elflow.train.loop import ELFObjective
+from elflow.train.step import ELFObjective
 
 from .test_distill import distill_cli, teacher  # noqa: F401
 from .test_train import (  # noqa: F401
@@ -84,7 +85,7 @@ def test_heldout_loss_is_logged_and_leaves_training_unchanged(
     from elflow import load_model
     from elflow.data.rows import build_dataset
     from elflow.encoder import FrozenEncoder
-    from elflow.generation.pipeline import load_tokenizer
+    from elflow.io.tokenizer import load_tokenizer
     from elflow.tokens import token_spec
     from elflow.train.batches import make_batch
 
@@ -182,5 +183,5 @@ def test_conditional_run_trains_evaluates_and_translates(tmp_path, assets):  # n
 
     pipe = ELFPipeline.from_pretrained(tmp_path / "run")
     assert pipe.config.task == "conditional"
-    out = pipe.generate(sources=["god said", "the earth"], steps=3)
+    out = pipe.generate(sources=["god said", "the earth"], sampler=replace(pipe.sampler, steps=3))
     assert len(out) == 2 and all(isinstance(t, str) for t in out)

@@ -74,17 +74,20 @@ def test_generate_unconditional_deterministic(uncond_dir):
 
 def test_generate_overrides_and_trajectory(uncond_dir):
     pipe = ELFPipeline.from_pretrained(uncond_dir)
-    out = pipe.generate_full(2, seed=0, steps=5, sampler="heun", trajectory=True, length=6)
+    heun = replace(pipe.sampler, steps=5, sampler="heun", length=6)
+    out = pipe.generate_full(2, seed=0, sampler=heun, trajectory=True)
     assert out.tokens.shape == (2, 6)
     assert len(out.trajectory) == 5 and all(len(frame) == 2 for frame in out.trajectory)
     with pytest.raises(ELFError, match="max_length"):
-        pipe.generate(1, length=13)
+        pipe.generate(1, sampler=replace(pipe.sampler, length=13))
     half = ELFPipeline.from_pretrained(uncond_dir)
     half.model.to(torch.bfloat16)
     with pytest.raises(ELFError, match=r"weights are torch.bfloat16; sampling takes fp32"):
         half.generate(1)
-    with pytest.raises(ELFError, match=r"sampler\.sampler"):
-        pipe.generate(1, sampler="euler")
+    with pytest.raises(ELFError, match=r"sampler\.sampler must be one of ode, sde, heun"):
+        pipe.generate(1, sampler=replace(pipe.sampler, sampler="euler"))
+    with pytest.raises(ELFError, match=r"sampler must be a SamplerConfig, got str"):
+        pipe.generate(1, sampler="sde")
     with pytest.raises(ELFError, match="unconditional"):
         pipe.encode_sources(["x"])
 
@@ -99,9 +102,11 @@ def test_generate_conditional(cond_dir):
     with pytest.raises(ELFError, match="conditional"):
         pipe.generate(2)
     # The conditional model's default gamma is 0: an SDE without a gamma would be its ODE.
-    with pytest.raises(ELFError, match=r"default gamma 0 is the ODE; give --gamma"):
-        pipe.generate(sources=sources, sampler="sde")
-    sde = pipe.generate(sources=sources, sampler="sde", gamma=1.5, seed=0)
+    with pytest.raises(ELFError, match=r"default gamma 0 is the ODE; give sampler\.gamma"):
+        pipe.generate(sources=sources, sampler=replace(pipe.sampler, sampler="sde"))
+    sde = pipe.generate(
+        sources=sources, sampler=replace(pipe.sampler, sampler="sde", gamma=1.5), seed=0
+    )
     assert sde != pipe.generate(sources=sources, seed=0)
 
 
@@ -126,14 +131,14 @@ def test_generate_refuses_misused_arguments(uncond_dir, cond_dir):
     with pytest.raises(ELFError, match="source 1 is a NoneType, not a string"):
         cond.generate(sources=["hello", None])
     with pytest.raises(ELFError, match="length applies to unconditional models"):
-        cond.generate(sources=["hello"], length=3)
+        cond.generate(sources=["hello"], sampler=replace(cond.sampler, length=3))
     with pytest.raises(ELFError, match="one sample per source; drop n"):
         cond.generate(5, sources=["hello"])
-    with pytest.raises(ELFError, match=r"elflow generate --source TEXT, elflow sample --sources"):
+    with pytest.raises(ELFError, match=r"elflow sample --source TEXT or --sources FILE"):
         cond.generate(2)
     uncond = ELFPipeline.from_pretrained(uncond_dir)
     with pytest.raises(ELFError, match="conditional models only"):
-        uncond.generate(2, cfg=2.0)
+        uncond.generate(2, sampler=replace(uncond.sampler, cfg=2.0))
 
 
 def test_tokenizer_mismatch_is_one_line(tmp_path):
@@ -182,7 +187,7 @@ def test_cli_generate_info_import(uncond_dir, tmp_path, capsys):
 
 
 def test_tokenizer_by_name_and_home_relative_folder(uncond_dir, tmp_path, monkeypatch):
-    from elflow.generation.pipeline import load_tokenizer
+    from elflow.io.tokenizer import load_tokenizer
 
     load_tokenizer(MINILM).save_pretrained(tmp_path / "tok")
     monkeypatch.setenv("HOME", str(tmp_path))
@@ -220,7 +225,7 @@ def test_projected_sampling_loads_the_encoder_and_is_deterministic(projected_dir
 
     pipe = ELFPipeline.from_pretrained(projected_dir)
     assert pipe.encoder is None  # an unconditional model loads it only to project
-    plain = pipe.generate_full(3, seed=1, project_from=1.0)
+    plain = pipe.generate_full(3, seed=1, sampler=replace(pipe.sampler, project_from=1.0))
     assert pipe.encoder is None
     rows = []
     text_rows = sampling.text_rows
@@ -252,13 +257,14 @@ def test_projection_rows_are_the_training_rows(projected_dir, uncond_dir):
 
 def test_projected_sampling_is_refused_where_it_cannot_run(cond_dir, projected_dir, tmp_path):
     cond = ELFPipeline.from_pretrained(cond_dir)
-    with pytest.raises(ELFError, match="applies to unconditional models"):
-        cond.generate(sources=["a tool"], project_from=0.3)
+    with pytest.raises(ELFError, match="one unconditional text per row, but this model is cond"):
+        cond.generate(sources=["a tool"], sampler=replace(cond.sampler, project_from=0.3))
     packed = ELFPipeline.from_pretrained(projected_dir)
     packed.config = replace(packed.config, packed=True)  # as a model trained on packed rows
-    with pytest.raises(ELFError, match="trained on packed rows; use --project-from 1"):
-        packed.generate(n=2, steps=2)
-    assert len(packed.generate(n=2, steps=2, project_from=1.0)) == 2
+    with pytest.raises(ELFError, match=r"was trained on packed rows; set sampler\.project_from"):
+        packed.generate(n=2, sampler=replace(packed.sampler, steps=2))
+    unprojected = replace(packed.sampler, steps=2, project_from=1.0)
+    assert len(packed.generate(n=2, sampler=unprojected)) == 2
     from elflow.train.config import RunConfig, apply_overrides, check_projection
     from elflow.train.presets import preset
 

@@ -1,9 +1,10 @@
-"""``elflow sample`` (elflow.generation.records) on tiny models with the offline MiniLM tokenizer."""
+"""``elflow sample`` (elflow.cli.sample) on tiny models with the offline MiniLM tokenizer."""
 
 from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -98,7 +99,7 @@ def read(path: Path) -> list[dict]:
 
 
 def sample(model: Path, out: Path, *extra: str) -> list[dict]:
-    argv = ["--checkpoint", str(model), "--out", str(out), "--device", "cpu", *extra]
+    argv = ["--model", str(model), "--out", str(out), "--device", "cpu", *extra]
     assert main(argv) == 0
     return read(out)
 
@@ -154,10 +155,8 @@ def test_time_grid_options(uncond_dir, tmp_path, monkeypatch):
     from elflow.generation.pipeline import ELFPipeline
 
     pipe = ELFPipeline.from_pretrained(uncond_dir)
-    assert (
-        pipe.generate(4, time_mean=0.5, time_std=0.3)
-        == pipe.generate_full(4, time_mean=0.5, time_std=0.3).texts
-    )
+    grid = replace(pipe.sampler, time_mean=0.5, time_std=0.3)
+    assert pipe.generate(4, sampler=grid) == pipe.generate_full(4, sampler=grid).texts
     assert seen[-1] == (0.5, 0.3)
 
 
@@ -170,7 +169,7 @@ class CallCounter:
 
 
 def test_conditional_source_and_one_batched_cfg_call(cond_dir, tmp_path, monkeypatch):
-    import elflow.generation.records as gen
+    import elflow.cli.sample as gen
 
     sources = tmp_path / "src.jsonl"
     lines = [{"text": "the package provides a library", "id": "a"}, {"text": "a tool for text"}]
@@ -178,8 +177,8 @@ def test_conditional_source_and_one_batched_cfg_call(cond_dir, tmp_path, monkeyp
     counters = []
     load = gen.load_pipeline
 
-    def counted(args, info):
-        pipe = load(args, info)
+    def counted(*args, **kwargs):
+        pipe = load(*args, **kwargs)
         counters.append(CallCounter(pipe.model))
         return pipe
 
@@ -242,40 +241,36 @@ def test_bad_input_is_one_line(uncond_dir, cond_dir, tmp_path, capsys):
     out = ["--out", str(tmp_path / "x.jsonl"), "--device", "cpu"]
     bad = tmp_path / "bad.jsonl"
     bad.write_text("not json\n")
-    err = _one_line_error(capsys, ["--checkpoint", str(cond_dir), *out, "--sources", str(bad)])
+    err = _one_line_error(capsys, ["--model", str(cond_dir), *out, "--sources", str(bad)])
     assert "bad.jsonl:1: malformed JSON" in err and "JSONL" in err
     nofield = tmp_path / "nofield.jsonl"
     nofield.write_text('{"src": "x"}\n')
-    err = _one_line_error(capsys, ["--checkpoint", str(cond_dir), *out, "--sources", str(nofield)])
+    err = _one_line_error(capsys, ["--model", str(cond_dir), *out, "--sources", str(nofield)])
     assert "'text'" in err and "--source-field" in err
     good = tmp_path / "good.jsonl"
     good.write_text('{"text": "x"}\n')
-    argv = ["--checkpoint", str(cond_dir), *out, "--sources", str(good), "--length", "4"]
+    argv = ["--model", str(cond_dir), *out, "--sources", str(good), "--length", "4"]
     assert "--length applies to unconditional models" in _one_line_error(capsys, argv)
-    argv = ["--checkpoint", str(cond_dir), *out, "--sources", str(good), "--num-samples", "-1"]
+    argv = ["--model", str(cond_dir), *out, "--sources", str(good), "--num-samples", "-1"]
     assert "--num-samples must be >= 1, got -1" in _one_line_error(capsys, argv)
-    assert "steps" in _one_line_error(
-        capsys, ["--checkpoint", str(uncond_dir), *out, "--steps", "0"]
-    )
+    assert "steps" in _one_line_error(capsys, ["--model", str(uncond_dir), *out, "--steps", "0"])
     assert "conditional" in _one_line_error(
-        capsys, ["--checkpoint", str(uncond_dir), *out, "--cfg", "2"]
+        capsys, ["--model", str(uncond_dir), *out, "--cfg", "2"]
     )
     assert "--time-std must be positive" in _one_line_error(
-        capsys, ["--checkpoint", str(uncond_dir), *out, "--time-std", "0"]
+        capsys, ["--model", str(uncond_dir), *out, "--time-std", "0"]
     )
     cfg = elf_tiny(encoder_dim=8, vocab_size=100, max_length=8)
     model = tmp_path / "small_vocab"
     save_model(model, build_model(cfg), ArtifactConfig(model=cfg, encoder=MINILM, tokenizer=MINILM))
-    assert "decoder head has 100" in _one_line_error(capsys, ["--checkpoint", str(model), *out])
-    assert "does not exist" in _one_line_error(
-        capsys, ["--checkpoint", str(tmp_path / "missing"), *out]
-    )
+    assert "decoder head has 100" in _one_line_error(capsys, ["--model", str(model), *out])
+    assert "does not exist" in _one_line_error(capsys, ["--model", str(tmp_path / "missing"), *out])
     assert not (tmp_path / "x.jsonl").exists()
 
 
 @pytest.mark.slow
 def test_two_processes_write_the_one_process_file(uncond_dir, tmp_path):
-    args = ["--checkpoint", str(uncond_dir), "--num-samples", "5", "--steps", "3", "--seed", "3"]
+    args = ["--model", str(uncond_dir), "--num-samples", "5", "--steps", "3", "--seed", "3"]
     args += ["--batch-size", "2", "--device", "cpu", "--save-tokens"]
     one = sample(uncond_dir, tmp_path / "one.jsonl", *args[2:])
     t0 = time.perf_counter()

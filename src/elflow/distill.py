@@ -290,6 +290,9 @@ def distill_loss(
 ) -> DistillLossOutput:
     """The distillation loss of one batch for the given draws (ELF_SPEC §8).
 
+    Kept as one function, in the spec's order (the self-conditioning half, the teacher's
+    sub-steps and target, the trained pass, the per-row losses), like :func:`elf_loss`.
+
     Args:
         student: the student's forward function (:class:`elflow.network.TrainForward`, possibly
             wrapped in DDP or FSDP2).

@@ -9,7 +9,7 @@ process group (NCCL on GPU, gloo on CPU) when there is more than one process, an
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -102,3 +102,13 @@ def parallelize(module: nn.Module, blocks: nn.ModuleList, info: DistInfo, mode: 
 
     ids = [info.device.index] if info.device.type == "cuda" else None
     return DistributedDataParallel(module, device_ids=ids, broadcast_buffers=False)
+
+
+def resolve_device(name: str) -> DistInfo:
+    """The process's device for a ``--device`` value: auto, cpu, cuda, or cuda:K (one process)."""
+    if name not in ("auto", "cpu", "cuda") and not (name[:5] == "cuda:" and name[5:].isdigit()):
+        raise ELFError(f"--device is {name!r}; use auto, cpu, cuda or cuda:K")
+    info = setup("cuda" if name.startswith("cuda") else name, "--device")
+    if name.startswith("cuda:") and not info.distributed:
+        info = replace(info, device=torch.device(name))
+    return info

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import TYPE_CHECKING
 
-import torch
-from torch import Tensor
+if TYPE_CHECKING:  # the command line imports this module: no torch at import time
+    from torch import Tensor
 
 
 class ELFError(ValueError):
@@ -34,7 +35,7 @@ def require(cond: bool, message: str) -> None:
 
 def check_finite(tensor: Tensor, what: str) -> None:
     """Raise :class:`ELFError` if ``tensor`` holds NaN or inf (one host sync: use at API edges)."""
-    if not bool(torch.isfinite(tensor).all()):
+    if not bool(tensor.isfinite().all()):
         raise ELFError(f"{what} contains NaN or inf values; check the inputs that produced it")
 
 

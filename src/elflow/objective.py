@@ -151,6 +151,9 @@ def elf_loss(
 ) -> LossOutput:
     """The ELF loss of one batch for the given draws (ELF_SPEC §3 steps 2–10).
 
+    Kept as one function: it reads as the spec's steps in their order (noising, the no-grad pass,
+    the trained pass, the SC-CFG target, the losses), which is what a reviewer checks it against.
+
     Args:
         forward: the network's forward function (:class:`elflow.network.TrainForward`, possibly
             wrapped in DDP or FSDP2: every network call then goes through the wrapper).

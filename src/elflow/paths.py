@@ -1,4 +1,5 @@
-"""Checks on the files a command reads and writes, made before any work starts.
+"""Checks on the files a command reads and writes, made before any work starts, and elflow's
+user cache folder.
 
 A command that samples for an hour and then cannot write its ``--out`` has lost the hour; these
 checks fail first, with one line naming the flag and what to change.
@@ -12,6 +13,18 @@ from pathlib import Path
 from typing import Any
 
 from elflow.errors import ELFError
+
+
+def cache_root() -> Path:
+    """elflow's user cache folder (converted judges, latent caches): ``$ELFLOW_CACHE``, else
+    ``$XDG_CACHE_HOME/elflow``, else ``~/.cache/elflow``."""
+    root = os.environ.get("ELFLOW_CACHE")
+    if root:
+        return Path(root).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    # The XDG spec: a relative XDG_CACHE_HOME is invalid and ignored.
+    base = Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache"
+    return base / "elflow"
 
 
 def save_safetensors(tensors: dict[str, Any], path: str | Path, metadata: dict[str, str]) -> None:

@@ -92,11 +92,6 @@ def _randn(gens: Sequence[torch.Generator], shape: tuple[int, ...], device) -> T
     return torch.stack([torch.randn(shape, generator=g, device=device) for g in gens])
 
 
-def nfe(sampler: str, steps: int) -> int:
-    """Network evaluations per sample (excluding the final decode; x2 rows under CFG)."""
-    return 2 * steps - 1 if sampler == "heun" else steps
-
-
 @dataclass
 class SampleOutput:
     tokens: Tensor

@@ -8,7 +8,7 @@ import pytest
 from elflow.__main__ import main
 from elflow.data import DataConfig, build_dataset
 from elflow.errors import ELFError
-from elflow.generation.pipeline import load_tokenizer
+from elflow.io.tokenizer import load_tokenizer
 from tests.data.conftest import write_jsonl
 
 

@@ -14,6 +14,7 @@ from elflow.cli import score as score_cli
 from elflow.errors import ELFError
 from elflow.evaluation import bleu, gen_ppl, load_judge, read_jsonl, score_samples
 from elflow.evaluation import judge as judge_mod
+from elflow.jsonl import finite_or_null
 
 SAMPLES = [
     {"id": 0, "text": "the cat sat on the mat ."},
@@ -208,7 +209,7 @@ def test_smollm2_without_package(monkeypatch):
 def test_all_empty_samples_write_null(tmp_path, judge):
     m = score_samples([{"text": ""}, {"text": " "}], judge=judge, bootstrap=10)
     assert m["num_empty"] == 2 and math.isnan(m["gen_ppl"])
-    clean = score_cli.finite_or_null(m)
+    clean = finite_or_null(m)
     assert clean["gen_ppl"] is None and clean["gen_ppl_ci"] == [None, None]
     json.dumps(clean, allow_nan=False)
 

@@ -1,6 +1,5 @@
 """`elflow prepare`: tokenise a corpus once into a memory-mappable folder (spec §4, §10).
 
-`add_arguments(parser)` and `run(args)` plug into the command table of :mod:`elflow.__main__`.
 With `--encoder`, latent_std is measured on a sample of the prepared rows and written to meta.json.
 The data readers' errors name config keys (`data.path`), right for `elflow train`; here they are
 reworded once, through `FLAGS`, to name this command's flags (`--data`).
@@ -12,9 +11,9 @@ import argparse
 import json
 import re
 
+from elflow.config import field_docs
 from elflow.data.config import FORMATS, DataConfig
 from elflow.errors import ELFError
-from elflow.generation.pipeline import load_tokenizer
 
 FLAGS = {
     "data.path": "--data",
@@ -60,21 +59,23 @@ def flag_names(message: str, keep: tuple[str, ...] = ()) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--data", required=True, help="text/JSONL file or folder, HF dataset or name")
-    p.add_argument("--format", default="auto", choices=FORMATS, help="input format (auto)")
-    p.add_argument("--tokenizer", help="tokenizer name or folder (default: --encoder)")
+    docs = field_docs(DataConfig)  # the data.* keys' docstrings: one source of help text
+    p.add_argument("--data", required=True, help=docs["path"])
+    p.add_argument("--format", default="auto", choices=FORMATS, help=docs["format"])
+    p.add_argument("--tokenizer", help="tokenizer name or folder (default: --encoder's)")
     p.add_argument("--out", required=True, help="folder to write")
     p.add_argument("--max-length", type=int, required=True, help="row length L")
     p.add_argument("--max-input-length", type=int, default=0, help="source length (pairs)")
-    p.add_argument("--text-field", default="text")
-    p.add_argument("--source-field", default="source")
-    p.add_argument("--target-field", default="target")
-    p.add_argument("--hf-split", default="train")
-    p.add_argument("--doc-per", default="line", choices=["line", "file"], help="plain text")
+    for name in ("text_field", "source_field", "target_field", "hf_split"):
+        default = getattr(DataConfig, name)
+        p.add_argument("--" + name.replace("_", "-"), default=default, help=docs[name])
+    p.add_argument("--doc-per", default="line", choices=["line", "file"], help=docs["doc_per"])
     p.add_argument("--packing", action="store_true", help="count truncation as packed rows")
-    p.add_argument("--overlong", default="truncate", choices=["truncate", "error"])
-    p.add_argument("--max-rows", type=int, default=0, help="read at most N documents (0: all)")
-    p.add_argument("--batch-size", type=int, default=1024, help="documents per tokenizer call")
+    p.add_argument(
+        "--overlong", default="truncate", choices=["truncate", "error"], help=docs["overlong"]
+    )
+    p.add_argument("--max-rows", type=int, default=0, help=docs["max_rows"])
+    p.add_argument("--batch-size", type=int, default=1024, help=docs["tokenize_batch_size"])
     p.add_argument("--encoder", help="encoder name or folder: measure latent_std (spec §10)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out folder")
 
@@ -89,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from elflow.data.prepare import prepare
+    from elflow.io.tokenizer import load_tokenizer
 
     name = args.tokenizer or args.encoder
     if not name:

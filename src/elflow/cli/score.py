@@ -1,21 +1,16 @@
-"""`elflow score`: score a samples file (gen PPL, entropy, BLEU, ROUGE, bootstrap CIs; spec §6).
+"""``elflow score``: score a samples file (gen PPL, entropy, BLEU, ROUGE, bootstrap CIs; spec §6).
 
-`add_arguments(parser)` and `run(args)` plug into the command table of :mod:`elflow.__main__`.
-Writes metrics.json (flat numbers plus a `protocol` card) and prints a short summary.
+Writes metrics.json (flat numbers plus a ``protocol`` card) and prints a short summary.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
-from pathlib import Path
 
 from elflow.errors import ELFError
-from elflow.evaluation.judge import DEFAULT_JUDGE
-from elflow.evaluation.score import PROTOCOLS, protocol_line, score_samples
-from elflow.jsonl import finite_or_null, read_jsonl
+from elflow.evaluation.protocol import DEFAULT_JUDGE, PROTOCOLS
+from elflow.jsonl import read_jsonl
 from elflow.paths import output_file
 
 SUMMARY_KEYS = (
@@ -34,18 +29,23 @@ SUMMARY_KEYS = (
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--samples", required=True, help="JSONL file, one object with 'text' per line")
     p.add_argument("--out", required=True, help="metrics.json to write")
+    p.add_argument("--refs", help="JSONL references (aligned by 'id' or by order)")
+    add_judge_arguments(p, "--batch-size", "--seed")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+
+
+def add_judge_arguments(p: argparse.ArgumentParser, batch_flag: str, seed_flag: str) -> None:
+    """How samples are scored (``score`` and ``sweep``)."""
     p.add_argument(
         "--judge",
         default=DEFAULT_JUDGE,
         help="causal LM for gen PPL/entropy: Hub id, folder, smollm2-135m (offline) or none",
     )
-    p.add_argument("--refs", help="JSONL references (aligned by 'id' or by order)")
     p.add_argument("--ref-field", default="text", help="field of --refs holding the reference")
     p.add_argument("--protocol", default="paper", choices=list(PROTOCOLS), help="PPL protocol")
-    p.add_argument("--batch-size", type=int, default=16, help="samples per judge forward")
+    p.add_argument(batch_flag, type=int, default=16, help="samples per judge forward")
     p.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples (0: no CIs)")
-    p.add_argument("--seed", type=int, default=0, help="bootstrap seed")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    p.add_argument(seed_flag, type=int, default=0, help="bootstrap seed")
 
 
 def _fmt(value: float) -> str:
@@ -54,6 +54,8 @@ def _fmt(value: float) -> str:
 
 def summary(metrics: dict) -> str:
     """Each metric with its CI, then the protocol one-liner."""
+    from elflow.evaluation.score import protocol_line
+
     lines = []
     for key in SUMMARY_KEYS:
         if key not in metrics:
@@ -67,15 +69,6 @@ def summary(metrics: dict) -> str:
     return "\n".join(lines)
 
 
-def write_metrics(path: Path, metrics: dict) -> None:
-    """``metrics`` as strict, indented JSON, atomically (temporary name, then rename)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    text = json.dumps(finite_or_null(metrics), indent=2, allow_nan=False)
-    tmp.write_text(text + "\n", encoding="utf-8")
-    os.replace(tmp, path)
-
-
 def check_counts(batch_size: int, bootstrap: int, batch_flag: str = "--batch-size") -> None:
     """One-line errors for the judge batch size and the bootstrap count, before any work."""
     if batch_size < 1:
@@ -84,15 +77,10 @@ def check_counts(batch_size: int, bootstrap: int, batch_flag: str = "--batch-siz
         raise ELFError(f"--bootstrap must be >= 0 (0: no intervals), got {bootstrap}")
 
 
-def read_refs(path: str, field: str) -> list[dict]:
-    """``--refs`` rows with the reference (in ``field``, ``--ref-field``) as their ``text``."""
-    rows = read_jsonl(path, field, field_flag="--ref-field")
-    if not rows:
-        raise ELFError(f"--refs {path} holds no references")
-    return [{**r, "text": r[field]} for r in rows]
-
-
 def run(args: argparse.Namespace) -> int:
+    from elflow.evaluation import score_samples
+    from elflow.evaluation.score import read_refs, write_metrics
+
     check_counts(args.batch_size, args.bootstrap)
     out = output_file(args.out, "--out", overwrite=args.overwrite)
     samples = read_jsonl(args.samples)

@@ -1,25 +1,23 @@
-"""Data pipeline: readers, preparation, rows, order and the latent cache (ELF_SPEC §4, §10)."""
+"""Data pipeline: readers, preparation, rows, order and the latent cache (ELF_SPEC §4, §10).
 
-from elflow.data.config import DataConfig
-from elflow.data.latent_cache import LatentCache
-from elflow.data.order import StreamOrder, keyed_bernoulli, keyed_uniform, rank_positions
-from elflow.data.prepare import prepare
-from elflow.data.rows import RowDataset, build_dataset
-from elflow.data.sources import Source, iter_examples, resolve_source
-from elflow.data.tables import TokenTable
+Names load on first use (``elflow.data.config`` is light: the command line reads it).
+"""
 
-__all__ = [
-    "DataConfig",
-    "LatentCache",
-    "RowDataset",
-    "Source",
-    "StreamOrder",
-    "TokenTable",
-    "build_dataset",
-    "iter_examples",
-    "keyed_bernoulli",
-    "keyed_uniform",
-    "prepare",
-    "rank_positions",
-    "resolve_source",
-]
+from elflow.lazy import lazy_exports
+
+_EXPORTS = {
+    "DataConfig": "elflow.data.config",
+    "LatentCache": "elflow.data.latent_cache",
+    "StreamOrder": "elflow.data.order",
+    "keyed_bernoulli": "elflow.data.order",
+    "keyed_uniform": "elflow.data.order",
+    "rank_positions": "elflow.data.order",
+    "RowDataset": "elflow.data.rows",
+    "build_dataset": "elflow.data.rows",
+    "Source": "elflow.data.sources",
+    "iter_examples": "elflow.data.sources",
+    "resolve_source": "elflow.data.sources",
+    "TokenTable": "elflow.data.tables",
+}
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -51,8 +51,11 @@ class DataConfig:
     latent_cache_dtype: str = "float16"
     """Storage dtype of the latent cache: float16 | bfloat16 | float32 (float32 is exact)."""
     latent_cache_save: bool = True
-    """Keep the latent cache in the run folder (``latent-cache.safetensors``, N*L*E values on disk)
-    so a resumed run loads it instead of re-encoding every row."""
+    """Save the latent cache (N*L*E values on disk) so a later run on the same rows and encoder
+    loads it instead of re-encoding every row."""
+    latent_cache_dir: str = ""
+    """Where the saved latent cache lives: empty = `latents/` in the user cache ($ELFLOW_CACHE),
+    shared by runs; `run` = the run folder; or a folder."""
     max_rows: int = 0
     """Read at most this many documents (examples) from the source; 0 reads all."""
     tokenize_batch_size: int = 1024
@@ -74,6 +77,15 @@ class DataConfig:
             self.latent_cache_dtype in LATENT_CACHE_DTYPES,
             f"data.latent_cache_dtype must be one of {LATENT_CACHE_DTYPES}, "
             f"got {self.latent_cache_dtype!r}",
+        )
+        require(
+            self.latent_cache_dir == self.latent_cache_dir.strip(),
+            f"data.latent_cache_dir {self.latent_cache_dir!r} has surrounding spaces; remove them",
+        )
+        require(
+            self.latent_cache_save or not self.latent_cache_dir,
+            "data.latent_cache_dir is set but data.latent_cache_save=false saves no cache; "
+            "drop one of them",
         )
         require(self.max_rows >= 0, f"data.max_rows must be >= 0 (0 = all), got {self.max_rows}")
         require(

@@ -10,9 +10,13 @@ Label drop (spec §3 step 10a): a dropped conditional example's target latents a
 the source, so conditional datasets also cache the source-blind encoding (encoder mask with
 label_drop = 1) of every row; `get` picks per example, and label drop stays exact (2x memory).
 
-Saved (``save``/``load``): training keeps the cache in its run folder, so a resumed run loads it in
-seconds instead of re-encoding every row. The file records a key (:func:`cache_key`: the rows, the
-encoder's weights, layer and normalisation, the storage dtype); a file with another key is rebuilt.
+Saved (``save``/``load``): by default in the user cache,
+``$ELFLOW_CACHE/latents/<key>.safetensors`` (:func:`elflow.paths.cache_root`), so any later run on
+the same rows with the same encoder loads it in seconds instead of re-encoding every row;
+``data.latent_cache_dir`` keeps it in the run folder or another folder instead. The file records a
+key (:func:`cache_key`: the rows, the encoder's weights, layer and normalisation, the storage
+dtype); a file with another key, cut short or damaged, is rebuilt. Builders of one key hold a file
+lock and write a temporary file renamed into place, so concurrent runs never see half a file.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from filelock import FileLock, Timeout
 from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
@@ -32,7 +37,7 @@ from elflow.data.config import DataConfig
 from elflow.data.rows import RowDataset
 from elflow.encoder import FrozenEncoder
 from elflow.errors import ELFError
-from elflow.paths import save_safetensors
+from elflow.paths import cache_root, save_safetensors
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 CACHE_FORMAT = 1
@@ -168,7 +173,7 @@ class LatentCache:
         tensors = {"latents": self.latents.contiguous()}
         if self.dropped is not None:
             tensors["dropped"] = self.dropped.contiguous()
-        tmp = path.with_name(f".tmp-{path.name}")
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
         try:
             save_safetensors(tensors, tmp, {"key": key})
             os.replace(tmp, path)
@@ -216,37 +221,107 @@ class LatentCache:
 
 
 CACHE_FILE = "latent-cache.safetensors"
+"""Its name in a run folder (``data.latent_cache_dir=run``); shared folders name files by key."""
+
+
+def cache_path(cfg: DataConfig, out: Path, key: str) -> Path:
+    """Where the cache with ``key`` is saved: ``data.latent_cache_dir`` ('' the user cache's
+    ``latents/``, ``run`` the run folder ``out``, else that folder)."""
+    if cfg.latent_cache_dir == "run":
+        return Path(out) / CACHE_FILE
+    folder = Path(cfg.latent_cache_dir).expanduser() if cfg.latent_cache_dir else None
+    if folder is None:
+        folder = cache_root() / "latents"
+    elif folder.exists() and not folder.is_dir():
+        raise ELFError(f"data.latent_cache_dir {folder} is a file; give a folder (or run)")
+    return folder / f"{key[:32]}.safetensors"
 
 
 def run_latent_cache(
     cfg: DataConfig, dataset: RowDataset, encoder: FrozenEncoder, out: Path, is_main: bool
 ) -> LatentCache:
-    """Load the latent cache in run folder ``out`` when its key matches, else build (and save) it.
+    """Load the saved latent cache with this run's key, else build it (and save it).
 
-    Every rank builds or loads its own copy; rank 0 writes the file. A failed write only costs
-    the next start its rebuild, so it is a warning, not an error.
+    The file lives where :func:`cache_path` says; a copy in the run folder ``out`` (an older
+    run's, or one that moved with its folder) loads too. Builders of one key take a lock beside
+    the file, so a process that waited loads what the first one saved instead of encoding again.
+    Rank 0 alone writes; another rank that finds no file builds its own copy after releasing the
+    lock. A failed write only costs a later run its rebuild: a note in the line, not an error.
     """
     dtype = cfg.latent_cache_dtype
-    path = out / CACHE_FILE
     check_cache_fits(cache_nbytes(dataset, encoder, dtype))  # before hashing every row
-    key = cache_key(dataset, encoder, dtype) if cfg.latent_cache_save else ""
-    cache = LatentCache.load(path, key) if key else None
-    if cache is not None:
+    if not cfg.latent_cache_save:
+        return _build(dataset, encoder, dtype, is_main, note="not saved")
+    key = cache_key(dataset, encoder, dtype)
+    path = cache_path(cfg, out, key)
+    for found in dict.fromkeys((path, Path(out) / CACHE_FILE)):
+        cache = LatentCache.load(found, key)
+        if cache is not None:
+            return _loaded(cache, found, is_main)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = _acquire(path, is_main)
+    except OSError as e:  # a read-only cache folder: build, and say why nothing is saved
+        return _build(dataset, encoder, dtype, is_main, note=f"not saved ({_first_line(e)})")
+    try:
+        cache = LatentCache.load(path, key)  # saved by the process this one waited for
+        if cache is None and is_main:
+            for partial in path.parent.glob(f".{path.name}.tmp-*"):  # a killed writer's
+                partial.unlink(missing_ok=True)
+            return _build(dataset, encoder, dtype, is_main, path=path, key=key)
+    finally:
+        lock.release()
+    if cache is None:  # not rank 0, which saves it
+        return _build(dataset, encoder, dtype, is_main)
+    return _loaded(cache, path, is_main)
+
+
+def _loaded(cache: LatentCache, path: Path, is_main: bool) -> LatentCache:
+    if is_main:
+        print(f"elflow train: latent cache loaded from {path}", flush=True)
+    return cache
+
+
+def _acquire(path: Path, is_main: bool) -> FileLock:
+    """The lock of the cache file ``path``, held; a line says when another run holds it."""
+    lock = FileLock(path.with_name(f".{path.stem}.lock"))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
         if is_main:
-            print(f"elflow train: latent cache loaded from {path}", flush=True)
-        return cache
+            print(f"elflow train: waiting for another run to save {path}", flush=True)
+        lock.acquire()
+    return lock
+
+
+def _build(
+    dataset: RowDataset,
+    encoder: FrozenEncoder,
+    dtype: str,
+    is_main: bool,
+    *,
+    path: Path | None = None,
+    key: str = "",
+    note: str = "",
+) -> LatentCache:
+    """Encode every row; with ``path``, save there under ``key``; rank 0 prints one line."""
     t0 = time.perf_counter()
     cache = LatentCache.build(dataset, encoder, dtype=dtype, check_memory=False)
-    if key and is_main:
+    if path is not None:
         try:
-            out.mkdir(parents=True, exist_ok=True)
             cache.save(path, key)
-            saved = f"; saved to {path}"
+            note = f"saved to {path} ({path.stat().st_size / 2**30:.2f} GiB)"
         except (OSError, SafetensorError) as e:
-            saved = f"; not saved ({str(e).splitlines()[0]})"
+            note = f"not saved ({_first_line(e)})"
+    if is_main:
+        seconds = time.perf_counter() - t0
+        note = f"; {note}" if note else ""
         print(
-            f"elflow train: latent cache of {len(cache)} rows built in "
-            f"{time.perf_counter() - t0:.0f} s{saved}",
+            f"elflow train: latent cache of {len(cache)} rows built in {seconds:.0f} s{note}",
             flush=True,
         )
     return cache
+
+
+def _first_line(e: BaseException) -> str:
+    return str(e).splitlines()[0] if str(e) else type(e).__name__

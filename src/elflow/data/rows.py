@@ -22,6 +22,7 @@ from elflow.data.config import DataConfig
 from elflow.data.sources import PREPARED_MARKER, resolve_source
 from elflow.data.tables import TokenTable, tokenize_source
 from elflow.errors import ELFError
+from elflow.examples import missing_data_hint
 from elflow.tokens import token_spec, vocab_hash
 
 
@@ -221,6 +222,12 @@ def build_dataset(
     key = "data.path" if split == "train" else "data.valid_path"
     if split == "valid" and not location:
         raise ELFError("no validation data; set data.valid_path")
+    if not location:  # the Debian-description presets ship no data
+        hint = missing_data_hint(cfg.source_field, cfg.target_field)
+        raise ELFError(
+            "data.path is empty; set data.path (and data.valid_path) to your training (and "
+            f"validation) data{hint}"
+        )
     hf_split = cfg.hf_split if split == "train" else cfg.hf_valid_split
     spec = token_spec(tokenizer)
     if pad_id is None:

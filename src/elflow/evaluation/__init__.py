@@ -2,34 +2,25 @@
 
 The Python mirror of `elflow score`: :func:`score_samples` computes everything with a protocol card;
 the metric functions are pure and usable alone. Judges (spec §10) load with :func:`load_judge`.
+Sweeps of sampler settings: :mod:`elflow.evaluation.sweep`. Names load on first use.
 """
 
-from elflow.evaluation.judge import Judge, load_judge
-from elflow.evaluation.metrics import (
-    BLEUResult,
-    PPLResult,
-    bleu,
-    bleu_cased,
-    bootstrap_ci,
-    gen_ppl,
-    rouge,
-    unigram_entropy,
-)
-from elflow.evaluation.score import PROTOCOLS, score_samples
-from elflow.jsonl import read_jsonl
+from elflow.lazy import lazy_exports
 
-__all__ = [
-    "PROTOCOLS",
-    "BLEUResult",
-    "Judge",
-    "PPLResult",
-    "bleu",
-    "bleu_cased",
-    "bootstrap_ci",
-    "gen_ppl",
-    "load_judge",
-    "read_jsonl",
-    "rouge",
-    "score_samples",
-    "unigram_entropy",
-]
+_EXPORTS = {
+    "Judge": "elflow.evaluation.judge",
+    "load_judge": "elflow.evaluation.judge",
+    "BLEUResult": "elflow.evaluation.metrics",
+    "PPLResult": "elflow.evaluation.metrics",
+    "bleu": "elflow.evaluation.metrics",
+    "bleu_cased": "elflow.evaluation.metrics",
+    "bootstrap_ci": "elflow.evaluation.metrics",
+    "gen_ppl": "elflow.evaluation.metrics",
+    "rouge": "elflow.evaluation.metrics",
+    "unigram_entropy": "elflow.evaluation.metrics",
+    "PROTOCOLS": "elflow.evaluation.protocol",
+    "score_samples": "elflow.evaluation.score",
+    "read_jsonl": "elflow.jsonl",
+}
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -23,10 +23,10 @@ from typing import Any
 import torch
 from filelock import FileLock
 
+from elflow import paths
 from elflow.errors import ELFError
+from elflow.evaluation.protocol import DEFAULT_JUDGE, SMOLLM2
 
-DEFAULT_JUDGE = "gpt2-large"
-SMOLLM2 = "smollm2-135m"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 END_OF_TEXT = "<|endoftext|>"
 
@@ -52,9 +52,9 @@ class Judge:
 
 
 def cache_root() -> Path:
-    """Where converted judges live: `$ELFLOW_CACHE/judges` or `~/.cache/elflow/judges`."""
-    base = os.environ.get("ELFLOW_CACHE") or Path.home() / ".cache" / "elflow"
-    return Path(base) / "judges"
+    """Where converted judges live: `judges/` in elflow's cache (`$ELFLOW_CACHE`, else
+    `$XDG_CACHE_HOME/elflow`, else `~/.cache/elflow`; :func:`elflow.paths.cache_root`)."""
+    return paths.cache_root() / "judges"
 
 
 def file_sha256(paths: list[Path]) -> str:

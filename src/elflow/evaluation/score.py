@@ -13,15 +13,17 @@ every sample and reference has one, by order when none has.
 
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import dataclass
+import os
 from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from elflow.errors import ELFError
-from elflow.evaluation.judge import DEFAULT_JUDGE, Judge, load_judge
+from elflow.evaluation.judge import Judge, load_judge
 from elflow.evaluation.metrics import (
     bleu,
     bleu_from_stats,
@@ -31,22 +33,8 @@ from elflow.evaluation.metrics import (
     rouge_per_example,
     unigram_entropies,
 )
-
-
-@dataclass(frozen=True)
-class Protocol:
-    dtype: str
-    aggregate: str
-    first_token_scored: bool
-    score_eos: bool
-    description: str
-
-
-PROTOCOLS: dict[str, Protocol] = {
-    "paper": Protocol("fp32", "corpus", False, True, "paper (spec §6), judge in fp32"),
-    "paper-bf16": Protocol("bf16", "corpus", False, True, "paper, judge cast to bf16 (torch port)"),
-    "per-sample": Protocol("fp32", "sample", False, True, "mean of per-sample PPL, fp32"),
-}
+from elflow.evaluation.protocol import DEFAULT_JUDGE, PROTOCOLS
+from elflow.jsonl import finite_or_null, read_jsonl
 
 
 def _texts(rows: list[dict[str, Any]], what: str) -> list[str]:
@@ -227,3 +215,20 @@ def protocol_line(metrics: dict[str, Any]) -> str:
         counts += f", {c['num_truncated']} truncated"
     parts.append(counts)
     return "; ".join(parts)
+
+
+def write_metrics(path: Path, metrics: dict) -> None:
+    """``metrics`` as strict, indented JSON, atomically (temporary name, then rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    text = json.dumps(finite_or_null(metrics), indent=2, allow_nan=False)
+    tmp.write_text(text + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def read_refs(path: str, field: str) -> list[dict]:
+    """``--refs`` rows with the reference (in ``field``, ``--ref-field``) as their ``text``."""
+    rows = read_jsonl(path, field, field_flag="--ref-field")
+    if not rows:
+        raise ELFError(f"--refs {path} holds no references")
+    return [{**r, "text": r[field]} for r in rows]

@@ -1,11 +1,12 @@
-"""elflow's model artifact and model-source resolution (ELF_SPEC §10).
+"""elflow's model artifact: the model folder, its config, saving and loading (ELF_SPEC §10).
 
 A model is a folder with ``model.safetensors`` (the weights to sample with) and ``config.json``
 (:class:`ArtifactConfig`: network dims, encoder and tokenizer, latent normalisation, lengths, task,
 padding policy, noise scale, t_eps, sampler defaults). A training checkpoint folder adds
 ``ema.safetensors`` (preferred for sampling). :func:`load_model` accepts any model source: such a
 folder, a run folder (its latest ``checkpoint-<step>``), an elflow model on the Hub, or an authors'
-checkpoint (pickle file, folder of ``checkpoint_<step>`` files, or a Hub id).
+checkpoint (pickle file, folder of ``checkpoint_<step>`` files, or a Hub id), resolved by
+:mod:`elflow.io.sources`.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -21,24 +21,28 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from elflow.config import ModelConfig, SamplerConfig, from_dict, to_dict
+from elflow.config import PAPER_TASKS, T5_SMALL, ModelConfig, SamplerConfig, from_dict, to_dict
 from elflow.errors import ELFError, note_once
 from elflow.io.official import (
     infer_model_config,
-    latest_official_checkpoint,
     load_state_dict_strict,
     official_to_elflow,
     read_official_checkpoint,
+)
+from elflow.io.sources import (
+    CONFIG,
+    EMA_WEIGHTS,
+    WEIGHTS,
+    ResolvedSource,
+    guess_task,
+    resolve_source,
+    run_checkpoints,
 )
 from elflow.model import ELF
 from elflow.paths import save_safetensors
 
 FORMAT = "elflow-model"
 FORMAT_VERSION = 1
-WEIGHTS, EMA_WEIGHTS, CONFIG = "model.safetensors", "ema.safetensors", "config.json"
-T5_SMALL = "google-t5/t5-small"
-_RUN_CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
-_HUB_ID_RE = re.compile(r"^[\w.-]+/[\w.-]+(/[\w./-]+)?$")
 
 
 @dataclass(frozen=True)
@@ -105,6 +109,47 @@ class ArtifactConfig:
     def conditional(self) -> bool:
         return self.task == "conditional"
 
+    def check_sampler(self, sampler: SamplerConfig) -> None:
+        """One-line errors for sampler settings this model cannot honour: guidance and
+        projection on the wrong kind of model, a length it cannot give, and an SDE whose gamma
+        is still this model's ODE default 0 (that SDE would silently be the ODE)."""
+        if sampler.cfg != 1.0 and not self.conditional:
+            raise ELFError(
+                f"sampler.cfg {sampler.cfg} (classifier-free guidance) applies to conditional "
+                "models only; leave it at 1"
+            )
+        if sampler.length and self.conditional:
+            raise ELFError(
+                "sampler.length applies to unconditional models; a conditional model writes its "
+                "max_length - max_input_length target tokens"
+            )
+        if sampler.length > self.model.max_length:
+            raise ELFError(
+                f"sampler.length {sampler.length} exceeds the model's max_length "
+                f"{self.model.max_length}"
+            )
+        if sampler.sampler == "sde" and sampler.gamma == 0.0 and self.sampler.gamma == 0.0:
+            raise ELFError(
+                "the SDE with this model's default gamma 0 is the ODE; give sampler.gamma, e.g. "
+                "1.5, the paper's unconditional value"
+            )
+        if sampler.project_from < 1.0:
+            self.check_projectable(f"sampler.project_from {sampler.project_from}")
+
+    def check_projectable(self, what: str) -> None:
+        """Projected sampling re-encodes one unconditional text per row: not for a conditional
+        model, nor for one trained on packed rows (``what`` names the setting asking for it)."""
+        if self.conditional or self.packed:
+            why = "is conditional" if self.conditional else "was trained on packed rows"
+            raise ELFError(
+                f"{what} (projected sampling) re-encodes one unconditional text per row, but "
+                f"this model {why}; set sampler.project_from to 1 (--project-from 1)"
+            )
+
+    def sample_length(self, sampler: SamplerConfig) -> int:
+        """The rows' length L a sample is drawn at (a conditional model: its max_length)."""
+        return sampler.length or self.model.max_length
+
     def to_json(self) -> dict[str, Any]:
         data = to_dict(self)
         for key in ("encoder_layer", "packed"):  # the defaults: configs earlier elflow loads
@@ -135,54 +180,11 @@ class ArtifactConfig:
         return from_dict(cls, data)
 
 
-# Paper presets for the authors' checkpoints, which carry no config (ELF_SPEC §4, §5).
-OFFICIAL_TASKS: dict[str, dict[str, Any]] = {
-    "owt": dict(max_length=1024, task="unconditional", max_input_length=0, pad_with_eos=False),
-    "de-en": dict(max_length=128, task="conditional", max_input_length=64, pad_with_eos=True),
-    "xsum": dict(max_length=1088, task="conditional", max_input_length=1024, pad_with_eos=True),
-}
-
-
-_TASK_WORDS = (  # as words: "code-env" names no task
-    ("owt", re.compile(r"(?<![a-z0-9])(owt|openwebtext)(?![a-z0-9])")),
-    ("xsum", re.compile(r"(?<![a-z0-9])xsum(?![a-z])")),
-    ("de-en", re.compile(r"(?<![a-z0-9])(de[-_]en|wmt\d*)(?![a-z])")),
-)
-
-
-def _named_task(text: str) -> str | None:
-    for task, pattern in _TASK_WORDS:
-        if pattern.search(text):
-            return task
-    return None
-
-
-def official_task_from_name(name: str) -> str | None:
-    """The paper task an authors' checkpoint's id or path names, or None.
-
-    The last two parts decide (a Hub repo and its file, or a folder and its file: a parent
-    folder "wmt-runs" says nothing about an OWT checkpoint in it); when they name none, the whole
-    name (the Hugging Face cache keeps the repo name further up: .../models--org--ELF-B-de-en/
-    snapshots/<hash>/checkpoint_5).
-    """
-    return _guess_task(name)[0]
-
-
-def _guess_task(name: str) -> tuple[str | None, bool]:
-    """(task, whether only a part above the last two named it)."""
-    low = str(name).lower()
-    near = _named_task("/".join(Path(low).parts[-2:]))
-    if near is not None:
-        return near, False
-    far = _named_task(low)
-    return far, far is not None
-
-
 def official_artifact_config(state: dict, task: str, origin: str = "") -> ArtifactConfig:
     """Config for an authors' checkpoint: dims from shapes, the rest from the paper preset."""
-    if task not in OFFICIAL_TASKS:
-        raise ELFError(f"unknown paper task {task!r}; choose one of {sorted(OFFICIAL_TASKS)}")
-    preset = OFFICIAL_TASKS[task]
+    if task not in PAPER_TASKS:
+        raise ELFError(f"unknown paper task {task!r}; choose one of {sorted(PAPER_TASKS)}")
+    preset = PAPER_TASKS[task]
     model = infer_model_config(state, max_length=preset["max_length"])
     if preset["task"] == "conditional":
         sampler = SamplerConfig(steps=64, sampler="ode", gamma=0.0, w=1.0, cfg=2.0)
@@ -277,77 +279,6 @@ def _check_ema_state(ema: Any, state: dict[str, torch.Tensor]) -> None:
             )
 
 
-def run_checkpoints(folder: Path) -> list[tuple[int, Path]]:
-    """Every ``checkpoint-<step>`` subfolder of a run as (step, path), in numeric step order."""
-    return sorted(
-        (int(m.group(1)), p)
-        for p in folder.iterdir()
-        if p.is_dir() and (m := _RUN_CKPT_RE.match(p.name))
-    )
-
-
-def latest_run_checkpoint(folder: Path) -> Path | None:
-    """The complete ``checkpoint-<step>`` subfolder with the largest step (numeric order)."""
-    found = [p for _, p in run_checkpoints(folder) if (p / CONFIG).is_file()]
-    return found[-1] if found else None
-
-
-@dataclass(frozen=True)
-class ResolvedSource:
-    kind: str
-    """'elflow' (a model/checkpoint folder) or 'official' (an authors' checkpoint file)."""
-    path: Path
-    name: str
-    """What the user passed (for error messages and task inference)."""
-
-
-def resolve_source(source: str | Path) -> ResolvedSource:
-    """Find the weights behind any model source (local folder/file or Hub id)."""
-    name = str(source)
-    path = Path(source).expanduser()
-    if not path.exists():
-        if isinstance(source, str) and _HUB_ID_RE.match(source) and not source.startswith("."):
-            path = _download(source)
-        else:
-            raise ELFError(f"model source {name!r} does not exist (not a file, folder or Hub id)")
-    if path.is_file():
-        if path.name in (WEIGHTS, EMA_WEIGHTS, CONFIG) and (path.parent / CONFIG).is_file():
-            raise ELFError(f"{name!r} is a file of an elflow model; pass its folder {path.parent}")
-        return ResolvedSource("official", path, name)
-    if (path / CONFIG).is_file() and (path / WEIGHTS).is_file():
-        return ResolvedSource("elflow", path, name)
-    run_ckpt = latest_run_checkpoint(path)
-    if run_ckpt is not None:
-        return ResolvedSource("elflow", run_ckpt, name)
-    official = latest_official_checkpoint(path)
-    if official is not None:
-        return ResolvedSource("official", official, name)
-    rounds = sorted(p.name for p in path.glob("round-*-*x*") if p.is_dir())
-    hint = f" (a distillation folder: pass one of its rounds, e.g. {rounds[-1]})" if rounds else ""
-    raise ELFError(
-        f"{name!r} holds no elflow model (config.json + model.safetensors), no checkpoint-<step> "
-        f"folder and no authors' checkpoint_<step> file{hint}"
-    )
-
-
-def _download(hub_id: str) -> Path:
-    from huggingface_hub import snapshot_download
-
-    parts = hub_id.split("/")
-    repo_id, sub = "/".join(parts[:2]), "/".join(parts[2:])
-    try:
-        root = snapshot_download(repo_id, allow_patterns=[sub, f"{sub}/*"] if sub else None)
-    except Exception as e:
-        raise ELFError(
-            f"{hub_id!r} is not a local path, and the Hugging Face Hub did not provide it "
-            f"({type(e).__name__}); check the path or the id, your network and HF_HUB_OFFLINE"
-        ) from None
-    path = Path(root) / sub if sub else Path(root)
-    if not path.exists():
-        raise ELFError(f"Hub repo {repo_id!r} has no file or folder {sub!r}")
-    return path
-
-
 def load_model(
     source: str | Path,
     *,
@@ -373,9 +304,9 @@ def load_resolved(
     if resolved.kind == "official":
         state = read_official_checkpoint(resolved.path, use_ema=use_ema)
         if task is None:
-            task, far = _guess_task(resolved.name)
+            task, far = guess_task(resolved.name)
             if task is None:
-                task, far = _guess_task(str(resolved.path))
+                task, far = guess_task(str(resolved.path))
             if far:
                 note_once(
                     f"elflow: note: {resolved.name} taken as the paper's '{task}' task from a "

@@ -24,14 +24,8 @@ from torch import Tensor
 
 from elflow.distributed import DistInfo, barrier, broadcast_object
 from elflow.errors import ELFError
-from elflow.io.artifact import (
-    CONFIG,
-    EMA_WEIGHTS,
-    WEIGHTS,
-    ArtifactConfig,
-    latest_run_checkpoint,
-    run_checkpoints,
-)
+from elflow.io.artifact import ArtifactConfig
+from elflow.io.sources import CONFIG, EMA_WEIGHTS, WEIGHTS, latest_run_checkpoint, run_checkpoints
 from elflow.paths import save_safetensors
 
 STATE = "state.json"

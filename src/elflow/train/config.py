@@ -1,7 +1,7 @@
 """The full configuration of a training run and its overrides (ELF_SPEC §3, §4).
 
 :class:`RunConfig` nests one frozen dataclass per concern (model, objective, sampler, data, optim,
-train, encoder); the named starting points are in :mod:`elflow.train.presets`. ``--config FILE.yaml``
+train, encoder); the named starting points are in :mod:`elflow.train.presets`. ``--config FILE``
 and ``--set a.b=value`` go through :func:`apply_overrides`: unknown keys and wrong types are
 one-line errors. The network's E and V always come from the encoder and tokenizer.
 """
@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from elflow.config import (
+    T5_SMALL,
     ModelConfig,
     ObjectiveConfig,
     SamplerConfig,
@@ -24,7 +25,6 @@ from elflow.config import (
 )
 from elflow.data.config import DataConfig
 from elflow.errors import ELFError, note_once, require
-from elflow.io.artifact import T5_SMALL, ArtifactConfig
 from elflow.train.optim import OptimConfig
 
 
@@ -53,17 +53,6 @@ class EncoderConfig:
                 f"encoder.layer={self.layer} with latent_std 0.2 (T5's output's): set "
                 "encoder.latent_std=0 to measure it for that layer, or give its value"
             )
-
-    @classmethod
-    def of_model(cls, model: ArtifactConfig, tokenizer: str | None = None) -> EncoderConfig:
-        """A trained model's encoder, layer, tokenizer (unless given) and latent normalisation."""
-        return cls(
-            name=model.encoder,
-            tokenizer=model.tokenizer if tokenizer is None else tokenizer,
-            latent_mean=model.latent_mean,
-            latent_std=model.latent_std,
-            layer=model.encoder_layer,
-        )
 
     @property
     def tokenizer_name(self) -> str:

@@ -1,15 +1,18 @@
-"""What a training run reports: metrics, the progress bar and periodic samples (rank 0 only).
+"""What a training run reports beside its loop: metrics, the progress bar, held-out losses and
+periodic samples (:class:`Reporter`; files on rank 0 only).
 
 Metrics go to ``OUT/metrics.jsonl`` always (one JSON object per logging step: the step's losses,
 lr, gradient norm, tokens/s, epoch; or the held-out losses), to TensorBoard when it is installed
 and ``train.tensorboard`` is on, and to wandb when ``train.wandb`` asks for it. Samples of the
-EMA weights go to ``OUT/samples/``.
+EMA weights go to ``OUT/samples/``. A resume from an earlier checkpoint sets the later steps'
+metrics and samples aside with the abandoned branch's checkpoints.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +24,7 @@ from elflow.data.rows import RowDataset
 from elflow.distributed import DistInfo
 from elflow.encoder import FrozenEncoder
 from elflow.errors import ELFError
+from elflow.io import checkpoint as ckpt_io
 from elflow.io.artifact import ArtifactConfig
 from elflow.jsonl import finite_or_null, write_jsonl
 from elflow.network import sample_model
@@ -29,6 +33,7 @@ from elflow.sampling import Condition, sample_generators
 from elflow.tokens import detokenize, shift_out_source, token_spec
 from elflow.train.config import RunConfig, run_config_to_dict
 from elflow.train.ema import EMA, ema_network
+from elflow.train.heldout import branch_means, heldout_scores, heldout_splits
 
 
 class MetricsLogger:
@@ -214,3 +219,92 @@ def write_samples(
         record["source"] = source
     write_jsonl(out / "samples" / f"step-{step}.jsonl", records)
     print(f"\n[samples @ step {step}]", *(f"  {i}: {t}" for i, t in enumerate(texts)), sep="\n")
+
+
+class Reporter:
+    """The loop's reports: logging windows, the held-out loss and samples when they are due."""
+
+    def __init__(self, run: Any, objective: Any, autocast: Any) -> None:
+        self.run, self.objective, self.autocast = run, objective, autocast
+        cfg, info, out = run.cfg, run.info, run.out
+        aside = None
+        if info.is_main:
+            out.mkdir(parents=True, exist_ok=True)
+            if run.continues_out:
+                aside = ckpt_io.set_aside_later(out, run.start_step)
+                if aside is not None:
+                    set_aside_samples(out, run.start_step, aside)
+        self.logger = MetricsLogger(out, cfg, info.is_main, run.start_step, aside)
+        self.progress = progress_bar(info, run.start_step, run.geometry.total_steps)
+        self.heldout = None
+        if cfg.train.eval_every:
+            self.heldout = heldout_splits(
+                cfg, run.valid, run.dataset, run.encoder, info, run.geometry.micro
+            )
+        if aside is not None:
+            print(
+                f"elflow train: resuming from {run.resume_from.name}; the later checkpoints and "
+                f"metrics of the abandoned branch are kept in {aside}",
+                flush=True,
+            )
+        self.t_last, self.tokens, self.sums = time.perf_counter(), 0, {}
+
+    def step(self, done: int, metrics: dict[str, Any], lr: float, grad_norm: float) -> None:
+        """Add step ``done`` to the logging window; log the window when it is full."""
+        g, sums = self.run.geometry, self.sums
+        self.tokens += g.global_batch * self.run.cfg.model.max_length
+        sums["loss"] = sums.get("loss", 0.0) + metrics["loss"]
+        sums["n"] = sums.get("n", 0) + 1
+        for k, v in zip(("l2_sum", "ce_sum", "l2_n", "ce_n"), metrics["stats"], strict=True):
+            sums[k] = sums.get(k, 0.0) + v
+        if done % self.run.cfg.train.log_every and done != g.total_steps:
+            return
+        now = time.perf_counter()
+        # The branch losses are token means over the logging window (a step whose rows give a
+        # branch no token adds nothing to it).
+        l2, ce = branch_means(*(sums[k] for k in ("l2_sum", "ce_sum", "l2_n", "ce_n")))
+        line = {"loss": sums["loss"] / sums["n"], "l2": l2, "ce": ce, "lr": lr}
+        line |= {
+            "grad_norm": grad_norm,
+            "tokens_per_s": self.tokens / (now - self.t_last),
+            "epoch": done * g.global_batch / g.rows,
+        }
+        self.logger.log(done, line)
+        self.progress.update(done, line)
+        self.t_last, self.tokens, self.sums = now, 0, {}
+
+    def evaluate(self, done: int) -> None:
+        """The held-out loss and the periodic samples, when step ``done`` is due for them."""
+        run, cfg = self.run, self.run.cfg
+        if self.heldout and (done % cfg.train.eval_every == 0 or done == run.geometry.total_steps):
+            t0 = time.perf_counter()
+            scores = heldout_scores(
+                self.heldout, cfg.model, run.ema, self.objective, self.autocast, run.info
+            )
+            scores["eval_seconds"] = time.perf_counter() - t0
+            self.t_last += scores["eval_seconds"]  # kept out of the next window's tokens/s
+            self.logger.log(done, scores)
+            if run.info.is_main:
+                losses = ", ".join(
+                    f"{k.removesuffix('_loss')} {v:.4f}"
+                    for k, v in scores.items()
+                    if k.endswith("_loss")
+                )
+                self.progress.note(f"step {done}: held-out loss (EMA weights) {losses}")
+        if cfg.train.sample_every and done % cfg.train.sample_every == 0:
+            write_samples(
+                run.out,
+                done,
+                cfg.model,
+                run.ema,
+                run.artifact,
+                cfg,
+                run.tokenizer,
+                run.dataset,
+                run.encoder,
+                run.info,
+            )
+
+    def close(self) -> None:
+        self.progress.close()
+        self.logger.close()

@@ -16,9 +16,10 @@ from torch import Tensor
 
 from elflow.encoder import PACKAGED_MODELS
 from elflow.errors import ELFError
-from elflow.generation.pipeline import load_tokenizer
 from elflow.io import checkpoint as ckpt_io
-from elflow.io.artifact import ArtifactConfig, load_resolved, read_config, resolve_source
+from elflow.io.artifact import ArtifactConfig, load_resolved, read_config
+from elflow.io.sources import resolve_source
+from elflow.io.tokenizer import load_tokenizer
 from elflow.tokens import vocab_hash
 from elflow.train.config import EncoderConfig, RunConfig, run_config_from_dict
 
@@ -35,6 +36,17 @@ def resolve_resume(out: Path, resume: str | None) -> Path | None:
     return found
 
 
+def model_encoder_config(model: ArtifactConfig, tokenizer: str | None = None) -> EncoderConfig:
+    """A trained model's encoder, layer, tokenizer (unless given) and latent normalisation."""
+    return EncoderConfig(
+        name=model.encoder,
+        tokenizer=model.tokenizer if tokenizer is None else tokenizer,
+        latent_mean=model.latent_mean,
+        latent_std=model.latent_std,
+        layer=model.encoder_layer,
+    )
+
+
 def apply_init(cfg: RunConfig) -> tuple[RunConfig, dict[str, Tensor], ArtifactConfig]:
     """Fine-tuning: load ``cfg.train.init`` (EMA weights when present) and take its architecture
     (all but max_length, which only bounds the rotary positions), encoder, encoder layer, tokenizer
@@ -49,7 +61,7 @@ def apply_init(cfg: RunConfig) -> tuple[RunConfig, dict[str, Tensor], ArtifactCo
         task = "owt" if cfg.task == "unconditional" else "de-en"
     model, source = load_resolved(resolved, use_ema=True, device="cpu", task=task)
     state = {k: v.detach().float() for k, v in model.state_dict().items()}
-    encoder = EncoderConfig.of_model(source, init_tokenizer(source, resolved.path / "tokenizer"))
+    encoder = model_encoder_config(source, init_tokenizer(source, resolved.path / "tokenizer"))
     arch = replace(source.model, max_length=cfg.model.max_length)
     return replace(cfg, model=arch, encoder=encoder), state, source
 

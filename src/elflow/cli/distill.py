@@ -1,0 +1,69 @@
+"""``elflow distill``: progressive distillation of ``--model`` (the frozen teacher) into few-step
+students, round after resumable round (ELF_SPEC §8; :mod:`elflow.train.curriculum`)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from elflow.cli.common import add_model_argument, add_task_argument, model_from_args
+from elflow.cli.train import add_run_config_arguments
+from elflow.errors import ELFError
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_model_argument(p, "the teacher (frozen)", old_flags=("--teacher",))
+    add_task_argument(p)
+    p.add_argument("--out", required=True, help="folder for the rounds")
+    add_run_config_arguments(p, "bible-tiny")
+    p.add_argument(
+        "--rounds",
+        default="16/4,8/8,4/16,2/32,1/64",
+        help="student steps / teacher sub-steps per round (default: the paper's five)",
+    )
+    p.add_argument("--teacher-steps", type=int, default=64, help="N x K of every round (0: any)")
+    p.add_argument(
+        "--teacher-project-from",
+        type=float,
+        default=1.0,
+        metavar="T",
+        help="distil the teacher's projected trajectory: its x-predictions at t >= T replaced by "
+        "the encoder's latents of their text (elflow addition; default 1 = off, the paper)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from elflow.distributed import teardown
+    from elflow.train.config import apply_overrides, override_keys
+    from elflow.train.curriculum import distill
+    from elflow.train.presets import preset
+    from elflow.train.resume import architecture_changes
+
+    teacher = model_from_args(args)
+    cfg = apply_overrides(preset(args.preset), args.config, args.set)
+    if cfg.train.max_steps <= 0:
+        raise ELFError("set the steps per round with --set train.max_steps=N")
+    objective_keys = {
+        key.removeprefix("objective.")
+        for key in override_keys(args.config, args.set)
+        if key.startswith("objective.")
+    }
+    fixed_keys = set(architecture_changes(cfg, preset(args.preset)))  # changed from the preset
+    try:
+        last = distill(
+            teacher,
+            cfg,
+            args.out,
+            args.rounds,
+            args.teacher_steps or None,
+            objective_keys,
+            preset(args.preset).objective,
+            fixed_keys,
+            args.task,
+            args.teacher_project_from,
+        )
+    finally:
+        teardown()
+    if os.environ.get("RANK", "0") == "0":  # once under torchrun
+        print(f"done: {last}")
+    return 0

@@ -1,0 +1,130 @@
+"""``elflow sample``: draw samples, print them or write a JSONL file, on one process or under
+``torchrun`` (ELF_SPEC §5, §10).
+
+Sample i depends on (seed, i) only, so the file is the same for any batch size or number of
+processes (in fp32). Each line holds ``id``, ``text`` (``source`` when conditional) and the
+settings that made it. ``--trajectory`` renders every step's decoded x_hat as a self-contained
+HTML page (or ``-``: a terminal animation). ``elflow generate`` is the old name of this command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from elflow.cli.common import (
+    add_device_argument,
+    add_model_argument,
+    add_num_samples,
+    add_sampler_arguments,
+    add_sources_arguments,
+    add_task_argument,
+    deprecated,
+    load_pipeline,
+    model_from_args,
+    num_samples,
+    sampler_flag_names,
+    sampler_from_args,
+    sources_from_args,
+)
+from elflow.errors import ELFError
+from elflow.paths import output_file
+
+
+def add_arguments(p: argparse.ArgumentParser, old_positional: bool = False) -> None:
+    add_model_argument(
+        p, "the model to sample", old_flags=("--checkpoint",), old_positional=old_positional
+    )
+    add_task_argument(p)
+    add_num_samples(p)
+    add_sources_arguments(p)
+    p.add_argument("--out", metavar="FILE", help="JSONL file to write (default: print the texts)")
+    p.add_argument("--seed", type=int, default=0, help="sample i depends on (seed, i) only")
+    p.add_argument("--batch-size", type=int, default=32, help="samples per forward (per process)")
+    add_device_argument(p)
+    p.add_argument("--bf16", action="store_true", help="bf16 autocast around sampling")
+    p.add_argument("--no-ema", action="store_true", help="sample with the training weights")
+    p.add_argument(
+        "--trajectory", metavar="OUT.html|-", help="HTML page of every step, or '-' to animate"
+    )
+    p.add_argument("--save-tokens", action="store_true", help="add token ids to every line")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    add_sampler_arguments(p)
+
+
+def add_generate_arguments(p: argparse.ArgumentParser) -> None:
+    add_arguments(p, old_positional=True)
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    """``elflow generate``: the old name of ``elflow sample`` (which prints without --out)."""
+    deprecated("'elflow generate'", "'elflow sample' (it prints the texts when --out is not given)")
+    return run(args)
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    if args.out == "-":
+        raise ELFError("--out - : leave --out out to print the texts, or give a JSONL file name")
+    if args.out is not None:
+        output_file(args.out, "--out", overwrite=args.overwrite)
+    if args.trajectory not in (None, "-"):
+        page = Path(args.trajectory).expanduser().resolve()
+        if args.out is not None and page == Path(args.out).expanduser().resolve():
+            raise ELFError("--trajectory and --out name the same file; give the page its own")
+        output_file(args.trajectory, "--trajectory", overwrite=args.overwrite)
+
+
+@sampler_flag_names()
+def run(args: argparse.Namespace) -> int:
+    """``elflow sample``; one process or under ``torchrun``."""
+    from elflow.distributed import resolve_device, teardown
+    from elflow.generation.records import sample_records, write_trajectory
+    from elflow.jsonl import write_jsonl
+
+    model = model_from_args(args)
+    _check_outputs(args)
+    info = resolve_device(args.device)
+    try:
+        sources = sources_from_args(args)
+        n = num_samples(args, with_sources=sources is not None)
+        pipe = load_pipeline(model, info.device, use_ema=not args.no_ema, task=args.task)
+        result = sample_records(
+            pipe,
+            sampler_from_args(args, pipe.sampler),
+            n=None if sources is not None else n,
+            sources=sources,
+            source_field="text" if args.source else args.source_field,
+            seed=args.seed,
+            batch_size=args.batch_size,
+            bf16=args.bf16,
+            trajectory=args.trajectory is not None,
+            save_tokens=args.save_tokens,
+            model=model,
+            ema=not args.no_ema,
+            info=info,
+            progress=args.out is not None,
+        )
+        if not info.is_main:
+            return 0
+        if args.out is None:
+            for record in result.records:
+                print(record["text"])
+        else:
+            write_jsonl(args.out, result.records)
+        if result.frames is not None:
+            meta = {k: v for k, v in result.records[0].items() if k not in ("id", "text")}
+            for per_sample in ("source", "source_id", "tokens"):  # record 0's, not all's
+                meta.pop(per_sample, None)
+            write_trajectory(args.trajectory, result.frames, meta)
+        if args.out is not None:
+            rate = len(result.records) / max(result.seconds, 1e-9)
+            print(
+                f"wrote {len(result.records)} samples to {args.out} "
+                f"({result.seconds:.1f} s, {rate:.2f} samples/s per rank)",
+                file=sys.stderr,
+            )
+    finally:
+        if info.distributed:
+            teardown()
+    return 0

@@ -1,0 +1,336 @@
+"""A training run's set-up: everything the loop needs, decided once, in one object (ELF_SPEC §3).
+
+:func:`prepare_run` settles, in order: where the run starts (a resume of ``out``, a fine-tune's
+``train.init``, or fresh weights), the tokenizer and the rows, the frozen encoder and latent_std,
+the batch geometry (processes x micro-batch x accumulation), precision, the network and its
+parallel wrapping, the optimizer, EMA and RNG state of a resumed run, and the latent cache. Every
+check that can fail runs before any long work (encoding), so a mistake costs seconds.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from elflow.data.latent_cache import LatentCache, run_latent_cache
+from elflow.data.order import StreamOrder
+from elflow.data.prepare import measure_first_rows_latent_std, prepared_latent_std
+from elflow.data.rows import RowDataset, build_dataset
+from elflow.distributed import DistInfo, broadcast_object, parallelize, setup
+from elflow.encoder import FrozenEncoder
+from elflow.errors import ELFError
+from elflow.hardware import slow_bf16_warning, use_bf16
+from elflow.io import checkpoint as ckpt_io
+from elflow.io.artifact import ArtifactConfig
+from elflow.io.official import load_state_dict_strict
+from elflow.io.tokenizer import load_tokenizer
+from elflow.model import ELF, build_model, count_parameters
+from elflow.network import TrainForward
+from elflow.paths import output_dir
+from elflow.tokens import TokenSpec, token_spec, vocab_hash
+from elflow.train.config import RunConfig, check_projection
+from elflow.train.ema import EMA
+from elflow.train.heldout import valid_rows
+from elflow.train.optim import OptimConfig, build_optimizer, resolve_ns_dtype
+from elflow.train.resume import (
+    absolute_init,
+    apply_init,
+    check_resumable,
+    check_same_rows,
+    check_vocabulary,
+    local_absolute,
+    resolve_resume,
+    resumed_settings,
+    saved_run_config,
+)
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """How the global batch is split, and how long the run is."""
+
+    global_batch: int
+    """G: examples per optimizer step, over all processes and accumulation steps."""
+    micro: int
+    """Examples per forward on one process."""
+    accum: int
+    """Micro-batches per optimizer step on one process: G = world_size x micro x accum."""
+    rows: int
+    """N: rows in the training data (an epoch)."""
+    total_steps: int
+    """The step the run ends at."""
+
+
+@dataclass
+class Run:
+    """Everything a training run needs, from :func:`prepare_run`."""
+
+    cfg: RunConfig
+    """The resolved config (E, V and latent_std filled in; a resume's or init's settings)."""
+    out: Path
+    info: DistInfo
+    resume_from: Path | None
+    """The checkpoint this run continues, or None."""
+    continues_out: bool
+    """Whether ``resume_from`` is one of ``out``'s own checkpoints."""
+    tokenizer: Any
+    spec: TokenSpec
+    dataset: RowDataset
+    valid: RowDataset | None
+    """The validation rows (``data.valid_path``) for the held-out loss, or None."""
+    encoder: FrozenEncoder
+    artifact: ArtifactConfig
+    """What each checkpoint records to be loaded as a model."""
+    geometry: Geometry
+    optim: OptimConfig
+    """``cfg.optim`` with the warm-up and Newton-Schulz dtype resolved."""
+    bf16: bool
+    model: ELF
+    forward: torch.nn.Module
+    """The :class:`TrainForward` around ``model``, wrapped for data parallelism."""
+    ema: EMA
+    optimizer: torch.optim.Optimizer
+    start_step: int
+    cache: LatentCache | None
+    order: StreamOrder
+    setup_seconds: float
+
+
+def prepare_run(
+    cfg: RunConfig,
+    out: str | Path,
+    resume: str | None = None,
+    *,
+    init_state: dict[str, Tensor] | None = None,
+    latent_cache_dir: str | Path | None = None,
+) -> Run:
+    """Set up a training run in ``out`` (see the module docstring); ``resume``: 'auto', 'never'
+    or a checkpoint/run folder; ``init_state``: a fresh run's initial weights."""
+    t0 = time.perf_counter()
+    out = output_dir(out, "--out")
+    cfg = absolute_init(cfg)
+    check_projection(cfg)
+    if cfg.train.init and init_state is not None:
+        raise ELFError("train.init cannot be combined with init_state; give one of them")
+    info = setup(cfg.train.device)
+    cfg, init_state, init_source, resume_from, continues_out = _start(cfg, out, resume, init_state)
+    torch.manual_seed(cfg.train.seed)
+    tokenizer, dataset, valid, resume_state = _rows(cfg, info, init_source, resume_from)
+    encoder = _encoder(cfg, dataset, info)
+    model_cfg = replace(cfg.model, encoder_dim=encoder.hidden_size, vocab_size=len(tokenizer))
+    encoder_cfg = replace(cfg.encoder, latent_std=encoder.latent_std)
+    cfg = replace(cfg, model=model_cfg, encoder=encoder_cfg)
+    geometry = _geometry(cfg, info, len(dataset))
+    optim_cfg = cfg.optim
+    if cfg.train.warmup_epochs > 0:
+        warmup = round(cfg.train.warmup_epochs * geometry.rows / geometry.global_batch)
+        optim_cfg = replace(optim_cfg, warmup_steps=warmup)
+    # 'auto' precisions are decided by rank 0, so ranks on differing CPUs cannot disagree.
+    bf16 = broadcast_object(use_bf16(cfg.train.precision, info.device))
+    ns_dtype = broadcast_object(resolve_ns_dtype(optim_cfg.muon_ns_dtype, info.device))
+    optim_cfg = replace(optim_cfg, muon_ns_dtype=ns_dtype)
+    model, wrapped, ema, optimizer, start_step = _network(
+        cfg, optim_cfg, info, init_state if resume_from is None else None, resume_from, resume_state
+    )
+    init_state = None  # the copy is no longer needed
+    cache = None
+    if cfg.data.latent_cache:
+        where = out if latent_cache_dir is None else Path(latent_cache_dir)
+        cache = run_latent_cache(cfg.data, dataset, encoder, where, info.is_main)
+    run = Run(
+        cfg=cfg,
+        out=out,
+        info=info,
+        resume_from=resume_from,
+        continues_out=continues_out,
+        tokenizer=tokenizer,
+        spec=token_spec(tokenizer),
+        dataset=dataset,
+        valid=valid,
+        encoder=encoder,
+        artifact=run_artifact(cfg, vocab_hash(tokenizer)),
+        geometry=geometry,
+        optim=optim_cfg,
+        bf16=bf16,
+        model=model,
+        forward=wrapped,
+        ema=ema,
+        optimizer=optimizer,
+        start_step=start_step,
+        cache=cache,
+        order=StreamOrder(len(dataset), cfg.train.seed),
+        setup_seconds=time.perf_counter() - t0,
+    )
+    if info.is_main:
+        _announce(run)
+    return run
+
+
+def _start(
+    cfg: RunConfig, out: Path, resume: str | None, init_state: dict[str, Tensor] | None
+) -> tuple[RunConfig, dict[str, Tensor] | None, ArtifactConfig | None, Path | None, bool]:
+    """Where the run starts: (its config, initial weights, the init model's config, the
+    checkpoint it resumes, whether that checkpoint is ``out``'s own)."""
+    resume_from = resolve_resume(out, resume)
+    existing = ckpt_io.find_checkpoint(out) if out.is_dir() else None
+    # The same folder, however each was written (relative, absolute, through a symlink).
+    continues_out = resume_from is not None and resume_from.parent.resolve() == out.resolve()
+    if existing is not None and not continues_out:
+        # Another run's checkpoints would be mixed with (and pruned by) this one's.
+        raise ELFError(
+            f"--out {out} already holds checkpoints ({existing.name}); a new run (--resume "
+            f"{resume}) needs a new --out, or resume them with --resume auto"
+        )
+    init_source = None
+    if cfg.train.init and resume_from is None:
+        cfg, init_state, init_source = apply_init(cfg)
+    elif resume_from is not None:  # the init is not loaded again, nor latent_std measured
+        saved = saved_run_config(resume_from)
+        cfg = resumed_settings(cfg, saved)
+        check_resumable(cfg, saved, resume_from)
+    return cfg, init_state, init_source, resume_from, continues_out
+
+
+def _rows(
+    cfg: RunConfig, info: DistInfo, init_source: ArtifactConfig | None, resume_from: Path | None
+) -> tuple[Any, RowDataset, RowDataset | None, dict | None]:
+    """(tokenizer, training rows, validation rows or None, the resumed checkpoint's state), every
+    check on them made before any encoding."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    tokenizer = load_tokenizer(cfg.encoder.tokenizer_name)
+    check_vocabulary(tokenizer, cfg, init_source, resume_from)
+    pad_id = token_spec(tokenizer).row_pad_id(cfg.objective.pad_with_eos)
+    conditional = cfg.task == "conditional"
+    L = cfg.model.max_length
+    dataset = build_dataset(
+        cfg.data, tokenizer, L, cfg.max_input_length, pad_id, "train", conditional
+    )
+    if len(dataset) == 0:
+        raise ELFError(f"training data {cfg.data.path!r} yields no rows")
+    resume_state = ckpt_io.read_state(resume_from) if resume_from is not None else None
+    if resume_state is not None:
+        check_same_rows(resume_from, resume_state, len(dataset))
+    return tokenizer, dataset, valid_rows(cfg, tokenizer, pad_id, info), resume_state
+
+
+def _network(
+    cfg: RunConfig,
+    optim_cfg: OptimConfig,
+    info: DistInfo,
+    init_state: dict[str, Tensor] | None,
+    resume_from: Path | None,
+    resume_state: dict | None,
+) -> tuple[ELF, torch.nn.Module, EMA, torch.optim.Optimizer, int]:
+    """(the network, its wrapped forward, EMA, optimizer, the first step): built, placed, wrapped
+    for data parallelism, and, when resuming, every rank's optimizer, EMA and RNG state restored."""
+    model = build_model(cfg.model, info.device)
+    if init_state is not None:
+        load_state_dict_strict(model, {k: v.to(info.device) for k, v in init_state.items()})
+    sharded = cfg.train.parallel == "fsdp2"
+    start_step, rank_state, saved_world = 0, None, 1
+    if resume_from is not None:
+        load_state_dict_strict(model, ckpt_io.load_weights(resume_from, "model.safetensors"))
+        start_step = resume_state["step"]
+        saved_world = resume_state.get("world_size", 1)
+        rank_state = ckpt_io.load_rank_state(resume_from, info, saved_world, sharded)
+    model.activation_checkpointing = cfg.train.activation_checkpointing
+    forward = TrainForward(model)
+    if cfg.train.compile:
+        model.compile()
+    wrapped = parallelize(forward, model.blocks, info, cfg.train.parallel)
+    ema = EMA(model, cfg.train.ema_decay, cfg.train.ema_warmup)
+    optimizer = build_optimizer(model, optim_cfg, sharded=sharded)
+    # The global RNG only draws dropout masks (every other draw is keyed by example): each rank
+    # gets its own stream, as data parallelism needs; rank 0 (and one process) keeps the seed's.
+    if rank_state is not None:
+        ema.load_state_dict(rank_state["ema"])
+        ckpt_io.restore_optimizer(optimizer, rank_state["optimizer"])
+        ckpt_io.set_rng_state(rank_state["rng"])
+        if info.rank and saved_world != info.world_size:  # every rank restored rank 0's stream
+            torch.manual_seed(rank_seed(cfg.train.seed, info.rank, start_step))
+    elif info.rank:
+        torch.manual_seed(rank_seed(cfg.train.seed, info.rank, 0))
+    return model, wrapped, ema, optimizer, start_step
+
+
+def _encoder(cfg: RunConfig, dataset: RowDataset, info: DistInfo) -> FrozenEncoder:
+    """The frozen encoder with the run's latent normalisation: ``encoder.latent_std``, else the
+    one ``elflow prepare`` measured, else measured now on the first rows (rank 0's value)."""
+    encoder = FrozenEncoder.from_pretrained(
+        cfg.encoder.name,
+        latent_mean=cfg.encoder.latent_mean,
+        latent_std=1.0,
+        layer=cfg.encoder.layer,
+    ).to(info.device)
+    encoder.check_length(cfg.model.max_length)
+    latent_std = (
+        cfg.encoder.latent_std
+        or prepared_latent_std(cfg.data.path, cfg.encoder.name, cfg.encoder.layer, dataset)
+        or measure_first_rows_latent_std(encoder, dataset, info.device)
+    )
+    encoder.latent_std = broadcast_object(latent_std)  # CPUs may differ in the last bits
+    return encoder
+
+
+def _geometry(cfg: RunConfig, info: DistInfo, rows: int) -> Geometry:
+    G, W = cfg.train.global_batch, info.world_size
+    micro = cfg.train.micro_batch or G // W
+    if micro < 1 or G % (W * micro):
+        raise ELFError(
+            f"train.global_batch {G} is not divisible by world_size {W} x micro_batch {micro}"
+        )
+    total = cfg.train.max_steps or math.ceil(cfg.train.epochs * rows / G)
+    return Geometry(G, micro, G // (W * micro), rows, total)
+
+
+def rank_seed(seed: int, rank: int, step: int) -> int:
+    """The global-RNG seed of process ``rank`` > 0 starting at ``step`` (its dropout stream)."""
+    return (seed * 1_000_003 + rank * 7_919 + step) % 2**63
+
+
+def run_artifact(cfg: RunConfig, tokenizer_hash: str) -> ArtifactConfig:
+    """What a checkpoint of this run records to be loaded as a model (spec §10)."""
+    return ArtifactConfig(
+        model=cfg.model,
+        sampler=cfg.sampler,
+        encoder=local_absolute(cfg.encoder.name),
+        encoder_layer=cfg.encoder.layer,
+        tokenizer=local_absolute(cfg.encoder.tokenizer_name),
+        tokenizer_hash=tokenizer_hash,
+        latent_mean=cfg.encoder.latent_mean,
+        latent_std=cfg.encoder.latent_std,
+        task=cfg.task,
+        max_input_length=cfg.max_input_length if cfg.task == "conditional" else 0,
+        pad_with_eos=cfg.objective.pad_with_eos,
+        packed=cfg.data.packing,
+        noise_scale=cfg.objective.noise_scale,
+        t_eps=cfg.objective.t_eps,
+        origin=f"elflow train (preset {cfg.preset or 'custom'})"
+        + (f", fine-tuned from {cfg.train.init}" if cfg.train.init else ""),
+    )
+
+
+def _announce(run: Run) -> None:
+    """The run's one-line summary (rank 0), and a warning for an emulated-bf16 CPU."""
+    cfg, g = run.cfg, run.geometry
+    print(
+        f"elflow train: {cfg.preset or 'custom'} | {count_parameters(run.model) / 1e6:.2f}M "
+        f"params | {g.rows} rows | {run.info.world_size} process(es) x {g.micro} x {g.accum} "
+        f"accumulation = batch {g.global_batch} | steps {run.start_step}->{g.total_steps} | "
+        f"latent_std {cfg.encoder.latent_std:.4f} | {'bf16' if run.bf16 else 'fp32'}, "
+        f"Newton-Schulz {run.optim.muon_ns_dtype} | set-up {run.setup_seconds:.1f} s | "
+        f"out {run.out}",
+        flush=True,
+    )
+    warning = slow_bf16_warning(cfg.train.precision, cfg.optim.muon_ns_dtype, run.info.device)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)

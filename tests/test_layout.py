@@ -1,0 +1,72 @@
+"""The package's arrows point one way: the maths imports only torch and the configs, the network
+knows nothing of noise or samplers, configs do not import model I/O, and nothing imports the
+command line (which alone imports argparse)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "elflow"
+MATHS = ("flow", "sampling", "projection", "objective", "distill")
+CONFIGS = ("config", "train.config", "train.presets", "data.config")
+
+
+def _module(path: Path) -> str:
+    parts = path.relative_to(SRC).with_suffix("").parts
+    return ".".join(p for p in parts if p != "__init__")
+
+
+def _imports(path: Path) -> set[str]:
+    """Every module ``path`` imports, at any depth (a local import counts too)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            if node.module == "elflow":  # from elflow import x: x may be a module
+                found |= {f"elflow.{a.name}" for a in node.names}
+    return found
+
+
+MODULES = {_module(p): _imports(p) for p in sorted(SRC.rglob("*.py"))}
+
+
+def _elflow(imports: set[str]) -> set[str]:
+    return {m.removeprefix("elflow.") for m in imports if m.startswith("elflow.")}
+
+
+def test_the_maths_imports_only_torch_the_configs_and_itself():
+    allowed = {"config", "errors", *MATHS}
+    for name in MATHS:
+        ours = _elflow(MODULES[name])
+        assert ours <= allowed, (name, ours - allowed)
+        third = {m.split(".")[0] for m in MODULES[name] if not m.startswith("elflow")}
+        assert third <= {
+            "__future__",
+            "torch",
+            "collections",
+            "dataclasses",
+            "hashlib",
+            "math",
+            "functools",
+            "typing",
+        }, (name, third)
+
+
+def test_the_network_knows_nothing_of_noise_or_samplers():
+    assert _elflow(MODULES["model"]) <= {"config", "errors", "hardware"}
+
+
+def test_configs_do_not_import_model_io():
+    for name in CONFIGS:
+        assert not {m for m in _elflow(MODULES[name]) if m.startswith("io")}, name
+
+
+def test_nothing_imports_the_command_line():
+    for name, imports in MODULES.items():
+        if name.startswith("cli") or name == "__main__":
+            continue
+        assert not {m for m in _elflow(imports) if m.startswith("cli")}, name
+        assert "argparse" not in imports, name
