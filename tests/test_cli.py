@@ -13,7 +13,7 @@ import pytest
 
 from elflow.__main__ import COMMANDS, build_parser, main
 from elflow.cli.common import NUM_SAMPLES
-from elflow.config import SamplerConfig, field_docs
+from elflow.config import SAMPLERS, SamplerConfig, field_docs
 from tests.test_sample_cli import make_uncond
 
 
@@ -57,9 +57,7 @@ def test_sampler_flags_are_the_config_fields_with_their_docstrings():
         for name, doc in docs.items():
             assert doc in flags[name].help, (command, name)
     sample = {a.dest: a for a in _subparsers()["sample"]._actions}
-    assert sample["sampler"].choices == ["ode", "sde", "heun"] or tuple(
-        sample["sampler"].choices
-    ) == ("ode", "sde", "heun")
+    assert tuple(sample["sampler"].choices) == SAMPLERS == ("ode", "sde", "heun", "pc")
     assert sample["steps"].type is int and sample["gamma"].type is float
 
 
@@ -89,9 +87,10 @@ def test_old_spellings_run_and_say_so_once(model, tmp_path, capsys):
     assert main(["generate", str(model), "-n", "2", "--steps", "2"]) == 0
     captured = capsys.readouterr()
     assert len(captured.out.splitlines()) == 2
-    notes = _notes(captured.err)
-    assert any("'elflow generate' is now 'elflow sample'" in n for n in notes)
-    assert any("is now 'elflow generate --model MODEL'" in n for n in notes)
+    assert _notes(captured.err) == [
+        "elflow: note: 'elflow generate MODEL' is now 'elflow sample --model MODEL' (it prints "
+        "the texts when --out is not given); the old spelling goes in a later version"
+    ]
     out = tmp_path / "old.jsonl"
     argv = ["sample", "--checkpoint", str(model), "-n", "1", "--steps", "2", "--out", str(out)]
     assert main(argv) == 0
@@ -126,6 +125,17 @@ def test_the_demo_model_is_a_model_source(capsys):
     assert main(["info", "--model", "demo"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["sampler"]["project_from"] == 0.3 and info["parameters"] > 1e6
+
+
+def test_an_sde_left_at_a_conditional_models_gamma_0_is_refused(capsys, tmp_path):
+    from tests.test_sample_cli import make_cond
+
+    cond = make_cond(tmp_path / "cond")
+    argv = ["sample", "--model", str(cond), "--source", "x", "--steps", "2", "--sampler", "sde"]
+    assert main(argv) == 2
+    assert "default gamma 0 is the ODE; give --gamma" in capsys.readouterr().err
+    assert main([*argv, "--gamma", "0"]) == 0  # asked for: the ODE, as given
+    assert main([*argv, "--gamma", "1.5"]) == 0
 
 
 def test_sampler_errors_name_flags(model, capsys):

@@ -66,7 +66,8 @@ def test_export_demo_is_bf16_with_its_own_tokenizer(tiny_model, tmp_path):
 
 
 def test_shipped_demo_model_is_complete_and_small():
-    from elflow.generation.demo import CARD, DEMO_DIR
+    from elflow.generation.demo import CARD
+    from elflow.io.sources import DEMO_MODEL as DEMO_DIR
 
     weights = DEMO_DIR / "model.safetensors"
     assert weights.is_file(), "the package ships its demo model in elflow/demo_model/"
@@ -86,7 +87,7 @@ def test_shipped_demo_model_is_complete_and_small():
 
 
 def test_shipped_demo_model_generates_deterministically():
-    from elflow.generation.demo import DEMO_DIR
+    from elflow.io.sources import DEMO_MODEL as DEMO_DIR
 
     pipe = ELFPipeline.from_pretrained(DEMO_DIR)
     assert pipe.config.sampler.project_from == 0.3  # its sampler projects through MiniLM
@@ -101,7 +102,7 @@ def test_shipped_demo_model_generates_deterministically():
 def test_shipped_demo_model_without_the_minilm_package(monkeypatch, tmp_path, capsys):
     import sys
 
-    from elflow.generation.demo import DEMO_DIR
+    from elflow.io.sources import DEMO_MODEL as DEMO_DIR
 
     # The paper's sampler needs only the vocabulary, which ships with the model; projected
     # sampling needs the encoder package, and says so in one line.

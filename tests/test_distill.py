@@ -292,7 +292,7 @@ def test_another_teacher_is_refused(tmp_path, assets, teacher, capsys):  # noqa:
     err = error_lines(capsys.readouterr().err)
     assert len(err) == 1 and f"distilled from teacher {teacher} (weights sha256" in err[0]
     assert f"not {other} (" in err[0]  # the checkpoints themselves, not the names typed
-    assert "--teacher" in err[0] and "new --out" in err[0]
+    assert "--model (teacher)" in err[0] and "new --out" in err[0]
     # A folder distilled before teacher.json existed: its rounds' round.json name the teacher.
     (out / "teacher.json").unlink()
     assert distill_cli(tmp_path, out, assets, other, "2/2", max_steps=2) == 2

@@ -70,3 +70,14 @@ def test_nothing_imports_the_command_line():
             continue
         assert not {m for m in _elflow(imports) if m.startswith("cli")}, name
         assert "argparse" not in imports, name
+
+
+def test_no_lazy_export_is_shadowed_by_a_submodule():
+    """``from package import name`` would give the submodule once something imports it."""
+    import importlib
+
+    for package in ("elflow", "elflow.data", "elflow.train", "elflow.evaluation"):
+        folder = SRC.joinpath(*package.split(".")[1:])
+        for name in importlib.import_module(package).__all__:
+            clash = (folder / f"{name}.py").exists() or (folder / name).is_dir()
+            assert not clash, f"{package}.{name} is both a lazy export and a submodule"

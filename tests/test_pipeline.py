@@ -101,9 +101,12 @@ def test_generate_conditional(cond_dir):
     torch.testing.assert_close(one.tokens[0], out.tokens[0])
     with pytest.raises(ELFError, match="conditional"):
         pipe.generate(2)
-    # The conditional model's default gamma is 0: an SDE without a gamma would be its ODE.
-    with pytest.raises(ELFError, match=r"default gamma 0 is the ODE; give sampler\.gamma"):
-        pipe.generate(sources=sources, sampler=replace(pipe.sampler, sampler="sde"))
+    # The conditional model's default gamma is 0: its SDE at gamma 0 is its ODE (the command
+    # line refuses --sampler sde without --gamma there, tests/test_cli.py).
+    ode = pipe.generate(sources=sources, seed=0)
+    assert (
+        pipe.generate(sources=sources, seed=0, sampler=replace(pipe.sampler, sampler="sde")) == ode
+    )
     sde = pipe.generate(
         sources=sources, sampler=replace(pipe.sampler, sampler="sde", gamma=1.5), seed=0
     )
@@ -261,7 +264,9 @@ def test_projected_sampling_is_refused_where_it_cannot_run(cond_dir, projected_d
         cond.generate(sources=["a tool"], sampler=replace(cond.sampler, project_from=0.3))
     packed = ELFPipeline.from_pretrained(projected_dir)
     packed.config = replace(packed.config, packed=True)  # as a model trained on packed rows
-    with pytest.raises(ELFError, match=r"was trained on packed rows; set sampler\.project_from"):
+    with pytest.raises(
+        ELFError, match=r"was trained on packed rows; turn it off \(sampler\.project_from 1\)"
+    ):
         packed.generate(n=2, sampler=replace(packed.sampler, steps=2))
     unprojected = replace(packed.sampler, steps=2, project_from=1.0)
     assert len(packed.generate(n=2, sampler=unprojected)) == 2

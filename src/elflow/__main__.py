@@ -24,7 +24,9 @@ COMMANDS: dict[str, tuple[str, str, tuple[str, str]]] = {
     "sample": ("draw samples: print them or write a JSONL file", "sample", _DEFAULT),
     "score": ("score samples: generative perplexity, entropy, BLEU, ROUGE", "score", _DEFAULT),
     "sweep": ("sample and score a grid of sampler settings", "sweep", _DEFAULT),
+    "compare": ("pair cells of equal entropy: which is lower in gen PPL", "compare", _DEFAULT),
     "prepare": ("tokenise a corpus once into a memory-mapped token file", "prepare", _DEFAULT),
+    "likelihood": ("bits per token of texts under a model (a bound)", "likelihood", _DEFAULT),
     "train": ("train, resume or fine-tune an ELF model", "train", _DEFAULT),
     "distill": ("progressive distillation into few-step students", "distill", _DEFAULT),
     "import": (

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -130,9 +131,13 @@ class ObjectiveConfig:
     """Conditional tasks: probability that an example's condition is dropped (0.1 in the paper)."""
     pad_with_eos: bool = False
     """True when the task pads with EOS (seq2seq): padding positions are then trained on."""
+    span_cond_prob: float = 0.0
+    """Infilling training, an elflow addition (0 = the paper's): the share of unconditional rows
+    that keep all but one random span of their text (10-60% of it) as clean condition, as
+    infilling samples with it."""
 
     def __post_init__(self) -> None:
-        for name in ("decoder_prob", "self_cond_prob", "label_drop_prob"):
+        for name in ("decoder_prob", "self_cond_prob", "label_drop_prob", "span_cond_prob"):
             v = getattr(self, name)
             require(0.0 <= v <= 1.0, f"objective.{name} must be in [0, 1], got {v}")
         require(0.0 < self.t_eps <= 1.0, f"objective.t_eps must be in (0, 1], got {self.t_eps}")
@@ -155,9 +160,15 @@ class SamplerConfig:
     steps: int = 32
     """Integration steps N (the time grid has N + 1 points)."""
     sampler: str = "sde"
-    """Integrator: ode (Euler), sde (the paper's gamma-SDE) or heun (second-order ODE)."""
+    """Integrator: ode (Euler), sde (the paper's gamma-SDE), heun (second-order ODE) or pc
+    (Euler predictor and a Langevin corrector)."""
     gamma: float = 1.5
     """SDE noise re-injection rate (0 gives the ODE)."""
+    gamma_schedule: str = "constant"
+    """How the SDE's gamma varies with t (an elflow addition): constant (the paper's), or
+    linear, quadratic, cosine, annealing from gamma at t = 0 to 0 at the data."""
+    pc_snr: float = 0.1
+    """Signal-to-noise ratio that sets the pc sampler's Langevin corrector step."""
     w: float = 3.0
     """Self-conditioning CFG scale fed to the scale tokens."""
     cfg: float = 1.0
@@ -173,9 +184,16 @@ class SamplerConfig:
     made at t >= this (unconditional models; 1 = off, the paper's sampler)."""
     length: int = 0
     """Tokens per unconditional sample (0 = the model's max_length)."""
+    length_range: str = ""
+    """Length control, an elflow addition: N or A:B tokens (exact), A:Bw words (approximate), or
+    data (lengths drawn like the training data's); empty: wherever the model ends its text."""
+    refresh_from: float = 0.0
+    """Infilling and length control: recompute the kept tokens' latents from the current fill at
+    t >= this (1 = keep their first encoding, made with a placeholder in the gaps)."""
 
     def __post_init__(self) -> None:
-        for name in ("gamma", "w", "cfg", "time_mean", "time_std", "project_from"):
+        names = ("gamma", "w", "cfg", "time_mean", "time_std", "project_from", "pc_snr")
+        for name in (*names, "refresh_from"):
             value = getattr(self, name)
             require(math.isfinite(value), f"sampler.{name} must be a finite number, got {value}")
         require(self.steps >= 1, f"sampler.steps must be >= 1, got {self.steps}")
@@ -188,6 +206,12 @@ class SamplerConfig:
             f"sampler.time_grid must be one of {', '.join(TIME_GRIDS)}, got {self.time_grid!r}",
         )
         require(self.gamma >= 0, f"sampler.gamma must be >= 0, got {self.gamma}")
+        require(
+            self.gamma_schedule in GAMMA_SCHEDULES,
+            f"sampler.gamma_schedule must be one of {', '.join(GAMMA_SCHEDULES)}, "
+            f"got {self.gamma_schedule!r}",
+        )
+        require(self.pc_snr > 0, f"sampler.pc_snr must be positive, got {self.pc_snr}")
         require(self.w > -1.0, f"sampler.w must be > -1, got {self.w}")
         require(self.cfg >= 0, f"sampler.cfg must be >= 0, got {self.cfg}")
         require(self.time_std > 0, f"sampler.time_std must be positive, got {self.time_std}")
@@ -198,11 +222,39 @@ class SamplerConfig:
         require(
             self.length >= 0, f"sampler.length must be >= 0 (0 = the model's), got {self.length}"
         )
+        require(
+            0.0 <= self.refresh_from <= 1.0,
+            f"sampler.refresh_from must be in [0, 1] (1 = never), got {self.refresh_from}",
+        )
+        require(
+            LENGTH_RANGE.fullmatch(self.length_range) is not None,
+            f"sampler.length_range must be N, A:B (tokens), A:Bw (words) or data, "
+            f"got {self.length_range!r}",
+        )
+        require(
+            not (self.length and self.length_range),
+            "sampler.length sets the rows' length, sampler.length_range the text's: give one",
+        )
+        if self.length_range not in ("", "data"):
+            lo, hi, _ = length_bounds(self.length_range)
+            require(1 <= lo <= hi, f"sampler.length_range needs 1 <= A <= B, got {lo}:{hi}")
 
     @property
     def nfe(self) -> int:
-        """Network evaluations per sample (the final decode not counted; a Heun step is two)."""
-        return 2 * self.steps - 1 if self.sampler == "heun" else self.steps
+        """Network evaluations per sample (the final decode not counted; a Heun or pc step is two,
+        the last step being Euler)."""
+        return 2 * self.steps - 1 if self.sampler in ("heun", "pc") else self.steps
+
+
+LENGTH_RANGE = re.compile(r"|data|\d+(:\d+)?w?")
+
+
+def length_bounds(length_range: str) -> tuple[int, int, bool]:
+    """``"10:20w"`` -> (10, 20, True): the bounds of a numeric ``length_range`` and whether they
+    count words."""
+    words = length_range.endswith("w")
+    lo, _, hi = length_range.removesuffix("w").partition(":")
+    return int(lo), int(hi or lo), words
 
 
 def fewstep_sampler(base: SamplerConfig, steps: int) -> SamplerConfig:
@@ -212,9 +264,14 @@ def fewstep_sampler(base: SamplerConfig, steps: int) -> SamplerConfig:
     return dataclasses.replace(base, steps=steps, sampler="sde", gamma=gamma, w=w)
 
 
-SAMPLERS = ("ode", "sde", "heun")
+SAMPLERS = ("ode", "sde", "heun", "pc")
 TIME_GRIDS = ("logit_normal", "uniform")
-CHOICES: dict[str, tuple[str, ...]] = {"sampler": SAMPLERS, "time_grid": TIME_GRIDS}
+GAMMA_SCHEDULES = ("constant", "linear", "quadratic", "cosine")
+CHOICES: dict[str, tuple[str, ...]] = {
+    "sampler": SAMPLERS,
+    "time_grid": TIME_GRIDS,
+    "gamma_schedule": GAMMA_SCHEDULES,
+}
 """The allowed values of the string fields (command-line choices)."""
 
 PAPER_TASKS: dict[str, dict[str, Any]] = {

@@ -13,6 +13,8 @@ import math
 import torch
 from torch import Tensor
 
+from elflow.config import GAMMA_SCHEDULES
+
 
 def _bcast(t: Tensor, like: Tensor) -> Tensor:
     """(B,) -> (B, 1, ..., 1) broadcastable against ``like``."""
@@ -52,12 +54,12 @@ def euler_step(z: Tensor, v: Tensor, t: Tensor, t_next: Tensor) -> Tensor:
 
 
 def sde_backtrack(
-    z: Tensor, t: Tensor, t_next: Tensor, gamma: float, noise: Tensor, noise_scale: float
+    z: Tensor, t: Tensor, t_next: Tensor, gamma: float | Tensor, noise: Tensor, noise_scale: float
 ) -> tuple[Tensor, Tensor]:
     """The SDE's noise re-injection: step back along the path before the Euler step.
 
     alpha = clip(1 - gamma h, 0, 1), t_back = alpha t, z_back = alpha z + (1 - alpha) s noise.
-    gamma = 0 gives alpha = 1 (the ODE).
+    gamma = 0 gives alpha = 1 (the ODE); ``gamma`` may be per row (a schedule's value at t).
     """
     alpha = torch.clamp(1.0 - gamma * (t_next - t), 0.0, 1.0)
     ab = _bcast(alpha, z)
@@ -78,3 +80,33 @@ def logit_normal_grid(normal: Tensor, mean: float, std: float) -> Tensor:
     inner = torch.sort(logit_normal(normal, mean, std), dim=-1).values
     zeros = inner.new_zeros(inner.shape[0], 1)
     return torch.cat([zeros, inner, zeros + 1.0], dim=-1)
+
+
+def gamma_at(schedule: str, gamma: float, t: Tensor) -> Tensor:
+    """The SDE's noise rate at time t (an elflow addition; the paper's is constant): ``gamma``
+    times a shape that is 1 at t = 0 (noise) and anneals towards the data: linear 1 - t,
+    quadratic (1 - t)^2, cosine (1 + cos(pi t)) / 2."""
+    if schedule == "constant":
+        return torch.full_like(t, gamma)
+    if schedule == "linear":
+        return gamma * (1.0 - t)
+    if schedule == "quadratic":
+        return gamma * (1.0 - t) ** 2
+    if schedule == "cosine":
+        return gamma * 0.5 * (1.0 + torch.cos(math.pi * t))
+    raise ValueError(f"unknown gamma schedule {schedule!r}; use one of {GAMMA_SCHEDULES}")
+
+
+def score_from_x(z: Tensor, x_hat: Tensor, t: Tensor, noise_scale: float, t_eps: float) -> Tensor:
+    """The score of p_t at z implied by an x-prediction: z_t = t x + (1 - t) s noise gives
+    grad log p_t(z) = -(z - t x_hat) / ((1 - t) s)^2, with 1 - t clamped at t_eps."""
+    sigma = torch.clamp(1.0 - t, min=t_eps) * noise_scale
+    return -(z - _bcast(t, z) * x_hat) / _bcast(sigma, z) ** 2
+
+
+def langevin_step(z: Tensor, score: Tensor, noise: Tensor, snr: float) -> Tensor:
+    """One Langevin corrector move z + eps score + sqrt(2 eps) noise with the step size set per
+    row by a signal-to-noise ratio, eps = 2 (snr |noise| / |score|)^2 (Song et al., 2021)."""
+    ratio = noise.flatten(1).norm(dim=1) / score.flatten(1).norm(dim=1).clamp_min(1e-12)
+    eps = _bcast(2.0 * (snr * ratio) ** 2, z)
+    return z + eps * score + torch.sqrt(2.0 * eps) * noise

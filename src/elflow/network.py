@@ -41,8 +41,9 @@ def make_denoiser(
     """``denoise(z, x_prev, t) -> (x_hat, v_hat)`` with condition reset and guidance.
 
     With a condition and ``cfg != 1`` the conditional and the unconditional evaluation (z and x_prev
-    zeroed at the condition, zero condition latents) go through ONE batched forward, and
-    v = v_u + cfg (v_c - v_u), likewise for x_hat.
+    zeroed at the guided condition positions, zero condition latents there) go through ONE
+    batched forward, and v = v_u + cfg (v_c - v_u), likewise for x_hat. The condition is read at
+    each call (an infilling refresh may rewrite its latents).
     """
 
     def denoise(z: Tensor, x_prev: Tensor, t: Tensor) -> tuple[Tensor, Tensor]:
@@ -54,14 +55,15 @@ def make_denoiser(
         if cfg == 1.0:
             x_hat = model(torch.cat([z, x_prev], -1), t, w, 0.0, key_mask)[0].float()
         else:
-            z_u, x_prev_u = z.masked_fill(c3, 0.0), x_prev.masked_fill(c3, 0.0)
+            g3 = c3 if cond.guided is None else cond.guided.bool()[..., None]
+            z_u, x_prev_u = z.masked_fill(g3, 0.0), x_prev.masked_fill(g3, 0.0)
             x_in = torch.cat([torch.cat([z, x_prev], -1), torch.cat([z_u, x_prev_u], -1)])
             t = t.expand(B) if t.dim() == 0 else t  # per row, so that it can be repeated
             km = None if key_mask is None else key_mask.repeat(2, 1)
             w2 = w.repeat(2) if isinstance(w, Tensor) and w.dim() > 0 else w
             x_both = model(x_in, t.repeat(2), w2, 0.0, km)[0].float()
             x_c = torch.where(c3, cond.latents, x_both[:B])
-            x_u = x_both[B:].masked_fill(c3, 0.0)
+            x_u = torch.where(c3, cond.latents, x_both[B:]).masked_fill(g3, 0.0)
             x_hat = x_u + cfg * (x_c - x_u)
         x_hat = torch.where(c3, cond.latents, x_hat)
         return x_hat, velocity(x_hat, z, t, t_eps).masked_fill(c3, 0.0)
@@ -70,12 +72,20 @@ def make_denoiser(
 
 
 @torch.no_grad()
+def decode_logits(
+    model: ELF, z: Tensor, w: float | Tensor | None, t: float | Tensor = 1.0
+) -> Tensor:
+    """Decode mode (at t = 1 in sampling) on [z, 0] -> logits (B, L, V)."""
+    _, hidden = model(torch.cat([z, torch.zeros_like(z)], -1), t, w, 1.0)
+    return model.decode_logits(hidden)
+
+
+@torch.no_grad()
 def decode_tokens(
     model: ELF, z: Tensor, w: float | Tensor | None, t: float | Tensor = 1.0
 ) -> Tensor:
     """Decode mode (at t = 1 in sampling) on [z, 0] -> argmax tokens (B, L)."""
-    _, hidden = model(torch.cat([z, torch.zeros_like(z)], -1), t, w, 1.0)
-    return model.decode_logits(hidden).argmax(-1)
+    return decode_logits(model, z, w, t).argmax(-1)
 
 
 def make_decoder(model: ELF, w: float | Tensor | None) -> Decoder:
@@ -127,6 +137,7 @@ def sample_model(
         noise_scale,
         cond,
         trajectory,
+        t_eps,
     )
 
 
@@ -166,9 +177,3 @@ class TrainForward(nn.Module):
         if head_rows is None:
             return x_pred, None
         return x_pred, self.model.decode_logits(hidden[head_rows])
-
-
-def forward_network(forward: nn.Module) -> ELF:
-    """The ELF inside a (possibly DDP/FSDP-wrapped) :class:`TrainForward`."""
-    inner = getattr(forward, "module", forward)
-    return inner.model if isinstance(inner, TrainForward) else inner

@@ -19,7 +19,15 @@ from torch import Tensor
 
 from elflow.config import SamplerConfig
 from elflow.errors import check_finite
-from elflow.flow import euler_step, logit_normal_grid, sde_backtrack, uniform_grid
+from elflow.flow import (
+    euler_step,
+    gamma_at,
+    langevin_step,
+    logit_normal_grid,
+    score_from_x,
+    sde_backtrack,
+    uniform_grid,
+)
 
 Denoiser = Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
 """``denoise(z, x_prev, t) -> (x_hat, v_hat)``, each (B, L, E); t (B,) or a scalar."""
@@ -29,12 +37,17 @@ Decoder = Callable[[Tensor], Tensor]
 
 @dataclass
 class Condition:
-    """Clean condition latents for conditional generation."""
+    """Clean condition latents: a conditional model's source, or an infilling template's kept
+    positions (held clean at every step; the sampler resets z there after each step, so an
+    infilling refresh that rewrites ``latents`` moves z with it)."""
 
     latents: Tensor
     """(B, L, E) clean latents, meaningful at condition positions."""
     mask: Tensor
-    """(B, L) 1 at condition (source) positions."""
+    """(B, L) 1 at condition positions."""
+    guided: Tensor | None = None
+    """(B, L) the positions classifier-free guidance drops in its unconditional evaluation
+    (a source); None: all of ``mask``."""
 
 
 def ode_step(
@@ -51,12 +64,13 @@ def sde_step(
     x_prev: Tensor,
     t: Tensor,
     t_next: Tensor,
-    gamma: float,
+    gamma: float | Tensor,
     noise: Tensor,
     noise_scale: float,
     cond: Condition | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """gamma-SDE step: re-inject noise back to t_back = alpha t, then Euler to t_next."""
+    """gamma-SDE step: re-inject noise back to t_back = alpha t, then Euler to t_next (``gamma``
+    a number or per row)."""
     z_back, t_back = sde_backtrack(z, t, t_next, gamma, noise, noise_scale)
     if cond is not None:
         z_back = torch.where(cond.mask.bool()[..., None], cond.latents, z_back)
@@ -73,6 +87,31 @@ def heun_step(
     z_pred = euler_step(z, v, t, t_next)
     x_hat2, v2 = denoise(z_pred, x_hat, t_next)
     return euler_step(z, 0.5 * (v + v2), t, t_next), x_hat2
+
+
+def pc_step(
+    denoise: Denoiser,
+    z: Tensor,
+    x_prev: Tensor,
+    t: Tensor,
+    t_next: Tensor,
+    noise: Tensor,
+    snr: float,
+    noise_scale: float,
+    t_eps: float,
+    cond: Condition | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Predictor-corrector (an elflow addition): an Euler predictor to t_next, then one Langevin
+    corrector move at t_next with the score of the x-prediction there (self-conditioned on the
+    predictor's x_hat), its step size set by ``snr``. Two network evaluations."""
+    x_hat, v = denoise(z, x_prev, t)
+    z_pred = euler_step(z, v, t, t_next)
+    x_hat2, _ = denoise(z_pred, x_hat, t_next)
+    score = score_from_x(z_pred, x_hat2, t_next, noise_scale, t_eps)
+    z_next = langevin_step(z_pred, score, noise, snr)
+    if cond is not None:
+        z_next = torch.where(cond.mask.bool()[..., None], cond.latents, z_next)
+    return z_next, x_hat2
 
 
 def sample_seed(seed: int, index: int) -> int:
@@ -112,14 +151,16 @@ def sample(
     noise_scale: float = 2.0,
     cond: Condition | None = None,
     trajectory: bool = False,
+    t_eps: float = 0.05,
 ) -> SampleOutput:
     """Integrate from noise to t = 1 and decode (ELF_SPEC §5). One generator per sample.
 
     Args:
         denoise, decode: the network's calls (:func:`elflow.network.sample_model` wires them).
         shape: (L, E), one sample's latents.
-        sampler: steps, method, gamma and time grid; its guidance scales (w, cfg) and
-            ``project_from`` are the denoiser's business.
+        sampler: steps, method, gamma (and its schedule) and time grid; its guidance scales
+            (w, cfg) and ``project_from`` are the denoiser's business.
+        t_eps: the clamp of 1 - t in the pc corrector's score (the model's).
     """
     B, N = len(generators), sampler.steps
     device = generators[0].device
@@ -143,11 +184,16 @@ def sample(
             z, x_prev = ode_step(denoise, z, x_prev, t, t_next)
         elif sampler.sampler == "sde":
             noise = _randn(generators, (L, E), device)
-            z, x_prev = sde_step(
-                denoise, z, x_prev, t, t_next, sampler.gamma, noise, noise_scale, cond
-            )
+            gamma = gamma_at(sampler.gamma_schedule, sampler.gamma, t)
+            z, x_prev = sde_step(denoise, z, x_prev, t, t_next, gamma, noise, noise_scale, cond)
+        elif sampler.sampler == "pc":
+            noise = _randn(generators, (L, E), device)
+            snr = sampler.pc_snr
+            z, x_prev = pc_step(denoise, z, x_prev, t, t_next, noise, snr, noise_scale, t_eps, cond)
         else:
             z, x_prev = heun_step(denoise, z, x_prev, t, t_next)
+        if cond is not None:  # a no-op unless the condition's latents were refreshed
+            z = torch.where(c3, cond.latents, z)
         if trajectory:
             frames.append(decode(x_prev))
     return SampleOutput(decode(z), z, torch.stack(frames) if trajectory else None)

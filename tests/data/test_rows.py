@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from elflow.data import DataConfig, RowDataset, TokenTable, build_dataset
-from elflow.data.prepare import prepare, prepared_latent_std
+from elflow.data.preparation import prepare, prepared_latent_std
 from elflow.data.rows import read_meta
 from elflow.errors import ELFError
 from elflow.tokens import build_conditional_row, build_unconditional_row, token_spec, tokenize

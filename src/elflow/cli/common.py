@@ -57,7 +57,8 @@ def model_from_args(args: argparse.Namespace) -> str:
             deprecated(f"{flag} MODEL", "--model MODEL")
             given.append((flag, getattr(args, _old_dest(flag))))
     if getattr(args, "old_model", None) is not None:
-        deprecated(f"'elflow {args.command} MODEL'", f"'elflow {args.command} --model MODEL'")
+        if args.command != "generate":  # (generate's own note says what replaces it)
+            deprecated(f"'elflow {args.command} MODEL'", f"'elflow {args.command} --model MODEL'")
         given.append(("the positional MODEL", args.old_model))
     if len({value for _, value in given}) > 1:
         raise ELFError(f"{given[0][0]} and {given[1][0]} name two models; give one, as --model")
@@ -98,6 +99,28 @@ def num_samples(args: argparse.Namespace, with_sources: bool) -> int | None:
     return n
 
 
+def add_seed_arguments(p: argparse.ArgumentParser) -> None:
+    """``--seed`` (one) or ``--seeds`` (several: one sample set each, records carrying ``seed``)."""
+    p.add_argument("--seed", type=int, default=None, help="sample i depends on (seed, i) only")
+    p.add_argument(
+        "--seeds",
+        metavar="A,B,...",
+        help="several seeds (e.g. 0,1,2): a sample set per seed, records carrying 'seed'; "
+        "scores report each metric's mean, between-seed spread and pooled interval",
+    )
+
+
+def seeds_from_args(args: argparse.Namespace) -> list[int]:
+    """The seeds of ``--seeds`` or ``--seed`` (default 0)."""
+    if args.seeds is None:
+        return [0 if args.seed is None else args.seed]
+    if args.seed is not None:
+        raise ELFError("give one seed with --seed or several with --seeds, not both")
+    from elflow.evaluation.seeds import parse_seeds
+
+    return parse_seeds(args.seeds)
+
+
 def add_device_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--device",
@@ -107,7 +130,11 @@ def add_device_argument(p: argparse.ArgumentParser) -> None:
 
 
 def add_sampler_arguments(
-    p: argparse.ArgumentParser, *, lists: tuple[str, ...] = (), defaults: dict | None = None
+    p: argparse.ArgumentParser,
+    *,
+    lists: tuple[str, ...] = (),
+    defaults: dict | None = None,
+    preset: bool = True,
 ) -> None:
     """A flag per :class:`SamplerConfig` field (``--time-mean`` for ``time_mean``), its help the
     field's docstring; unset flags keep the model's value. Fields in ``lists`` take comma lists
@@ -128,6 +155,8 @@ def add_sampler_arguments(
             group.add_argument(
                 flag, type=_TYPES[str(f.type)], choices=CHOICES.get(f.name), help=doc
             )
+    if not preset:  # a sweep sweeps the grid instead
+        return
     group.add_argument(
         "--preset",
         choices=["model", "fewstep"],
@@ -148,8 +177,22 @@ def sampler_from_args(
         for f in dataclasses.fields(SamplerConfig)
         if f.name not in skip and getattr(args, f.name, None) is not None
     }
+    if changes.get("sampler") == "sde" and "gamma" not in changes and base.gamma == 0.0:
+        raise ELFError(
+            "the SDE with this model's default gamma 0 is the ODE; give --gamma, e.g. 1.5, the "
+            "paper's unconditional value"
+        )
     with sampler_flag_names():
         return dataclasses.replace(base, **changes)
+
+
+def checked_sampler(args: argparse.Namespace, pipe: Any, skip: tuple[str, ...] = ()):
+    """The command's sampler (:func:`sampler_from_args` over the model's), checked against the
+    model (``ArtifactConfig.check_sampler``), its errors naming the flags."""
+    scfg = sampler_from_args(args, pipe.sampler, skip)
+    with sampler_flag_names():
+        pipe.config.check_sampler(scfg)
+    return scfg
 
 
 @contextlib.contextmanager

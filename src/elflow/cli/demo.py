@@ -19,11 +19,10 @@ from elflow.cli.common import (
     add_model_argument,
     add_num_samples,
     add_sampler_arguments,
+    checked_sampler,
     load_pipeline,
     model_from_args,
     num_samples,
-    sampler_flag_names,
-    sampler_from_args,
 )
 from elflow.errors import ELFError
 from elflow.paths import output_file
@@ -41,7 +40,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_sampler_arguments(p)
 
 
-@sampler_flag_names()
 def run(args: argparse.Namespace) -> int:
     from elflow.distributed import resolve_device
     from elflow.generation.trajectory import animate_terminal, render_html
@@ -55,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     pipe = load_pipeline(model, resolve_device(args.device).device)
     if pipe.config.conditional:
         raise ELFError(f"{model} is a conditional model; elflow demo samples unconditionally")
-    scfg = sampler_from_args(args, pipe.sampler)
+    scfg = checked_sampler(args, pipe)
     out = pipe.generate_full(n, sampler=scfg, seed=args.seed, trajectory=True)
     frames = [*out.trajectory, out.texts]
     labels = [f"step {k + 1}/{scfg.steps}" for k in range(len(out.trajectory))] + ["final"]

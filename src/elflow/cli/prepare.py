@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from elflow.data.prepare import prepare
+    from elflow.data.preparation import prepare
     from elflow.io.tokenizer import load_tokenizer
 
     name = args.tokenizer or args.encoder

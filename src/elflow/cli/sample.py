@@ -3,7 +3,9 @@
 
 Sample i depends on (seed, i) only, so the file is the same for any batch size or number of
 processes (in fp32). Each line holds ``id``, ``text`` (``source`` when conditional) and the
-settings that made it. ``--trajectory`` renders every step's decoded x_hat as a self-contained
+settings that made it. ``--seeds 0,1,2`` draws a set per seed into the one file, each record
+carrying its ``seed`` (ids count from 0 within a seed); a set that is all empty or all one text
+gets a one-line warning. ``--trajectory`` renders every step's decoded x_hat as a self-contained
 HTML page (or ``-``: a terminal animation). ``elflow generate`` is the old name of this command.
 """
 
@@ -18,14 +20,15 @@ from elflow.cli.common import (
     add_model_argument,
     add_num_samples,
     add_sampler_arguments,
+    add_seed_arguments,
     add_sources_arguments,
     add_task_argument,
+    checked_sampler,
     deprecated,
     load_pipeline,
     model_from_args,
     num_samples,
-    sampler_flag_names,
-    sampler_from_args,
+    seeds_from_args,
     sources_from_args,
 )
 from elflow.errors import ELFError
@@ -39,8 +42,15 @@ def add_arguments(p: argparse.ArgumentParser, old_positional: bool = False) -> N
     add_task_argument(p)
     add_num_samples(p)
     add_sources_arguments(p)
+    p.add_argument(
+        "--infill",
+        metavar="FILE",
+        help="JSONL of texts to fill: a template in 'text' ('In the beginning [___] the earth.'; "
+        "gaps [___], [___N], [___A-B] tokens) or 'ids' and 'keep'; 'source' for a conditional "
+        "model; -n takes the first N",
+    )
     p.add_argument("--out", metavar="FILE", help="JSONL file to write (default: print the texts)")
-    p.add_argument("--seed", type=int, default=0, help="sample i depends on (seed, i) only")
+    add_seed_arguments(p)
     p.add_argument("--batch-size", type=int, default=32, help="samples per forward (per process)")
     add_device_argument(p)
     p.add_argument("--bf16", action="store_true", help="bf16 autocast around sampling")
@@ -59,7 +69,10 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
 
 def run_generate(args: argparse.Namespace) -> int:
     """``elflow generate``: the old name of ``elflow sample`` (which prints without --out)."""
-    deprecated("'elflow generate'", "'elflow sample' (it prints the texts when --out is not given)")
+    deprecated(
+        "'elflow generate MODEL'",
+        "'elflow sample --model MODEL' (it prints the texts when --out is not given)",
+    )
     return run(args)
 
 
@@ -75,11 +88,29 @@ def _check_outputs(args: argparse.Namespace) -> None:
         output_file(args.trajectory, "--trajectory", overwrite=args.overwrite)
 
 
-@sampler_flag_names()
+def _infill_requests(args: argparse.Namespace, sources: list[dict] | None):
+    """``--infill``'s requests (the first ``-n``) and their template texts, or (None, None)."""
+    if args.infill is None:
+        return None, None
+    from elflow.generation.infill import requests_from_records
+    from elflow.jsonl import read_jsonl
+    from elflow.paths import input_file
+
+    if sources is not None:
+        raise ELFError("--infill lines carry their own 'source'; drop --source/--sources")
+    rows = read_jsonl(input_file(args.infill, "--infill"))
+    if not rows:
+        raise ELFError(f"--infill {args.infill} holds no texts")
+    if args.num_samples is not None:
+        rows = rows[: num_samples(args, with_sources=True)]
+    return requests_from_records(rows), [r.get("text") for r in rows]
+
+
 def run(args: argparse.Namespace) -> int:
     """``elflow sample``; one process or under ``torchrun``."""
     from elflow.distributed import resolve_device, teardown
-    from elflow.generation.records import sample_records, write_trajectory
+    from elflow.evaluation.diversity import degenerate
+    from elflow.generation.records import sample_records, sample_seeds, write_trajectory
     from elflow.jsonl import write_jsonl
 
     model = model_from_args(args)
@@ -88,25 +119,38 @@ def run(args: argparse.Namespace) -> int:
     try:
         sources = sources_from_args(args)
         n = num_samples(args, with_sources=sources is not None)
+        infill, templates = _infill_requests(args, sources)
+        seeds = seeds_from_args(args)
+        if len(seeds) > 1 and args.trajectory is not None:
+            raise ELFError("--trajectory shows one run: give one --seed, not --seeds")
         pipe = load_pipeline(model, info.device, use_ema=not args.no_ema, task=args.task)
-        result = sample_records(
-            pipe,
-            sampler_from_args(args, pipe.sampler),
-            n=None if sources is not None else n,
-            sources=sources,
-            source_field="text" if args.source else args.source_field,
-            seed=args.seed,
-            batch_size=args.batch_size,
-            bf16=args.bf16,
-            trajectory=args.trajectory is not None,
-            save_tokens=args.save_tokens,
-            model=model,
-            ema=not args.no_ema,
-            info=info,
-            progress=args.out is not None,
+        result = sample_seeds(
+            seeds,
+            lambda seed: sample_records(
+                pipe,
+                checked_sampler(args, pipe),
+                n=None if sources is not None or infill is not None else n,
+                sources=sources,
+                source_field="text" if args.source else args.source_field,
+                seed=seed,
+                batch_size=args.batch_size,
+                bf16=args.bf16,
+                trajectory=args.trajectory is not None,
+                save_tokens=args.save_tokens,
+                model=model,
+                ema=not args.no_ema,
+                info=info,
+                progress=args.out is not None,
+                infill=infill,
+            ),
         )
         if not info.is_main:
             return 0
+        warning = degenerate([r["text"] for r in result.records])
+        if warning:  # one line: the file is still written, as asked
+            print(f"elflow: warning: {warning}", file=sys.stderr)
+        for record, template in zip(result.records, (templates or []) * len(seeds), strict=False):
+            record["template"] = template
         if args.out is None:
             for record in result.records:
                 print(record["text"])
@@ -114,9 +158,11 @@ def run(args: argparse.Namespace) -> int:
             write_jsonl(args.out, result.records)
         if result.frames is not None:
             meta = {k: v for k, v in result.records[0].items() if k not in ("id", "text")}
-            for per_sample in ("source", "source_id", "tokens"):  # record 0's, not all's
-                meta.pop(per_sample, None)
-            write_trajectory(args.trajectory, result.frames, meta)
+            per_sample = ("source", "source_id", "tokens", "fills", "kept", "kept_survived")
+            for key in (*per_sample, "template"):  # record 0's, not all's
+                meta.pop(key, None)
+            kept = [r["kept"] for r in result.records] if infill is not None else None
+            write_trajectory(args.trajectory, result.frames, meta, kept)
         if args.out is not None:
             rate = len(result.records) / max(result.seconds, 1e-9)
             print(

@@ -1,6 +1,8 @@
-"""``elflow score``: score a samples file (gen PPL, entropy, BLEU, ROUGE, bootstrap CIs; spec §6).
+"""``elflow score``: score samples (gen PPL, entropy, MAUVE, repetition, BLEU, ROUGE; spec §6).
 
-Writes metrics.json (flat numbers plus a ``protocol`` card) and prints a short summary.
+Writes metrics.json (flat numbers with bootstrap CIs plus a ``protocol`` card) and prints a short
+summary. Samples of several seeds (``elflow sample --seeds``, or several ``--samples`` files) are
+also summarised across seeds: mean, between-seed spread and the pooled interval.
 """
 
 from __future__ import annotations
@@ -17,6 +19,12 @@ SUMMARY_KEYS = (
     "gen_ppl",
     "entropy",
     "mean_length",
+    "mauve",
+    "distinct_2",
+    "rep_4",
+    "self_bleu",
+    "empty_share",
+    "duplicate_share",
     "bleu",
     "bleu_cased",
     "rouge1",
@@ -27,9 +35,21 @@ SUMMARY_KEYS = (
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--samples", required=True, help="JSONL file, one object with 'text' per line")
+    p.add_argument(
+        "--samples",
+        required=True,
+        nargs="+",
+        metavar="FILE",
+        help="JSONL file(s), one object with 'text' per line (several: scored together, by seed)",
+    )
     p.add_argument("--out", required=True, help="metrics.json to write")
     p.add_argument("--refs", help="JSONL references (aligned by 'id' or by order)")
+    p.add_argument(
+        "--reference",
+        metavar="FILE",
+        help="JSONL of real text ('text') for MAUVE with the judge's features (prepared like "
+        "the model's training rows, e.g. a sweep's reference.jsonl)",
+    )
     add_judge_arguments(p, "--batch-size", "--seed")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
 
@@ -60,10 +80,13 @@ def summary(metrics: dict) -> str:
     for key in SUMMARY_KEYS:
         if key not in metrics:
             continue
-        line = f"{key:<11} {_fmt(metrics[key]):>8}"
+        line = f"{key:<15} {_fmt(metrics[key]):>8}"
         if f"{key}_ci" in metrics:
             lo, hi = metrics[f"{key}_ci"]
             line += f"  95% CI [{_fmt(lo)}, {_fmt(hi)}]"
+        if f"{key}_seed_sd" in metrics:
+            mean, sd = metrics[f"{key}_seed_mean"], metrics[f"{key}_seed_sd"]
+            line += f"  seeds {_fmt(mean)} ± {_fmt(sd)}"
         lines.append(line)
     lines.append(protocol_line(metrics))
     return "\n".join(lines)
@@ -83,15 +106,23 @@ def run(args: argparse.Namespace) -> int:
 
     check_counts(args.batch_size, args.bootstrap)
     out = output_file(args.out, "--out", overwrite=args.overwrite)
-    samples = read_jsonl(args.samples)
+    samples = [r for path in args.samples for r in read_jsonl(path)]
     if not samples:
-        raise ELFError(f"--samples {args.samples} holds no samples")
+        raise ELFError(f"--samples {' '.join(args.samples)} holds no samples")
     refs = read_refs(args.refs, args.ref_field) if args.refs else None
     judge = None if args.judge.lower() == "none" else args.judge
+    reference = None
+    if args.reference:
+        if judge is None:
+            raise ELFError("--reference (MAUVE) needs the judge's features; drop --judge none")
+        reference = [r["text"] for r in read_jsonl(args.reference)]
+        if len(reference) < 2:
+            raise ELFError(f"--reference {args.reference} needs at least 2 texts for MAUVE")
     metrics = score_samples(
         samples,
         judge=judge,
         refs=refs,
+        reference=reference,
         protocol=args.protocol,
         batch_size=args.batch_size,
         bootstrap=args.bootstrap,

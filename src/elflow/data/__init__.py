@@ -12,6 +12,7 @@ _EXPORTS = {
     "keyed_bernoulli": "elflow.data.order",
     "keyed_uniform": "elflow.data.order",
     "rank_positions": "elflow.data.order",
+    "prepare": "elflow.data.preparation",
     "RowDataset": "elflow.data.rows",
     "build_dataset": "elflow.data.rows",
     "Source": "elflow.data.sources",

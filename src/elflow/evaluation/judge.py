@@ -13,7 +13,6 @@ from __future__ import annotations
 import copy
 import hashlib
 import importlib.util
-import os
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -25,7 +24,7 @@ from filelock import FileLock
 
 from elflow import paths
 from elflow.errors import ELFError
-from elflow.evaluation.protocol import DEFAULT_JUDGE, SMOLLM2
+from elflow.evaluation.protocol import DEFAULT_JUDGE, KNOWN_JUDGES, SMOLLM2
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 END_OF_TEXT = "<|endoftext|>"
@@ -175,57 +174,122 @@ def _load_smollm2() -> tuple[Any, Any, str]:
         return model, tokenizer, digest
 
 
-def _offline_hint(name: str) -> str:
-    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0", "false", "False"):
-        return (
-            f"judge '{name}' is not in the local Hugging Face cache and HF_HUB_OFFLINE is set; "
-            "run once with network or pass a local folder, or use --judge smollm2-135m"
-        )
+PROBE_TIMEOUT = 1.5
+"""Seconds the one Hub request of an uncached judge may take before the Hub counts as down."""
+
+
+def _offline() -> bool:
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE)
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+
+
+def _unknown_name(name: str) -> str:
+    import difflib
+
+    known = ", ".join(f"{k} ({why})" for k, why in KNOWN_JUDGES.items())
+    close = difflib.get_close_matches(name.lower(), list(KNOWN_JUDGES), n=1)
+    hint = f"did you mean {close[0]}? " if close else ""
     return (
-        f"cannot load judge '{name}' (not a local folder, and the Hub did not provide it); "
-        "check the name and the network, pass a local folder, or use --judge smollm2-135m"
+        f"unknown judge '{name}' (not a folder here, not in the local Hugging Face cache); "
+        f"{hint}known names: {known}; or give a model folder or a Hub id such as org/name"
     )
+
+
+def _hub_problem(name: str) -> str | None:
+    """Why the Hub cannot provide judge ``name``, asking it once without retries (None: it can).
+
+    NOTE: left to itself, ``huggingface_hub`` retries a failed request for an uncached file five
+    times with backoff (1 + 2 + 4 + 8 + 8 s) and transformers asks for two files: about 50 s and
+    two dozen log lines before the error when the network is down. One short request decides.
+    """
+    from huggingface_hub import get_hf_file_metadata, hf_hub_url
+    from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError, RepositoryNotFoundError
+
+    try:
+        get_hf_file_metadata(hf_hub_url(name, "config.json"), timeout=PROBE_TIMEOUT)
+    except RepositoryNotFoundError:
+        return (
+            f"judge '{name}' is neither a folder here nor a model on the Hugging Face Hub (or it "
+            "is private); check the name, or use --judge smollm2-135m"
+        )
+    except EntryNotFoundError:
+        return f"judge '{name}' on the Hub has no config.json; give a causal LM"
+    except HfHubHTTPError as e:
+        return f"cannot load judge '{name}': the Hub answered {_first_line(e)}; try again later"
+    except ValueError as e:  # an id the Hub cannot have (spaces, too many slashes)
+        return f"judge '{name}' is not a folder here nor a valid Hub id ({_first_line(e)})"
+    except Exception as e:  # DNS, refused connection, timeout, proxy: the network is down
+        return (
+            f"judge '{name}' is not in the local Hugging Face cache and the Hub cannot be reached "
+            f"({_first_line(e)}); connect once, pass a local folder, or use --judge smollm2-135m"
+        )
+    return None
+
+
+def _from_pretrained(name: str, local_only: bool) -> tuple[Any, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kwargs = {"trust_remote_code": False, "local_files_only": local_only}
+    tokenizer = AutoTokenizer.from_pretrained(name, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32, **kwargs)
+    return model, tokenizer
 
 
 def load_judge(name: str = DEFAULT_JUDGE) -> Judge:
     """Load a judge by alias (`smollm2-135m`), Hub id (default `gpt2-large`) or local folder.
 
-    Raises :class:`ELFError` (one line, saying how to get the judge) when it cannot be loaded.
+    A Hub judge in the local Hugging Face cache loads from it without asking the Hub; an uncached
+    one is fetched after one short request shows the Hub reachable. Raises :class:`ELFError` (one
+    line, saying how to get the judge) when it cannot be loaded: within about two seconds when
+    the Hub is unreachable or ``HF_HUB_OFFLINE`` is set, and without any request for a name with
+    no ``org/`` part that elflow does not know (:data:`KNOWN_JUDGES`), listing those it does.
     """
     if name.lower() == SMOLLM2:
         model, tokenizer, revision = _load_smollm2()
         return from_model(model, tokenizer, SMOLLM2, revision)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     path = Path(name).expanduser()
     if path.exists() and not path.is_dir():
         raise ELFError(f"judge '{name}' is a file; pass a model folder, a Hub id or smollm2-135m")
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=False)
-        model = AutoModelForCausalLM.from_pretrained(
-            name, dtype=torch.float32, trust_remote_code=False
-        )
-    except Exception as e:  # a damaged folder raises safetensors' or a config validator's own
-        if path.is_dir():
-            reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            raise ELFError(f"cannot load judge folder '{name}' ({reason})") from None
-        if not isinstance(e, (OSError, ValueError)):
-            raise
-        raise ELFError(_offline_hint(name)) from None
     if path.is_dir():
+        try:
+            model, tokenizer = _from_pretrained(name, local_only=True)
+        except Exception as e:  # a damaged folder raises safetensors' or a validator's own
+            raise ELFError(f"cannot load judge folder '{name}' ({_first_line(e)})") from None
         weights = sorted(path.glob("*.safetensors")) or sorted(path.glob("*.bin"))
-        revision = file_sha256(weights) if weights else None
-    else:
-        revision = hub_revision(name)
-    return from_model(model, tokenizer, name, revision)
+        return from_model(model, tokenizer, name, file_sha256(weights) if weights else None)
+    if name.startswith((".", "/", "~")) or name.count("/") > 1:  # a path, not a Hub id
+        raise ELFError(f"judge folder '{name}' does not exist; check the path")
+    try:
+        model, tokenizer = _from_pretrained(name, local_only=True)
+    except (OSError, ValueError):  # not (wholly) in the cache
+        if "/" not in name and name.lower() not in KNOWN_JUDGES:
+            raise ELFError(_unknown_name(name)) from None
+        if _offline():
+            raise ELFError(
+                f"judge '{name}' is not in the local Hugging Face cache and HF_HUB_OFFLINE is set; "
+                "run once with network or pass a local folder, or use --judge smollm2-135m"
+            ) from None
+        problem = _hub_problem(name)
+        if problem is not None:
+            raise ELFError(problem) from None
+        try:
+            model, tokenizer = _from_pretrained(name, local_only=False)
+        except (OSError, ValueError) as e:
+            raise ELFError(f"cannot load judge '{name}' from the Hub ({_first_line(e)})") from None
+    return from_model(model, tokenizer, name, hub_revision(name))
 
 
 def hub_revision(name: str) -> str | None:
     """The commit of a Hub model's cached snapshot (transformers 5 no longer records it on the
-    config), or None when it cannot be told."""
+    config), or None when it cannot be told; it never asks the Hub."""
     from transformers.utils.hub import cached_file, extract_commit_hash
 
     try:
-        return extract_commit_hash(cached_file(name, "config.json"), None)
+        return extract_commit_hash(cached_file(name, "config.json", local_files_only=True), None)
     except (OSError, ValueError):
         return None

@@ -48,6 +48,9 @@ class PPLResult:
     """(N,) judge tokens of each non-empty sample before truncation."""
     aggregate: str
     dtype: str
+    features: np.ndarray | None = None
+    """(N, D) the judge's last hidden state at each non-empty sample's last token (MAUVE's
+    features), when asked for."""
 
 
 def ppl_from_sums(nll: np.ndarray, counts: np.ndarray, aggregate: str = "corpus") -> float:
@@ -73,6 +76,7 @@ def gen_ppl(
     first_token_scored: bool = False,
     score_eos: bool = True,
     aggregate: str = "corpus",
+    features: bool = False,
 ) -> PPLResult:
     """Generative perplexity of `texts` under `judge` (an :class:`~elflow.evaluation.judge.Judge`).
 
@@ -84,6 +88,8 @@ def gen_ppl(
     token is scored too; `score_eos=False` drops the end-of-text slot; `dtype="bf16"` scores with a
     bf16 copy of the judge (the PyTorch port's protocol); `aggregate="sample"` averages per-sample
     perplexities. Empty/whitespace-only texts are counted in `num_empty` and not scored.
+    `features=True` also keeps the judge's final hidden state at each text's last token (its
+    features for MAUVE, :mod:`elflow.evaluation.mauve`), from the same forward passes.
     """
     if dtype not in DTYPES:
         raise ELFError(f"unknown scoring dtype '{dtype}'; use one of {', '.join(DTYPES)}")
@@ -114,6 +120,9 @@ def gen_ppl(
 
     nll = np.zeros(len(seqs), dtype=np.float64)
     counts = np.zeros(len(seqs), dtype=np.int64)
+    feats: list[np.ndarray | None] = [None] * len(seqs)
+    # The last text token (a text that encodes to nothing: the slot before it).
+    last = [max(0, int(first_token_scored) + min(len(x), budget) - 1) for x in ids]
     # Longest first: batches of similar length waste little on padding; results are per sample.
     order = sorted(range(len(seqs)), key=lambda i: -len(seqs[i]))
     for start in range(0, len(order), batch_size):
@@ -132,9 +141,16 @@ def gen_ppl(
             first_eos = is_eos & (is_eos.cumsum(dim=1) == 1)
             scored |= first_eos & attention[:, 1:].bool()
         with torch.inference_mode():
-            logits = model(
-                input_ids=input_ids.to(device), attention_mask=attention.to(device)
-            ).logits  # (B, L, V)
+            out = model(
+                input_ids=input_ids.to(device),
+                attention_mask=attention.to(device),
+                output_hidden_states=features,
+            )
+            logits = out.logits  # (B, L, V)
+            if features:
+                hidden = out.hidden_states[-1].float().cpu().numpy()  # (B, L, D) after final norm
+                for row, i in enumerate(idx):
+                    feats[i] = hidden[row, last[i]]
             logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
             token_nll = -logp.gather(-1, targets.to(device).unsqueeze(-1)).squeeze(-1)
             token_nll = (token_nll.double() * scored.to(device)).sum(dim=1).cpu()
@@ -153,6 +169,7 @@ def gen_ppl(
         lengths=lengths,
         aggregate=aggregate,
         dtype=dtype,
+        features=np.stack(feats).astype(np.float64) if features and feats else None,
     )
 
 

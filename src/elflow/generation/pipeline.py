@@ -8,6 +8,7 @@ size; conditional models run the frozen encoder once on the sources.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,15 @@ from torch import Tensor
 from elflow.config import SamplerConfig
 from elflow.encoder import FrozenEncoder
 from elflow.errors import ELFError
+from elflow.generation.infill import (
+    Infilled,
+    InfillRequest,
+    as_requests,
+    fill_vocabulary,
+    infill_batch,
+    length_requests,
+)
+from elflow.infill import FillVocabulary
 from elflow.io.artifact import ArtifactConfig, load_resolved
 from elflow.io.sources import resolve_source
 from elflow.io.tokenizer import check_tokenizer, load_tokenizer, model_tokenizer
@@ -70,6 +80,11 @@ def check_encoder(encoder: FrozenEncoder, config: ArtifactConfig, device: torch.
     at = next(encoder.model.parameters()).device
     if at != device:
         raise ELFError(f"the encoder is on {at} but the model on {device}; move it (.to(device))")
+
+
+def check_batch_size(batch_size: int) -> None:
+    if batch_size < 1:
+        raise ELFError(f"--batch-size must be >= 1 (batch_size=), got {batch_size}")
 
 
 class ELFPipeline:
@@ -142,20 +157,30 @@ class ELFPipeline:
         """The model's sampler defaults; change fields with ``dataclasses.replace``."""
         return self.config.sampler
 
-    def projection(self) -> Projection:
-        """What projected sampling needs: the model's frozen encoder (loaded from its config on
-        first use, or the one given) and the ids that end and pad its rows."""
-        self.config.check_projectable("sampler.project_from < 1")
+    def frozen_encoder(self, what: str) -> FrozenEncoder:
+        """The model's frozen encoder (loaded from its config on first use, or the one given),
+        which ``what`` needs (an unconditional model samples without it otherwise)."""
         if self.encoder is None:
             try:
                 self.encoder = model_encoder(self.config).to(self.device)
             except ELFError as e:
-                raise ELFError(
-                    f"{e} (this model's sampler projects through its encoder; --project-from 1, "
-                    "project_from=1.0, samples without it)"
-                ) from None
+                raise ELFError(f"{e} ({what} needs this model's encoder)") from None
         check_encoder(self.encoder, self.config, self.device)
-        return Projection(self.encoder, self.tokens.eos_id, self.row_pad_id)
+        return self.encoder
+
+    def projection(self) -> Projection:
+        """What projected sampling needs: the model's frozen encoder and the ids that end and pad
+        its rows."""
+        self.config.check_projectable("sampler.project_from < 1")
+        what = "projected sampling; --project-from 1, project_from=1.0, samples without it, and"
+        encoder = self.frozen_encoder(what)
+        return Projection(encoder, self.tokens.eos_id, self.row_pad_id)
+
+    @functools.cached_property
+    def fill_vocabulary(self) -> FillVocabulary:
+        """What an infilling gap may not hold (special tokens; word continuations after a
+        kept word)."""
+        return fill_vocabulary(self.tokenizer)
 
     def encode_sources(self, sources: Sequence[str]) -> tuple[Condition, Tensor]:
         """Tokenise and encode sources -> (clean condition latents, (B, L) condition mask)."""
@@ -184,21 +209,7 @@ class ELFPipeline:
         """Check a request once, before any work: (the sampler, the number of samples, the
         projection it needs). The settings are checked by ``ArtifactConfig.check_sampler``."""
         cfg = self.config
-        if sampler is None:
-            sampler = self.sampler
-        elif not isinstance(sampler, SamplerConfig):
-            raise ELFError(
-                f"sampler must be a SamplerConfig, got {type(sampler).__name__} {sampler!r}; e.g. "
-                "dataclasses.replace(pipe.sampler, sampler='sde', steps=32)"
-            )
-        cfg.check_sampler(sampler)
-        dtype = next(self.model.parameters()).dtype
-        if dtype != torch.float32:
-            raise ELFError(
-                f"the model's weights are {dtype}; sampling takes fp32 weights (as loaded) and "
-                "gets bf16 speed from autocast (elflow sample --bf16, or torch.autocast around "
-                "generate)"
-            )
+        sampler = self._checked(sampler)
         if isinstance(sources, str):  # would give one sample per character
             raise ELFError("sources must be a list of strings; wrap a single source in a list")
         if sources is not None:
@@ -225,8 +236,31 @@ class ELFPipeline:
             raise ELFError(
                 f"asked for {n} samples; ask for at least 1 (-n), or give at least one source"
             )
-        projection = self.projection() if sampler.project_from < 1.0 else None
+        projection = None
+        if sampler.length_range:  # kept latents and projection go through the encoder
+            self.frozen_encoder("length control (sampler.length_range)")
+        elif sampler.project_from < 1.0:
+            projection = self.projection()
         return sampler, n, projection
+
+    def _checked(self, sampler: SamplerConfig | None) -> SamplerConfig:
+        """``sampler`` (default: the model's) checked against the model, and the weights fp32."""
+        if sampler is None:
+            sampler = self.sampler
+        elif not isinstance(sampler, SamplerConfig):
+            raise ELFError(
+                f"sampler must be a SamplerConfig, got {type(sampler).__name__} {sampler!r}; e.g. "
+                "dataclasses.replace(pipe.sampler, sampler='sde', steps=32)"
+            )
+        self.config.check_sampler(sampler)
+        dtype = next(self.model.parameters()).dtype
+        if dtype != torch.float32:
+            raise ELFError(
+                f"the model's weights are {dtype}; sampling takes fp32 weights (as loaded) and "
+                "gets bf16 speed from autocast (elflow sample --bf16, or torch.autocast around "
+                "generate)"
+            )
+        return sampler
 
     @torch.no_grad()
     def sample_batch(
@@ -241,6 +275,21 @@ class ELFPipeline:
     ) -> Generation:
         """Samples ``indices`` (one per source when conditional) in one batch, unchecked: call
         :meth:`prepare` once first. Sample i depends on (seed, i) only."""
+        if sampler.length_range:
+            cfg = self.config
+            requests = length_requests(
+                sampler.length_range,
+                indices,
+                seed,
+                cfg.length_histogram,
+                cfg.tokens_per_word,
+            )
+            for request, source in zip(requests, sources or [], strict=False):
+                request.source = source
+            done = infill_batch(
+                self, requests, sampler, seed=seed, first_index=indices[0], trajectory=trajectory
+            )
+            return Generation(done.texts, done.tokens, done.trajectory)
         gens = sample_generators(seed, list(indices), self.device)
         cond, cond_mask = (None, None)
         if sources is not None:
@@ -256,20 +305,11 @@ class ELFPipeline:
             trajectory=trajectory,
             projection=projection,
         )
-        tokens = self._strip_source(out.tokens, cond_mask)
-        texts = detokenize(self.tokenizer, tokens, self.tokens.eos_id, self.tokens.pad_id)
+        texts = self.detokenize(out.tokens, cond_mask)
         frames = None
         if trajectory:
-            frames = [
-                detokenize(
-                    self.tokenizer,
-                    self._strip_source(frame, cond_mask),
-                    self.tokens.eos_id,
-                    self.tokens.pad_id,
-                )
-                for frame in out.trajectory
-            ]
-        return Generation(texts, tokens.cpu(), frames)
+            frames = [self.detokenize(frame, cond_mask) for frame in out.trajectory]
+        return Generation(texts, self.strip_source(out.tokens, cond_mask).cpu(), frames)
 
     def generate_full(
         self,
@@ -283,8 +323,7 @@ class ELFPipeline:
     ) -> Generation:
         """Like :meth:`generate`, returning tokens and (optionally) the per-step trajectory."""
         sampler, n, projection = self.prepare(sampler, n, sources)
-        if batch_size < 1:
-            raise ELFError(f"batch size must be >= 1, got {batch_size}")
+        check_batch_size(batch_size)
         parts = []
         for start in range(0, n, batch_size):
             idx = range(start, min(n, start + batch_size))
@@ -324,8 +363,57 @@ class ELFPipeline:
             n, sources=sources, sampler=sampler, seed=seed, batch_size=batch_size
         ).texts
 
-    def _strip_source(self, tokens: Tensor, cond_mask: Tensor | None) -> Tensor:
+    def infill(
+        self,
+        requests: Sequence[str | InfillRequest | dict],
+        *,
+        sampler: SamplerConfig | None = None,
+        seed: int = 0,
+        batch_size: int = 32,
+        trajectory: bool = False,
+    ) -> Infilled:
+        """Fill the gaps of ``requests``: templates (``"In the beginning [___] the earth."``,
+        gaps ``[___]``, ``[___N]``, ``[___A-B]`` tokens), :class:`InfillRequest` objects, or
+        JSONL-style dicts (a template in ``text``, or ``ids`` and ``keep``; ``source`` for a
+        conditional model). Kept tokens are held at clean latents at every step (an elflow
+        addition; ``sampler.refresh_from`` recomputes them from the current fill)."""
+        sampler = self._checked(sampler)
+        if sampler.length_range:
+            raise ELFError("sampler.length_range applies to generate; an infill's gaps set theirs")
+        check_batch_size(batch_size)
+        parsed = as_requests(requests)
+        self.frozen_encoder("infilling")
+        parts = [
+            infill_batch(
+                self,
+                parsed[start : start + batch_size],
+                sampler,
+                seed=seed,
+                first_index=start,
+                trajectory=trajectory,
+            )
+            for start in range(0, len(parsed), batch_size)
+        ]
+        frames = None
+        if trajectory:
+            frames = [[t for p in parts for t in p.trajectory[k]] for k in range(sampler.steps)]
+        return Infilled(
+            texts=[t for p in parts for t in p.texts],
+            fills=[f for p in parts for f in p.fills],
+            kept=[k for p in parts for k in p.kept],
+            survived=[s for p in parts for s in p.survived],
+            tokens=torch.cat([p.tokens for p in parts]),
+            trajectory=frames,
+        )
+
+    def strip_source(self, tokens: Tensor, cond_mask: Tensor | None) -> Tensor:
+        """A conditional model's target tokens (each row shifted past its source)."""
         if cond_mask is None:
             return tokens
         keep = self.config.model.max_length - self.config.max_input_length
         return shift_out_source(tokens, cond_mask, keep, self.tokens.pad_id)
+
+    def detokenize(self, tokens: Tensor, cond_mask: Tensor | None = None) -> list[str]:
+        """Texts of generated rows: the target cut at its first EOS, special tokens dropped."""
+        target = self.strip_source(tokens, cond_mask)
+        return detokenize(self.tokenizer, target, self.tokens.eos_id, self.tokens.pad_id)

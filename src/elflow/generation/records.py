@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,7 +21,8 @@ import torch.distributed as dist
 from elflow.config import SamplerConfig
 from elflow.distributed import DistInfo
 from elflow.errors import ELFError, note_once
-from elflow.generation.pipeline import ELFPipeline
+from elflow.generation.infill import InfillRequest, infill_batch
+from elflow.generation.pipeline import ELFPipeline, check_batch_size
 from elflow.hardware import bf16_autocast, fast_bf16
 from elflow.jsonl import read_jsonl
 from elflow.paths import input_file
@@ -46,11 +47,6 @@ def read_sources(path: str | Path, field: str = "text") -> list[dict]:
     return rows
 
 
-def check_batch_size(batch_size: int) -> None:
-    if batch_size < 1:
-        raise ELFError(f"--batch-size must be >= 1, got {batch_size}")
-
-
 def source_fields(source: dict, field: str) -> dict[str, Any]:
     """What a conditional sample's record says of its source: the text, and the id the source
     line carried (``source_id``, which references are matched on)."""
@@ -68,22 +64,22 @@ def settings_record(
 ) -> dict:
     """The settings written on every line.
 
-    ``nfe`` counts network evaluations per sample (a Heun step costs two, the final decode is not
-    counted); classifier-free guidance batches its two evaluations into the same forward, so it
-    does not change ``nfe`` but doubles the rows: ``nfe_rows`` = nfe x 2 under CFG. Projected
-    sampling adds one decode pass and one encoder pass per projected step, not counted in ``nfe``.
+    ``nfe`` counts network evaluations per sample: a Heun or pc step costs two, a step under
+    classifier-free guidance two (its two evaluations share one batched forward of twice the
+    rows), the final decode none. Projected sampling adds one decode pass and one encoder pass per
+    projected step, not counted in ``nfe``.
     """
-    guided = pipe.config.conditional and scfg.cfg != 1.0
-    n = scfg.nfe
     cfg = pipe.config
+    guided = cfg.conditional and scfg.cfg != 1.0
     # The target's length (a conditional model's rows also hold the source).
     L = cfg.model.max_length - cfg.max_input_length if cfg.conditional else scfg.length
     return {
         "sampler": scfg.sampler,
         "steps": scfg.steps,
-        "nfe": n,
-        "nfe_rows": 2 * n if guided else n,
+        "nfe": 2 * scfg.nfe if guided else scfg.nfe,
         "gamma": scfg.gamma if scfg.sampler == "sde" else None,
+        "gamma_schedule": scfg.gamma_schedule if scfg.sampler == "sde" else None,
+        "pc_snr": scfg.pc_snr if scfg.sampler == "pc" else None,
         "w": scfg.w,
         "cfg": scfg.cfg if pipe.config.conditional else None,
         "time_grid": scfg.time_grid,
@@ -133,17 +129,21 @@ def sample_records(
     ema: bool = True,
     info: DistInfo | None = None,
     progress: bool = False,
+    infill: Sequence[InfillRequest] | None = None,
 ) -> SampleResult:
     """Generate samples ``0..n-1`` (or one per source) across the ranks; records on rank 0.
-
-    The same function backs ``elflow sample`` and every ``elflow sweep`` cell, so a sweep cell is
-    a ``sample`` run by construction. The request is checked once (:meth:`ELFPipeline.prepare`)
-    before any sampling.
-    """
+    With ``infill``, one per request: the filled text, its ``fills``, ``kept`` text and whether
+    that kept text survived whole (``kept_survived``)."""
     info = info or DistInfo(0, 1, 0, pipe.device)
     check_batch_size(batch_size)
     texts = None if sources is None else [s[source_field] for s in sources]
+    if infill is not None:
+        if scfg.length_range:
+            raise ELFError("--length-range sets a whole text's length; an infill's gaps set theirs")
+        n = len(infill)
     scfg, total, projection = pipe.prepare(scfg, n, texts)
+    if infill is not None:
+        pipe.frozen_encoder("infilling")
     if bf16 and pipe.device.type == "cpu" and not fast_bf16(pipe.device) and info.is_main:
         note_once(  # once: a sweep samples once per cell
             "elflow: warning: --bf16 on a CPU that emulates bf16 (no AVX-512 BF16/AMX/Arm "
@@ -151,23 +151,18 @@ def sample_records(
         )
     settings = settings_record(pipe, scfg, seed=seed, bf16=bf16, model=model, ema=ema)
     mine = shard(total, info)
-    rows: list[tuple[int, str, list[int], list[str]]] = []
+    rows: list[tuple[int, str, list[int], list[str], dict]] = []
     bar = _progress(total, progress and info.is_main)
     t0 = time.perf_counter()
     for start in range(mine.start, mine.stop, batch_size):
         stop = min(mine.stop, start + batch_size)
         with bf16_autocast(bf16, pipe.device):
-            gen = pipe.sample_batch(
-                range(start, stop),
-                scfg,
-                sources=None if texts is None else texts[start:stop],
-                seed=seed,
-                trajectory=trajectory,
-                projection=projection,
+            gen, extras = _batch(
+                pipe, scfg, range(start, stop), texts, infill, seed, trajectory, projection
             )
         for j, i in enumerate(range(start, stop)):
             steps = [frame[j] for frame in gen.trajectory] if trajectory else []
-            rows.append((i, gen.texts[j], gen.tokens[j].tolist(), steps))
+            rows.append((i, gen.texts[j], gen.tokens[j].tolist(), steps, extras[j]))
         # Other ranks progress at the same rate; scale so the bar shows the whole run.
         bar.update((stop - start) * info.world_size)
     seconds = time.perf_counter() - t0
@@ -177,8 +172,8 @@ def sample_records(
         return SampleResult([], None, seconds)
     gathered.sort(key=lambda r: r[0])
     records = []
-    for i, text, tokens, _ in gathered:
-        rec: dict[str, Any] = {"id": i, "text": text}
+    for i, text, tokens, _, extra in gathered:
+        rec: dict[str, Any] = {"id": i, "text": text, **extra}
         if sources is not None:
             rec.update(source_fields(sources[i], source_field))
         rec.update(settings)
@@ -190,6 +185,50 @@ def sample_records(
         frames = [[r[3][k] for r in gathered] for k in range(scfg.steps)]
         frames.append([r[1] for r in gathered])
     return SampleResult(records, frames, seconds)
+
+
+def _batch(
+    pipe: ELFPipeline,
+    scfg: SamplerConfig,
+    indices: range,
+    texts: list[str] | None,
+    infill: Sequence[InfillRequest] | None,
+    seed: int,
+    trajectory: bool,
+    projection: Any,
+) -> tuple[Any, list[dict]]:
+    """One batch of samples, and what each record adds (an infill's fills and kept text)."""
+    if infill is None:
+        sources = None if texts is None else texts[indices.start : indices.stop]
+        gen = pipe.sample_batch(
+            indices, scfg, sources=sources, seed=seed, trajectory=trajectory, projection=projection
+        )
+        return gen, [{} for _ in indices]
+    gen = infill_batch(
+        pipe,
+        infill[indices.start : indices.stop],
+        scfg,
+        seed=seed,
+        first_index=indices.start,
+        trajectory=trajectory,
+    )
+    extras = [
+        {"fills": f, "kept": k, "kept_survived": ok}
+        for f, k, ok in zip(gen.fills, gen.kept, gen.survived, strict=True)
+    ]
+    return gen, extras
+
+
+def sample_seeds(seeds: Sequence[int], draw: Callable[[int], SampleResult]) -> SampleResult:
+    """``draw(seed)`` (a :func:`sample_records` call) for each seed in turn, the records
+    concatenated in seed order: each carries its ``seed``, ids count from 0 within a seed. Frames
+    come back for one seed only."""
+    results = [draw(seed) for seed in seeds]
+    return SampleResult(
+        [r for res in results for r in res.records],
+        results[0].frames if len(results) == 1 else None,
+        sum(res.seconds for res in results),
+    )
 
 
 def _progress(total: int, enabled: bool):
@@ -210,8 +249,11 @@ def token_agreement(a: Sequence[dict], b: Sequence[dict]) -> float:
     return same / max(total, 1)
 
 
-def write_trajectory(target: str, frames: list[list[str]], meta: dict) -> None:
-    """``-``: animate in the terminal (stdout); else write the HTML page to ``target``."""
+def write_trajectory(
+    target: str, frames: list[list[str]], meta: dict, kept: list[list[str]] | None = None
+) -> None:
+    """``-``: animate in the terminal (stdout); else write the HTML page to ``target`` (an
+    infill's ``kept`` text runs, per sample, shown distinctly)."""
     from elflow.generation.trajectory import animate_terminal, render_html
 
     labels = [f"step {k + 1}/{len(frames) - 1}" for k in range(len(frames) - 1)] + ["final"]
@@ -220,4 +262,4 @@ def write_trajectory(target: str, frames: list[list[str]], meta: dict) -> None:
         return
     out = Path(target)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(render_html(frames, meta, labels), encoding="utf-8")
+    out.write_text(render_html(frames, meta, labels, kept), encoding="utf-8")

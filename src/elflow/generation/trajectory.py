@@ -75,6 +75,7 @@ table.meta td{border:1px solid #ddd;padding:2px 8px}
 .sample{border-left:3px solid #8ab;padding:.3em .8em;margin:.8em 0;white-space:pre-wrap;
 font-family:ui-monospace,monospace;font-size:.9em}.sid{color:#888;font-size:.8em}
 .chg{background:#ffe08a;border-radius:2px}
+.keep{color:#1a5d8a;font-weight:600}
 """
 
 _JS = """
@@ -94,7 +95,10 @@ _JS = """
         if (j) box.appendChild(document.createTextNode(' '));
         var span = document.createElement('span');
         span.textContent = words[j];  // never innerHTML: the text is untrusted
-        if (changed[j]) span.className = 'chg';
+        var cls = [];
+        if (changed[j]) cls.push('chg');
+        if (data.kept && data.kept[k][i].indexOf(j) >= 0) cls.push('keep');
+        span.className = cls.join(' ');
         box.appendChild(span);
       }
     }
@@ -115,8 +119,25 @@ _JS = """
 """
 
 
+def kept_words(words: Sequence[str], runs: Sequence[str]) -> list[int]:
+    """Indices of ``words`` that belong to the kept text ``runs`` (matched in order, whole)."""
+    found: list[int] = []
+    at = 0
+    for run in runs:
+        want = run.split()
+        for i in range(at, len(words) - len(want) + 1):
+            if list(words[i : i + len(want)]) == want:
+                found += range(i, i + len(want))
+                at = i + len(want)
+                break
+    return found
+
+
 def render_html(
-    frames: Sequence[Sequence[str]], meta: dict, labels: Sequence[str] | None = None
+    frames: Sequence[Sequence[str]],
+    meta: dict,
+    labels: Sequence[str] | None = None,
+    kept: Sequence[Sequence[str]] | None = None,
 ) -> str:
     """A self-contained HTML page for ``frames[k][i]`` (step k, sample i).
 
@@ -124,10 +145,17 @@ def render_html(
         frames: per step, one decoded text per sample.
         meta: settings shown in a table at the top (values are stringified and escaped).
         labels: one label per frame (default "step k/N").
+        kept: infilling: each sample's kept text runs, shown distinctly (bold, blue).
     """
     labels = _check_frames(frames, labels)
     words, changed = frame_words(frames)
     data = {"labels": labels, "words": words, "changed": changed, "meta": meta}
+    if kept is not None:
+        data["kept"] = [
+            [kept_words(frame[i], kept[i]) for i in range(len(frame))] for frame in words
+        ]
+        data["meta"] = {**meta, "kept text": "shown in bold blue"}
+        meta = data["meta"]
     esc = html.escape
     rows = "".join(
         f"<tr><td>{esc(str(k))}</td><td>{esc(str(v))}</td></tr>" for k, v in meta.items()

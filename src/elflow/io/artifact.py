@@ -45,6 +45,16 @@ FORMAT = "elflow-model"
 FORMAT_VERSION = 1
 
 
+SAMPLER_KEYS_SINCE_0_2 = {
+    "gamma_schedule": "constant",
+    "pc_snr": 0.1,
+    "length": 0,
+    "length_range": "",
+    "refresh_from": 0.0,
+}
+"""Sampler keys a model's config.json leaves out at their defaults, so that elflow 0.1 loads it."""
+
+
 @dataclass(frozen=True)
 class ArtifactConfig:
     """Everything needed to sample from a model without guessing (ELF_SPEC §10)."""
@@ -78,6 +88,11 @@ class ArtifactConfig:
     """s: the path's noise scale."""
     t_eps: float = 0.05
     """Velocity denominators are max(1 - t, t_eps)."""
+    length_histogram: tuple[int, ...] = ()
+    """How many training texts had 0, 1, 2, ... tokens (special tokens not counted): the lengths
+    ``length_range=data`` draws from; empty for models trained before it was recorded."""
+    tokens_per_word: float = 0.0
+    """Mean tokens per word of the training texts (``length_range=A:Bw``; 0: not recorded)."""
     origin: str = ""
     """Free-text provenance (e.g. the imported checkpoint)."""
 
@@ -112,7 +127,8 @@ class ArtifactConfig:
     def check_sampler(self, sampler: SamplerConfig) -> None:
         """One-line errors for sampler settings this model cannot honour: guidance and
         projection on the wrong kind of model, a length it cannot give, and an SDE whose gamma
-        is still this model's ODE default 0 (that SDE would silently be the ODE)."""
+        left at an ODE model's gamma 0 is caught where the settings are given
+        (:func:`elflow.cli.common.sampler_from_args`)."""
         if sampler.cfg != 1.0 and not self.conditional:
             raise ELFError(
                 f"sampler.cfg {sampler.cfg} (classifier-free guidance) applies to conditional "
@@ -128,13 +144,16 @@ class ArtifactConfig:
                 f"sampler.length {sampler.length} exceeds the model's max_length "
                 f"{self.model.max_length}"
             )
-        if sampler.sampler == "sde" and sampler.gamma == 0.0 and self.sampler.gamma == 0.0:
-            raise ELFError(
-                "the SDE with this model's default gamma 0 is the ODE; give sampler.gamma, e.g. "
-                "1.5, the paper's unconditional value"
-            )
         if sampler.project_from < 1.0:
             self.check_projectable(f"sampler.project_from {sampler.project_from}")
+        if sampler.length_range == "data" and not self.length_histogram:
+            raise ELFError(
+                "sampler.length_range data draws lengths from the histogram a model records of "
+                "its training texts, and this one has none (trained before it was recorded); "
+                "give a range, e.g. 10:30"
+            )
+        if sampler.length_range and self.model.max_length < 3:
+            raise ELFError("sampler.length_range needs rows of at least 3 tokens")
 
     def check_projectable(self, what: str) -> None:
         """Projected sampling re-encodes one unconditional text per row: not for a conditional
@@ -143,7 +162,7 @@ class ArtifactConfig:
             why = "is conditional" if self.conditional else "was trained on packed rows"
             raise ELFError(
                 f"{what} (projected sampling) re-encodes one unconditional text per row, but "
-                f"this model {why}; set sampler.project_from to 1 (--project-from 1)"
+                f"this model {why}; turn it off (sampler.project_from 1)"
             )
 
     def sample_length(self, sampler: SamplerConfig) -> int:
@@ -152,9 +171,13 @@ class ArtifactConfig:
 
     def to_json(self) -> dict[str, Any]:
         data = to_dict(self)
-        for key in ("encoder_layer", "packed"):  # the defaults: configs earlier elflow loads
+        for key in ("encoder_layer", "packed", "length_histogram", "tokens_per_word"):
+            # the defaults: configs earlier elflow loads
             if not data[key]:
                 del data[key]
+        for key, default in SAMPLER_KEYS_SINCE_0_2.items():
+            if data["sampler"][key] == default:
+                del data["sampler"][key]
         return {"format": FORMAT, "format_version": FORMAT_VERSION, **data}
 
     @classmethod
@@ -175,6 +198,12 @@ class ArtifactConfig:
             data["packed"] = bool(run.get("data", {}).get("packing", False))
         if data.get("task", "unconditional") == "unconditional":
             data["max_input_length"] = 0  # saved by earlier versions from an ignored setting
+        counts = data.get("length_histogram", ())
+        if not isinstance(counts, list | tuple) or not all(
+            isinstance(c, int) and c >= 0 for c in counts
+        ):
+            raise ELFError("config.json's length_histogram must be a list of counts (ints >= 0)")
+        data["length_histogram"] = tuple(counts)
         data["model"] = from_dict(ModelConfig, data.get("model", {}), "model")
         data["sampler"] = from_dict(SamplerConfig, data.get("sampler", {}), "sampler")
         return from_dict(cls, data)

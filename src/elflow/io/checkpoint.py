@@ -284,7 +284,7 @@ def restore_optimizer(optimizer, state: dict[str, Any]) -> None:
     except (ValueError, KeyError) as e:  # torch's own messages: group or parameter counts
         raise ELFError(
             f"the checkpoint's optimizer state does not fit this optimizer ({e}); it was saved "
-            "with other optimizer settings or an older elflow: start a new --out with --init "
+            "with other optimizer settings or an older elflow: start a new --out with --model "
             "to continue from its weights"
         ) from None
     for group, own in zip(optimizer.param_groups, settings, strict=True):

@@ -281,6 +281,11 @@ def check_user_config(cfg: RunConfig, base: RunConfig) -> RunConfig:
             f"sampler.cfg {cfg.sampler.cfg} applies to conditional tasks only "
             "(classifier-free guidance on the source); leave it at 1"
         )
+    if cfg.task == "conditional" and cfg.objective.span_cond_prob > 0:
+        raise ELFError(
+            "objective.span_cond_prob trains unconditional models to infill; a conditional task "
+            "keeps its source as the condition: leave it at 0"
+        )
     if cfg.task == "unconditional" and cfg.max_input_length:
         raise ELFError(
             f"max_input_length {cfg.max_input_length} applies to conditional tasks only "

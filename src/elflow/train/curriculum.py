@@ -131,7 +131,8 @@ def teacher_tokenizer(source: str, tcfg: ArtifactConfig) -> str:
     here = vocab_hash(load_tokenizer(name))
     if tcfg.tokenizer_hash not in (None, here):
         raise ELFError(
-            f"--teacher {source} was trained with another vocabulary than tokenizer {name!r} "
+            f"--model {source} (the teacher) was trained with another vocabulary than "
+            f"tokenizer {name!r} "
             f"here (sha256 {tcfg.tokenizer_hash[:12]}... against {here[:12]}...); install the "
             "tokenizer it was trained with or put its files in the model's tokenizer/ folder"
         )
@@ -331,5 +332,5 @@ def _round(
         resume="auto",
         objective_factory=lambda c, i, pr: DistillObjective(c, teacher, spec, pr),
         init_state=init,
-        latent_cache_dir=folder.parent,  # data.latent_cache_dir=run: one cache for every round
+        latent_cache_dir=folder.parent,  # under data.latent_cache_dir=run: one for all rounds
     )

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -199,11 +200,13 @@ def write_samples(
     projection = None
     if cfg.sampler.project_from < 1.0:  # unconditional runs only (RunConfig checks)
         projection = Projection(encoder, spec.eos_id, spec.row_pad_id(artifact.pad_with_eos))
+    # Periodic samples are free-length (length control goes through ELFPipeline's infilling).
+    sampler = replace(cfg.sampler, length_range="")
     result = sample_model(
         net,
         gens,
-        model_cfg.max_length,
-        cfg.sampler,
+        artifact.sample_length(sampler),
+        sampler,
         artifact.noise_scale,
         artifact.t_eps,
         cond,

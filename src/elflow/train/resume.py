@@ -154,7 +154,8 @@ def check_resumable(cfg: RunConfig, saved: RunConfig, ckpt: Path) -> None:
     if not same_init(saved.train.init, cfg.train.init):
         raise ELFError(
             f"cannot resume {ckpt}: it was started from train.init {saved.train.init or 'none'!r}, "
-            f"now {cfg.train.init or 'none'!r}; give the same --init or use a new --out"
+            f"now {cfg.train.init or 'none'!r}; give the same --model (train.init) or use a new "
+            "--out"
         )
     if saved.model != replace(
         cfg.model, encoder_dim=saved.model.encoder_dim, vocab_size=saved.model.vocab_size
@@ -193,7 +194,7 @@ def check_resumable(cfg: RunConfig, saved: RunConfig, ckpt: Path) -> None:
         raise ELFError(
             f"cannot resume {ckpt}: it was trained with optim.optimizer={was}, now {now}; its "
             f"optimizer state is {was}'s: set optim.optimizer={was}, or start a new --out with "
-            "--init to continue from its weights"
+            "--model to continue from its weights"
         )
 
     def source_share(c: RunConfig) -> int:  # unconditional runs once saved an unused value
@@ -245,5 +246,5 @@ def check_same_rows(ckpt: Path, state: dict, rows: int) -> None:
         raise ELFError(
             f"cannot resume {ckpt}: it was trained on {saved} rows, the data now gives {rows}; "
             "the data order depends on it — restore that data (and data.max_rows), or start a "
-            "new --out (with --init to continue from its weights)"
+            "new --out (with --model to continue from its weights)"
         )

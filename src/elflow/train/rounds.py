@@ -153,8 +153,8 @@ def claim_out(out: Path, teacher_source: str, sha: str, info: DistInfo) -> None:
             problem = (
                 f"--out {out} holds rounds distilled from teacher {was} (weights sha256 "
                 f"{recorded['teacher_sha256'][:12]}...), not {checkpoint} ({sha[:12]}...; a run "
-                "folder gives its latest checkpoint); give that --teacher to continue, or use a "
-                "new --out"
+                "folder gives its latest checkpoint); give that --model (teacher) to continue, or "
+                "use a new --out"
             )
         else:  # the first start, or the same weights (perhaps moved): (re)write the record
             local = Path(teacher_source).expanduser()

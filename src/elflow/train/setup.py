@@ -16,12 +16,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from elflow.data.latent_cache import LatentCache, run_latent_cache
 from elflow.data.order import StreamOrder
-from elflow.data.prepare import measure_first_rows_latent_std, prepared_latent_std
+from elflow.data.preparation import measure_first_rows_latent_std, prepared_latent_std
 from elflow.data.rows import RowDataset, build_dataset
 from elflow.distributed import DistInfo, broadcast_object, parallelize, setup
 from elflow.encoder import FrozenEncoder
@@ -123,6 +124,10 @@ def prepare_run(
     cfg, init_state, init_source, resume_from, continues_out = _start(cfg, out, resume, init_state)
     torch.manual_seed(cfg.train.seed)
     tokenizer, dataset, valid, resume_state = _rows(cfg, info, init_source, resume_from)
+    lengths = text_lengths(dataset, tokenizer)
+    # The model's sampler defaults must suit it (latent_std may still be measured: any value).
+    unmeasured = replace(cfg, encoder=replace(cfg.encoder, latent_std=cfg.encoder.latent_std or 1))
+    run_artifact(unmeasured, "", lengths).check_sampler(cfg.sampler)
     encoder = _encoder(cfg, dataset, info)
     model_cfg = replace(cfg.model, encoder_dim=encoder.hidden_size, vocab_size=len(tokenizer))
     encoder_cfg = replace(cfg.encoder, latent_std=encoder.latent_std)
@@ -143,7 +148,8 @@ def prepare_run(
     cache = None
     if cfg.data.latent_cache:
         where = out if latent_cache_dir is None else Path(latent_cache_dir)
-        cache = run_latent_cache(cfg.data, dataset, encoder, where, info.is_main)
+        # Each machine's first process saves (a node-local cache serves that node's resumes).
+        cache = run_latent_cache(cfg.data, dataset, encoder, where, info.local_rank == 0)
     run = Run(
         cfg=cfg,
         out=out,
@@ -155,7 +161,7 @@ def prepare_run(
         dataset=dataset,
         valid=valid,
         encoder=encoder,
-        artifact=run_artifact(cfg, vocab_hash(tokenizer)),
+        artifact=run_artifact(cfg, vocab_hash(tokenizer), lengths),
         geometry=geometry,
         optim=optim_cfg,
         bf16=bf16,
@@ -297,8 +303,31 @@ def rank_seed(seed: int, rank: int, step: int) -> int:
     return (seed * 1_000_003 + rank * 7_919 + step) % 2**63
 
 
-def run_artifact(cfg: RunConfig, tokenizer_hash: str) -> ArtifactConfig:
-    """What a checkpoint of this run records to be loaded as a model (spec §10)."""
+LENGTH_SAMPLE = 20_000
+"""Rows :func:`text_lengths` reads (evenly spaced over the data)."""
+
+
+def text_lengths(dataset: RowDataset, tokenizer: Any) -> tuple[tuple[int, ...], float]:
+    """(how many texts have 0, 1, 2, ... tokens, their mean tokens per word), from up to
+    ``LENGTH_SAMPLE`` rows: what ``sampler.length_range`` draws lengths from. A text's tokens
+    are its row's valid tokens less its source and the tokenizer's own special tokens."""
+    n = len(dataset)
+    idx = np.unique(np.linspace(0, n - 1, min(n, LENGTH_SAMPLE)).astype(np.int64))
+    rows = dataset.get_rows(idx)
+    specials = len(tokenizer("", add_special_tokens=True)["input_ids"])
+    valid = rows["attention_mask"].sum(1) - rows["cond_mask"].sum(1) - specials
+    counts = np.bincount(np.clip(valid, 0, None), minlength=1)
+    texts = tokenizer.batch_decode(rows["input_ids"][:2000].tolist(), skip_special_tokens=True)
+    words = sum(len(t.split()) for t in texts)
+    tokens = int(np.clip(valid[:2000], 0, None).sum())
+    return tuple(int(c) for c in counts), round(tokens / max(words, 1), 4)
+
+
+def run_artifact(
+    cfg: RunConfig, tokenizer_hash: str, lengths: tuple[tuple[int, ...], float] = ((), 0.0)
+) -> ArtifactConfig:
+    """What a checkpoint of this run records to be loaded as a model (spec §10), with its
+    training texts' length histogram and tokens per word (:func:`text_lengths`)."""
     return ArtifactConfig(
         model=cfg.model,
         sampler=cfg.sampler,
@@ -314,6 +343,8 @@ def run_artifact(cfg: RunConfig, tokenizer_hash: str) -> ArtifactConfig:
         packed=cfg.data.packing,
         noise_scale=cfg.objective.noise_scale,
         t_eps=cfg.objective.t_eps,
+        length_histogram=lengths[0],
+        tokens_per_word=lengths[1],
         origin=f"elflow train (preset {cfg.preset or 'custom'})"
         + (f", fine-tuned from {cfg.train.init}" if cfg.train.init else ""),
     )

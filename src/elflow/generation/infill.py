@@ -1,0 +1,405 @@
+"""Infilling templates and target lengths: texts with gaps to token rows (an elflow addition).
+
+A template is text with gaps, ``In the beginning [___] the earth.``: ``[___]`` is a fill of the
+default length, ``[___5]`` one of 5 tokens, ``[___3-8]`` one of 3 to 8 tokens (drawn per sample,
+keyed by (seed, index)). Or explicit tokens and a keep mask. Each becomes a row laid out as the
+model's training rows are (its special tokens, its padding): every position but the fill is kept.
+A target length is the template ``[___n]`` (:func:`length_template`). ``elflow.infill`` holds the
+sampling side; :meth:`elflow.ELFPipeline.infill` puts them together.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from elflow.config import SamplerConfig, length_bounds
+from elflow.errors import ELFError
+from elflow.infill import FillVocabulary, Template
+
+GAP = re.compile(r"\[___(?:(\d+)(?:-(\d+))?)?\]")
+"""A gap in a template: ``[___]``, ``[___N]`` or ``[___A-B]`` (tokens)."""
+UNUSED = re.compile(r"\[unused\d+\]")
+DEFAULT_FILL = 8
+"""Tokens in a ``[___]`` gap without a length."""
+
+
+@dataclass(frozen=True)
+class Gap:
+    """A fill of ``lo`` to ``hi`` tokens (drawn per sample)."""
+
+    lo: int
+    hi: int
+
+
+@dataclass
+class InfillRequest:
+    """One text to fill: ``parts`` (kept text and gaps, in order), or explicit ``ids`` (with the
+    tokenizer's special tokens) and ``keep`` (1 = kept); a conditional model's ``source``."""
+
+    parts: list[str | Gap] | None = None
+    ids: list[int] | None = None
+    keep: list[int] | None = None
+    source: str | None = None
+
+
+def parse_template(text: str, default: int = DEFAULT_FILL) -> list[str | Gap]:
+    """``"a [___2-4] b"`` -> ``["a ", Gap(2, 4), " b"]``; one-line errors for bad gaps."""
+    parts: list[str | Gap] = []
+    at = 0
+    for m in GAP.finditer(text):
+        parts.append(text[at : m.start()])
+        lo = int(m.group(1)) if m.group(1) else default
+        hi = int(m.group(2)) if m.group(2) else lo
+        if not 1 <= lo <= hi:
+            raise ELFError(f"gap {m.group(0)!r} in {text!r}: give 1 <= A <= B tokens ([___A-B])")
+        parts.append(Gap(lo, hi))
+        at = m.end()
+    parts.append(text[at:])
+    if not any(isinstance(p, Gap) for p in parts):
+        raise ELFError(f"template {text!r} has no gap; mark what to fill with [___] or [___N]")
+    return [p for p in parts if p != ""]
+
+
+def length_template(lo: int, hi: int) -> list[str | Gap]:
+    """A whole text of ``lo`` to ``hi`` tokens: one gap and nothing kept but the row's layout."""
+    return [Gap(lo, hi)]
+
+
+def fill_vocabulary(tokenizer) -> FillVocabulary:
+    """The special tokens (and WordPiece's reserved ``[unusedN]``), and the pieces that continue a
+    word (WordPiece ``##x``; SentencePiece pieces without the word-start mark that begin with a
+    letter or digit)."""
+    V = len(tokenizer)
+    special = torch.zeros(V, dtype=torch.bool)
+    special[[i for i in tokenizer.all_special_ids if i < V]] = True
+    pieces = tokenizer.convert_ids_to_tokens(list(range(V)))
+    for i, piece in enumerate(pieces):  # BERT's reserved [unusedN]: never text
+        if piece and UNUSED.fullmatch(piece):
+            special[i] = True
+    sentencepiece = any(p.startswith("\u2581") for p in pieces if p)
+    continues = torch.zeros(V, dtype=torch.bool)
+    for i, piece in enumerate(pieces):
+        if not piece:
+            continue
+        if sentencepiece:
+            continues[i] = not piece.startswith("\u2581") and piece[0].isalnum()
+        else:
+            continues[i] = piece.startswith("##")
+    return FillVocabulary(special, continues & ~special)
+
+
+def placeholder_id(tokenizer) -> int:
+    """The id a gap holds before it is filled: the mask token, else the first extra special
+    token (T5's ``<extra_id_0>``), else the unknown token."""
+    extra = getattr(tokenizer, "additional_special_tokens", None) or []
+    extra_ids = tokenizer.convert_tokens_to_ids(extra[:1]) if extra else []
+    for candidate in (tokenizer.mask_token_id, *extra_ids):
+        if candidate is not None:
+            return int(candidate)
+    if tokenizer.unk_token_id is None:
+        raise ELFError("this tokenizer has no mask, extra or unknown token to hold a gap")
+    return int(tokenizer.unk_token_id)
+
+
+def length_generator(seed: int, index: int) -> torch.Generator:
+    """The generator of sample ``index``'s gap lengths (independent of its sampling noise)."""
+    digest = hashlib.sha256(f"elflow-length:{seed}:{index}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+
+
+def _layout(tokenizer, request: InfillRequest, hole: int, seed: int, index: int):
+    """(ids, keep) of one target: the template tokenised with ``hole`` at each gap, each hole
+    expanded to its drawn length."""
+    if request.parts is None:
+        if request.ids is None or request.keep is None or len(request.ids) != len(request.keep):
+            raise ELFError("an explicit infill request needs 'ids' and 'keep' of one length")
+        return list(request.ids), [int(bool(k)) for k in request.keep]
+    marker = tokenizer.convert_ids_to_tokens(hole)
+    text = "".join(f" {marker} " if isinstance(p, Gap) else p for p in request.parts)
+    ids = tokenizer(text, add_special_tokens=True)["input_ids"]
+    gaps = iter([p for p in request.parts if isinstance(p, Gap)])
+    gen = length_generator(seed, index)
+    out_ids, keep = [], []
+    for token in ids:
+        if token != hole:
+            out_ids.append(token)
+            keep.append(1)
+            continue
+        gap = next(gaps)
+        n = int(torch.randint(gap.lo, gap.hi + 1, (1,), generator=gen))
+        out_ids += [hole] * n
+        keep += [0] * n
+    return out_ids, keep
+
+
+def build_template(
+    tokenizer,
+    requests: Sequence[InfillRequest],
+    *,
+    length: int,
+    pad_id: int,
+    eos_id: int,
+    first_index: int = 0,
+    seed: int = 0,
+    max_input_length: int = 0,
+) -> Template:
+    """The rows of ``requests`` (sample i's gap lengths drawn from (seed, first_index + i)),
+    padded to ``length`` as training rows; a conditional model's source (its first
+    ``max_input_length`` tokens) comes first and is kept."""
+    hole = placeholder_id(tokenizer)
+    B = len(requests)
+    ids = torch.full((B, length), pad_id, dtype=torch.long)
+    keep = torch.ones(B, length, dtype=torch.bool)
+    attention = torch.zeros(B, length, dtype=torch.long)
+    source = torch.zeros(B, length, dtype=torch.bool) if max_input_length else None
+    for b, request in enumerate(requests):
+        target, kept = _layout(tokenizer, request, hole, seed, first_index + b)
+        head: list[int] = []
+        if source is not None:
+            if request.source is None:
+                raise ELFError("this model is conditional: give each infill request a 'source'")
+            head = tokenizer(request.source, add_special_tokens=True)["input_ids"]
+            head = head[:max_input_length]
+        elif request.source is not None:
+            raise ELFError("this model is unconditional: drop the infill requests' 'source'")
+        row = head + target
+        if len(row) > length:
+            raise ELFError(
+                f"infill request {first_index + b} needs {len(row)} tokens, more than the "
+                f"model's {length}; shorten its text or its gaps"
+            )
+        n = len(row)
+        ids[b, :n] = torch.tensor(row)
+        keep[b, len(head) : n] = torch.tensor(kept, dtype=torch.bool)
+        # Valid up to and including the first EOS of the target, as training rows are.
+        eos = [i for i, t in enumerate(target) if t == eos_id and kept[i]]
+        attention[b, : len(head) + (eos[0] + 1 if eos else len(target))] = 1
+        if source is not None:
+            source[b, : len(head)] = True
+    special = torch.zeros(max(len(tokenizer), 1), dtype=torch.bool)
+    special[[i for i in tokenizer.all_special_ids if i < len(tokenizer)]] = True
+    before = torch.cat([torch.ones(B, 1, dtype=torch.bool), keep[:, :-1]], dim=1)
+    word_before = before & ~special[torch.cat([ids[:, :1], ids[:, :-1]], dim=1)]
+    after_word = ~keep & word_before
+    if source is not None:
+        after_word &= ~torch.cat([source[:, :1], source[:, :-1]], dim=1)
+    return Template(ids, keep, attention, after_word, source)
+
+
+def kept_texts(tokenizer, template: Template, row: int) -> list[str]:
+    """The kept text runs of a template row (special tokens and the source left out)."""
+    keep = template.keep[row].tolist()
+    source = [False] * len(keep) if template.source is None else template.source[row].tolist()
+    runs, current = [], []
+    for i, kept in enumerate(keep):
+        if kept and not source[i]:
+            current.append(int(template.ids[row, i]))
+        elif current:
+            runs.append(current)
+            current = []
+    if current:
+        runs.append(current)
+    texts = [tokenizer.decode(r, skip_special_tokens=True).strip() for r in runs]
+    return [t for t in texts if t]
+
+
+def survives(text: str, kept: Sequence[str]) -> bool:
+    """Whether every kept run appears in ``text`` whole and in order (words not merged into a
+    neighbour's; whitespace-insensitive)."""
+    words = text.split()
+    at = 0
+    for run in kept:
+        want = run.split()
+        found = next(
+            (i for i in range(at, len(words) - len(want) + 1) if words[i : i + len(want)] == want),
+            None,
+        )
+        if found is None:
+            return False
+        at = found + len(want)
+    return True
+
+
+def fill_texts(tokenizer, template: Template, tokens: Tensor) -> list[list[str]]:
+    """Each row's filled gaps as text, in order."""
+    out = []
+    for b in range(tokens.shape[0]):
+        fill = (~template.keep[b]).tolist()
+        spans, current = [], []
+        for i, is_fill in enumerate(fill):
+            if is_fill:
+                current.append(int(tokens[b, i]))
+            elif current:
+                spans.append(current)
+                current = []
+        if current:
+            spans.append(current)
+        out.append([tokenizer.decode(s, skip_special_tokens=True).strip() for s in spans])
+    return out
+
+
+def requests_from_records(rows: Sequence[dict], field: str = "text") -> list[InfillRequest]:
+    """Infill requests from JSONL records: a template in ``field``, or ``ids`` and ``keep``; an
+    optional ``source``."""
+    out = []
+    for i, row in enumerate(rows):
+        source = row.get("source")
+        if "ids" in row or "keep" in row:
+            out.append(InfillRequest(ids=row.get("ids"), keep=row.get("keep"), source=source))
+        elif isinstance(row.get(field), str):
+            out.append(InfillRequest(parts=parse_template(row[field]), source=source))
+        else:
+            raise ELFError(
+                f"infill line {i + 1}: give a template in '{field}' (text with [___] gaps) or "
+                "'ids' and 'keep'"
+            )
+    return out
+
+
+def as_requests(items: Sequence[str | InfillRequest | dict]) -> list[InfillRequest]:
+    """Templates, :class:`InfillRequest` objects or JSONL-style dicts, as requests."""
+    out = []
+    for item in items:
+        if isinstance(item, str):
+            item = InfillRequest(parts=parse_template(item))
+        elif isinstance(item, dict):
+            item = requests_from_records([item])[0]
+        elif not isinstance(item, InfillRequest):
+            kind = type(item).__name__
+            raise ELFError(f"an infill request is a template, a dict or an InfillRequest: {kind}")
+        out.append(item)
+    return out
+
+
+def length_requests(
+    length_range: str,
+    indices: Sequence[int],
+    seed: int,
+    histogram: Sequence[int] = (),
+    tokens_per_word: float = 0.0,
+) -> list[InfillRequest]:
+    """One whole-text gap per sample for ``length_range`` (:class:`SamplerConfig`): N or A:B
+    tokens; A:Bw words (A to B words times the model's tokens per word, 1.3 when it records
+    none); ``data``: a length drawn from the training texts' ``histogram``."""
+    out = []
+    for i in indices:
+        gen = length_generator(seed, i)
+        if length_range == "data":
+            weights = torch.tensor([float(c) for c in histogram])
+            weights[0] = 0.0  # an empty text has no gap to fill
+            n = int(torch.multinomial(weights, 1, generator=gen))
+            out.append(InfillRequest(parts=length_template(n, n)))
+            continue
+        lo, hi, words = length_bounds(length_range)
+        if words:
+            k = int(torch.randint(lo, hi + 1, (1,), generator=gen))
+            n = max(1, round(k * (tokens_per_word or 1.3)))
+            lo = hi = n
+        out.append(InfillRequest(parts=length_template(lo, hi)))
+    return out
+
+
+@dataclass
+class Infilled:
+    """Filled texts and what to check them by."""
+
+    texts: list[str]
+    """The whole texts (a conditional model's target only)."""
+    fills: list[list[str]]
+    """Each sample's filled gaps, in order."""
+    kept: list[list[str]]
+    """Each sample's kept text runs."""
+    survived: list[bool]
+    """Whether every kept run is in the text, whole and in order (:func:`survives`)."""
+    tokens: Tensor
+    """(n, L_out) token ids."""
+    trajectory: list[list[str]] | None = None
+    """trajectory[k][i]: sample i's text after step k (when asked for)."""
+
+
+@torch.no_grad()
+def infill_batch(
+    pipe,
+    requests: Sequence[InfillRequest],
+    sampler: SamplerConfig,
+    *,
+    seed: int = 0,
+    first_index: int = 0,
+    trajectory: bool = False,
+) -> Infilled:
+    """Fill ``requests`` (samples first_index, first_index + 1, ...) in one batch with
+    ``pipe``'s model (an :class:`elflow.ELFPipeline`), unchecked: see :meth:`ELFPipeline.infill`.
+    """
+    from elflow.infill import constrained_tokens, initial_condition, refresh_denoiser
+    from elflow.network import decode_logits, make_denoiser, sampling_w
+    from elflow.sampling import sample, sample_generators
+
+    cfg, model, tok = pipe.config, pipe.model, pipe.tokens
+    L, dev = cfg.model.max_length, pipe.device
+    template = build_template(
+        pipe.tokenizer,
+        requests,
+        length=L,
+        pad_id=pipe.row_pad_id,
+        eos_id=tok.eos_id,
+        first_index=first_index,
+        seed=seed,
+        max_input_length=cfg.max_input_length if cfg.conditional else 0,
+    )
+    template = Template(*(None if x is None else x.to(dev) for x in vars(template).values()))
+    encoder = pipe.frozen_encoder("infilling and length control")
+
+    def encode(ids: Tensor, attention: Tensor, source: Tensor | None) -> Tensor:
+        return encoder(ids, attention, None if source is None else source.long())
+
+    vocab = pipe.fill_vocabulary
+    cond = initial_condition(template, encode)
+    w = sampling_w(model, sampler.w)
+    denoise = make_denoiser(model, w, cfg.t_eps, cond, sampler.cfg)
+
+    def logits(z: Tensor) -> Tensor:
+        return decode_logits(model, z, w)
+
+    if sampler.refresh_from < 1.0 or sampler.project_from < 1.0:
+        denoise = refresh_denoiser(
+            denoise,
+            logits,
+            encode,
+            template,
+            vocab,
+            cond,
+            sampler.refresh_from,
+            cfg.t_eps,
+            sampler.project_from,
+        )
+    indices = range(first_index, first_index + len(requests))
+    out = sample(
+        denoise,
+        lambda z: constrained_tokens(logits(z), template, vocab),
+        sample_generators(seed, list(indices), dev),
+        (L, cfg.model.encoder_dim),
+        sampler,
+        cfg.noise_scale,
+        cond,
+        trajectory,
+        cfg.t_eps,
+    )
+    texts = pipe.detokenize(out.tokens, template.source)
+    kept = [kept_texts(pipe.tokenizer, template, b) for b in range(len(requests))]
+    frames = None
+    if trajectory:
+        frames = [pipe.detokenize(frame, template.source) for frame in out.trajectory]
+    return Infilled(
+        texts=texts,
+        fills=fill_texts(pipe.tokenizer, template, out.tokens),
+        kept=kept,
+        survived=[survives(t, k) for t, k in zip(texts, kept, strict=True)],
+        tokens=pipe.strip_source(out.tokens, template.source).cpu(),
+        trajectory=frames,
+    )

@@ -1,0 +1,223 @@
+"""Infilling and length control: templates to rows, constrained decoding, kept text that
+survives whole, exact fill lengths, the span-conditioning training rows, and the command line."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from elflow import ArtifactConfig, ELFPipeline, SamplerConfig, build_model, save_model
+from elflow.__main__ import main
+from elflow.config import elf_tiny
+from elflow.errors import ELFError
+from elflow.generation.infill import (
+    Gap,
+    InfillRequest,
+    build_template,
+    fill_vocabulary,
+    kept_texts,
+    length_requests,
+    parse_template,
+    survives,
+)
+from elflow.infill import Template, constrained_tokens
+from tests.test_sample_cli import MINILM, VOCAB, _perturb, make_cond, save_tiny_encoder
+
+L = 16
+
+
+def make_infill_model(root, histogram=()) -> str:
+    """A tiny unconditional model with a width-8 encoder, rows padded with EOS (as bible-tiny)."""
+    torch.manual_seed(0)
+    save_tiny_encoder(root / "encoder")
+    cfg = elf_tiny(encoder_dim=8, vocab_size=VOCAB, max_length=L)
+    config = ArtifactConfig(
+        model=cfg,
+        sampler=SamplerConfig(steps=3, sampler="sde", gamma=1.0, w=2.0),
+        encoder=str(root / "encoder"),
+        tokenizer=MINILM,
+        latent_std=0.5,
+        pad_with_eos=True,
+        length_histogram=tuple(histogram),
+    )
+    return str(save_model(root / "model", _perturb(build_model(cfg)), config))
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return make_infill_model(tmp_path_factory.mktemp("infill"), histogram=(5, 0, 1, 3))
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(MINILM)
+
+
+def test_templates_parse_gaps_and_refuse_bad_ones():
+    assert parse_template("a [___2-4] b [___]") == ["a ", Gap(2, 4), " b ", Gap(8, 8)]
+    assert parse_template("[___3]x") == [Gap(3, 3), "x"]
+    for bad, match in (
+        ("no gap", "has no gap"),
+        ("a [___0] b", "1 <= A <= B"),
+        ("[___5-2]", "1 <= A <= B"),
+    ):
+        with pytest.raises(ELFError, match=match):
+            parse_template(bad)
+
+
+def test_a_template_row_keeps_everything_but_the_gap(tokenizer):
+    request = InfillRequest(parts=parse_template("in the beginning [___3] the earth."))
+    t = build_template(tokenizer, [request], length=L, pad_id=102, eos_id=102)
+    tokens = tokenizer.convert_ids_to_tokens(t.ids[0].tolist())
+    assert tokens[:4] == ["[CLS]", "in", "the", "beginning"]
+    assert tokens[4:7] == ["[MASK]"] * 3 and tokens[7:11] == ["the", "earth", ".", "[SEP]"]
+    assert t.keep[0].tolist() == [True] * 4 + [False] * 3 + [True] * (L - 7)
+    assert t.attention[0].tolist() == [1] * 11 + [0] * (L - 11)  # valid through [SEP]
+    assert t.after_word[0].tolist() == [False] * 4 + [True] + [False] * (L - 5)
+    assert kept_texts(tokenizer, t, 0) == ["in the beginning", "the earth."]
+    with pytest.raises(ELFError, match="needs 21 tokens, more than the model's 16"):
+        build_template(
+            tokenizer, [InfillRequest(parts=[Gap(19, 19)])], length=L, pad_id=0, eos_id=102
+        )
+
+
+def test_gap_lengths_are_drawn_per_sample_and_seed(tokenizer):
+    request = InfillRequest(parts=[Gap(1, 9)])
+    fills = [
+        int(
+            (
+                ~build_template(tokenizer, [request], length=L, pad_id=0, eos_id=102, seed=s).keep
+            ).sum()
+        )
+        for s in range(20)
+    ]
+    assert set(fills) <= set(range(1, 10)) and len(set(fills)) > 3
+    again = build_template(tokenizer, [request] * 3, length=L, pad_id=0, eos_id=102, seed=4)
+    alone = build_template(
+        tokenizer, [request], length=L, pad_id=0, eos_id=102, seed=4, first_index=2
+    )
+    assert torch.equal(again.keep[2], alone.keep[0])  # (seed, index), not the batch
+
+
+def test_constrained_decoding_forces_kept_and_bans_specials_and_glue(tokenizer):
+    vocab = fill_vocabulary(tokenizer)
+    ids = tokenizer.convert_tokens_to_ids(["[CLS]", "in", "[MASK]", "[MASK]", "[SEP]"])
+    keep = torch.tensor([[1, 1, 0, 0, 1]], dtype=torch.bool)
+    after = torch.tensor([[0, 0, 1, 0, 0]], dtype=torch.bool)
+    t = Template(torch.tensor([ids]), keep, torch.ones(1, 5, dtype=torch.long), after)
+    logits = torch.zeros(1, 5, VOCAB)
+    sep, glue, word = (tokenizer.convert_tokens_to_ids(x) for x in ("[SEP]", "##ing", "god"))
+    logits[0, :, sep] = 10.0  # the model would end the text inside the gap
+    logits[0, :, glue] = 9.0  # or glue "##ing" onto "in"
+    logits[0, :, word] = 1.0
+    out = constrained_tokens(logits, t, vocab)[0].tolist()
+    assert out[:2] == ids[:2] and out[4] == ids[4]  # kept, whatever the logits say
+    assert out[2] == word and out[3] == glue  # no glue after a kept word; inside the gap, fine
+    assert bool(vocab.continues[glue]) and not bool(vocab.continues[word])
+    assert bool(vocab.special[sep])
+
+
+def test_survival_is_whole_words_in_order():
+    assert survives("in the beginning god made the earth.", ["in the beginning", "the earth."])
+    assert not survives("in the beginnings made the earth.", ["in the beginning", "the earth."])
+    assert not survives("the earth. in the beginning", ["in the beginning", "the earth."])
+
+
+def test_infill_keeps_the_kept_text_and_fills_exact_lengths(model):
+    pipe = ELFPipeline.from_pretrained(model)
+    templates = ["the lord [___3] the earth.", "[___2] said.", "god [___2] and [___1] light"]
+    out = pipe.infill(templates, seed=1)
+    assert out.survived == [True] * 3
+    assert [len(f) for f in out.fills] == [1, 1, 2]
+    row = pipe.tokenizer.convert_ids_to_tokens(out.tokens[0, :10].tolist())
+    assert row[:3] == ["[CLS]", "the", "lord"] and row[6:] == ["the", "earth", ".", "[SEP]"]
+    assert not set(row[3:6]) & {"[CLS]", "[SEP]", "[PAD]", "[MASK]"}  # a 3-token fill, exactly
+    assert out.kept[0] == ["the lord", "the earth."]
+    for text, kept in zip(out.texts, out.kept, strict=True):
+        assert survives(text, kept)
+    again = pipe.infill(templates, seed=1, batch_size=1)
+    assert again.texts == out.texts  # sample i depends on (seed, i) only
+    calls = []
+    encode = pipe.encoder.forward
+    pipe.encoder.forward = lambda *a, **k: calls.append(1) or encode(*a, **k)
+    frozen = pipe.infill(templates, seed=1, sampler=replace(pipe.sampler, refresh_from=1.0))
+    assert frozen.survived == [True] * 3 and len(calls) == 1  # the placeholder encoding only
+    pipe.infill(templates, seed=1)
+    assert len(calls) == 1 + 1 + 3  # and then one refresh per step (3 steps)
+
+
+def test_a_conditional_model_infills_its_target(tmp_path):
+    pipe = ELFPipeline.from_pretrained(make_cond(tmp_path / "cond"))
+    out = pipe.infill([{"text": "a [___2] tool", "source": "ein werkzeug"}], seed=0)
+    assert out.survived == [True] and out.tokens.shape == (1, 16 - 8)
+    with pytest.raises(ELFError, match="give each infill request a 'source'"):
+        pipe.infill(["a [___2] tool"])
+
+
+def test_length_control_gives_exact_token_counts(model):
+    pipe = ELFPipeline.from_pretrained(model)
+    texts = pipe.generate(4, sampler=replace(pipe.sampler, length_range="5"), seed=0)
+    for text in texts:
+        n = len(pipe.tokenizer(text, add_special_tokens=False)["input_ids"])
+        assert n >= 1  # decoding may merge pieces into fewer words, never more tokens
+    out = pipe.generate_full(6, sampler=replace(pipe.sampler, length_range="3:6"), seed=0)
+    ends = (out.tokens == pipe.tokens.eos_id).int().argmax(1).tolist()
+    assert all(4 <= e <= 7 for e in ends)  # [CLS] + 3..6 tokens, then [SEP]
+    data = pipe.generate_full(20, sampler=replace(pipe.sampler, length_range="data"), seed=0)
+    ends = set((data.tokens == pipe.tokens.eos_id).int().argmax(1).tolist())
+    assert ends <= {3, 4}  # the histogram has texts of 2 and 3 tokens only
+    requests = length_requests("4:6w", range(3), 0, tokens_per_word=2.0)
+    assert all(r.parts[0].lo == r.parts[0].hi in (8, 10, 12) for r in requests)
+
+
+def test_length_control_needs_what_it_draws_from(tmp_path):
+    pipe = ELFPipeline.from_pretrained(make_infill_model(tmp_path))  # no histogram recorded
+    with pytest.raises(ELFError, match=r"has none .*give a range"):
+        pipe.generate(1, sampler=replace(pipe.sampler, length_range="data"))
+    with pytest.raises(ELFError, match=r"sampler\.length_range must be N, A:B"):
+        replace(pipe.sampler, length_range="ten")
+
+
+def test_cli_infill_writes_fills_and_a_page_with_kept_text(model, tmp_path, capsys):
+    lines = [{"text": "the lord [___2] the earth."}, {"text": "[___3] light."}]
+    requests = tmp_path / "in.jsonl"
+    requests.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    out, page = tmp_path / "out.jsonl", tmp_path / "page.html"
+    argv = ["sample", "--model", model, "--infill", str(requests), "--out", str(out)]
+    assert main([*argv, "--trajectory", str(page), "--steps", "2"]) == 0
+    records = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [r["template"] for r in records] == [x["text"] for x in lines]
+    assert all(r["kept_survived"] for r in records) and records[1]["kept"] == ["light."]
+    html = page.read_text()
+    assert "kept text" in html and '"kept":' in html
+    assert main(["sample", "--model", model, "--length-range", "3", "-n", "2"]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 2
+
+
+def test_span_condition_keeps_all_but_one_span():
+    from elflow.train.batches import span_condition
+    from elflow.train.config import RunConfig
+
+    cfg = RunConfig()
+    cfg = replace(cfg, objective=replace(cfg.objective, span_cond_prob=1.0))
+    attention = np.zeros((64, 20), dtype=np.int64)
+    attention[:, :12] = 1  # 12 valid tokens: [CLS] + 10 + [SEP]
+    spans = span_condition(attention, np.arange(64), cfg)
+    filled = 1 - spans
+    assert (filled[:, 0] == 0).all() and (filled[:, 11:] == 0).all()  # ends and padding kept
+    sizes = filled.sum(1)
+    assert sizes.min() >= 1 and sizes.max() <= 6  # 10-60% of the 10 text tokens
+    for row in filled:  # one contiguous span
+        on = np.flatnonzero(row)
+        assert on[-1] - on[0] + 1 == len(on)
+    again = span_condition(attention[10:20], np.arange(10, 20), cfg)
+    assert (again == spans[10:20]).all()  # keyed by stream position, not by batch
+    half = replace(cfg, objective=replace(cfg.objective, span_cond_prob=0.5))
+    share = span_condition(attention, np.arange(64), half).any(1).mean()
+    assert 0.25 < share < 0.75
