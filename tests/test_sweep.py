@@ -57,7 +57,9 @@ def test_grid_gamma_only_for_sde():
         "steps": None,
         "w": 1.0,
         "gamma": None,
+        "gamma_schedule": None,
     }
+    assert sweep.Cell.of("sde", w=1.0).name == "sde-ndefault-w1-gdefault"  # as before the axis
 
 
 def test_grid_cells_have_distinct_names():
@@ -283,3 +285,24 @@ def test_sweep_over_seeds_equals_sample_seeds_and_resumes_per_seed(
     assert read(out / "samples" / "ode-n2-wdefault.jsonl") == records
     resumed = json.loads((out / "metrics" / "ode-n2-wdefault.json").read_text())
     assert resumed["gen_ppl"] == metrics["gen_ppl"] and resumed["per_seed"] == metrics["per_seed"]
+
+
+def test_the_sampler_zoo_sweeps_and_groups_by_nfe(model_dir, tmp_path):
+    out = tmp_path / "zoo"
+    argv = ["sweep", "--model", str(model_dir), "--out", str(out), "-n", "2", "--judge", "none"]
+    argv += ["--sampler", "sde,heun,pc", "--steps", "2,3", "--gamma-schedule", "constant,cosine"]
+    argv += ["--bootstrap", "0", "--device", "cpu"]
+    assert elflow_main(argv) == 0
+    names = sorted(p.stem for p in (out / "samples").iterdir())
+    assert "sde-n2-wdefault-gdefault-scosine" in names and "pc-n3-wdefault" in names
+    assert len(names) == 2 * 2 + 2 + 2  # the schedule applies to the SDE only
+    with (out / "table.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    cosine = [r for r in rows if r["gamma_schedule"] == "cosine"]
+    assert len(cosine) == 2 and all(r["sampler"] == "sde" for r in cosine)
+    assert {r["nfe"] for r in rows if r["sampler"] == "pc"} == {"3", "5"}
+    table = (out / "table.md").read_text()
+    body = [line for line in table.splitlines() if line.startswith("| ") and "sampler" not in line]
+    nfes = [int(line.split("|")[3]) for line in body]
+    assert nfes == sorted(nfes)  # grouped by cost
+    assert "γ schedule" in table

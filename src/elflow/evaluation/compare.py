@@ -21,7 +21,7 @@ from typing import Any
 
 from elflow.errors import ELFError
 
-SETTINGS = ("sampler", "steps", "nfe", "gamma", "w", "project_from")
+SETTINGS = ("sampler", "steps", "nfe", "gamma", "gamma_schedule", "w", "project_from")
 """Cell settings a comparison may require to agree (``--same``)."""
 
 

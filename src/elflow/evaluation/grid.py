@@ -28,6 +28,9 @@ class Axis:
     """Its prefix in cell names: ``n`` in ``sde-n16-w3-g1.5``."""
     samplers: tuple[str, ...] | None = None
     """The samplers it applies to (None: all); other samplers' cells leave it out."""
+    named_default: bool = True
+    """Whether a cell at the model's value names it (``-gdefault``); an axis added later leaves
+    it out, so the cells of sweeps run before it keep their names."""
 
     @property
     def flag(self) -> str:
@@ -41,6 +44,7 @@ AXES: tuple[Axis, ...] = (
     Axis("steps", int, "n"),
     Axis("w", float, "w"),
     Axis("gamma", float, "g", samplers=("sde",)),
+    Axis("gamma_schedule", str, "s", samplers=("sde",), named_default=False),
 )
 """The grid's axes besides the sampler, in cell-name order."""
 
@@ -81,8 +85,12 @@ class Cell:
     @property
     def name(self) -> str:
         """A file-name-safe id, e.g. ``sde-n16-w3-g1.5`` (``default`` for a model default)."""
-        tags = {a.field: a.tag for a in AXES}
-        return self.sampler + "".join(f"-{tags[f]}{_show(v)}" for f, v in self.values)
+        axes = {a.field: a for a in AXES}
+        return self.sampler + "".join(
+            f"-{axes[f].tag}{_show(v)}"
+            for f, v in self.values
+            if v is not None or axes[f].named_default
+        )
 
 
 def grid(samplers: Sequence[str], values: Mapping[str, Sequence[Any]]) -> list[Cell]:

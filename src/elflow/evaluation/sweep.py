@@ -63,6 +63,9 @@ RESUME_KEYS = (
     "time_grid",
     "time_mean",
     "time_std",
+    "pc_snr",
+    "length_range",
+    "refresh_from",
 )
 """The options every cell of one sweep shares (``sweep.json``): a ``--resume`` must repeat them."""
 RESUME_DEFAULTS = {
@@ -72,6 +75,9 @@ RESUME_DEFAULTS = {
     "time_grid": None,
     "time_mean": None,
     "time_std": None,
+    "pc_snr": None,
+    "length_range": None,
+    "refresh_from": None,
 }
 """Their values in a ``sweep.json`` written before they were recorded."""
 

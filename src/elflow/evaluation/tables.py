@@ -20,7 +20,7 @@ from typing import Any
 
 from elflow.evaluation.compare import Scored, separation
 
-SETTING_COLUMNS = ("sampler", "steps", "nfe", "gamma", "w", "project_from")
+SETTING_COLUMNS = ("sampler", "steps", "nfe", "gamma", "gamma_schedule", "w", "project_from")
 """The sampler settings of a row; a new grid axis adds its field here."""
 SEED_METRICS = ("gen_ppl", "entropy", "mauve")
 """Metrics whose between-seed mean and spread get columns."""
@@ -131,16 +131,20 @@ def write_tables(folder: Path, rows: list[dict], protocol: str, notes: Sequence[
     mauve = any(r["mauve"] != "" for r in rows)
     seeds = any(r["num_seeds"] > 1 for r in rows)
     ppl_head = "gen PPL mean ± sd [pooled 95% CI]" if seeds else "gen PPL [95% CI]"
-    heads = ["sampler", "steps", "nfe", "gamma", "w"] + ["project from"] * projected
+    schedules = any(r.get("gamma_schedule", "") not in ("", "constant") for r in rows)
+    heads = ["sampler", "steps", "nfe", "gamma"] + ["γ schedule"] * schedules + ["w"]
+    heads += ["project from"] * projected
     heads += [ppl_head, "entropy" + " mean ± sd" * seeds]
     heads += ["MAUVE" + " (per seed: mean ± sd)" * seeds] * mauve
     heads += ["distinct-2", "rep-4", "self-BLEU", "empty", "dup", "seconds"]
     heads += ["BLEU", "ROUGE-L"] * refs
     lines = ["| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
-    for r in rows:
+    # Grouped by cost: rows of one NFE (network evaluations per sample) compare fairly.
+    for r in sorted(rows, key=_by_nfe):
         ppl = f"{_with_spread(r, 'gen_ppl', 2, seeds)} [{fmt(r['gen_ppl_lo'])}, "
         ppl += f"{fmt(r['gen_ppl_hi'])}]"
-        cols = [str(r[k]) for k in ("sampler", "steps", "nfe", "gamma", "w")]
+        cols = [str(r[k]) for k in ("sampler", "steps", "nfe", "gamma")]
+        cols += [str(r.get("gamma_schedule", ""))] * schedules + [str(r["w"])]
         cols += [str(r.get("project_from", ""))] * projected
         cols += [ppl, _with_spread(r, "entropy", 3, seeds)]
         cols += [_mauve(r, seeds)] * mauve
@@ -161,6 +165,12 @@ def write_tables(folder: Path, rows: list[dict], protocol: str, notes: Sequence[
     if apart:
         lines.append(f"\n{apart}.")
     (folder / "table.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+def _by_nfe(row: dict) -> tuple[float, int]:
+    """Sort key: by NFE (the reference row, which has none, last), stable within one NFE."""
+    nfe = row.get("nfe", "")
+    return (math.inf if nfe in ("", None) else float(nfe), 0)
 
 
 def _bars(rows: Sequence[dict], key: str) -> list[list[float]]:
