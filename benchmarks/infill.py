@@ -54,6 +54,7 @@ def masked_verses(pipe: ELFPipeline, num: int, seed: int) -> list[tuple[str, str
 
 
 def infill_row(name, pipe, verses, sampler, judge, batch_size) -> dict:
+    """One row of the table (every output kept in ``outputs``)."""
     requests = [InfillRequest(parts=[p + " ", Gap(n, n), " " + s]) for p, _, s, n in verses]
     t0 = time.perf_counter()
     out = pipe.infill(requests, sampler=sampler, seed=0, batch_size=batch_size)
@@ -64,9 +65,9 @@ def infill_row(name, pipe, verses, sampler, judge, batch_size) -> dict:
     row["kept_survived"] = sum(out.survived) / len(out.survived)
     row["fill_bleu"] = bleu(fills, spans).score
     row["fill_rougeL"] = rouge(fills, spans)["rougeL"]
-    row["examples"] = [
-        {"template": f"{p} [___{n}] {s}", "original": sp, "filled": t}
-        for (p, sp, s, n), t in list(zip(verses, out.texts, strict=True))[:5]
+    row["outputs"] = [
+        {"template": f"{p} [___{n}] {s}", "original": sp, "filled": t, "kept": k, "fill": f}
+        for (p, sp, s, n), t, k, f in zip(verses, out.texts, out.kept, fills, strict=True)
     ]
     return row
 

@@ -127,6 +127,8 @@ def test_survival_is_whole_words_in_order():
     assert survives("in the beginning god made the earth.", ["in the beginning", "the earth."])
     assert not survives("in the beginnings made the earth.", ["in the beginning", "the earth."])
     assert not survives("the earth. in the beginning", ["in the beginning", "the earth."])
+    assert survives("in its.... the ephod.", ["in its", "the ephod."])  # punctuation after it
+    assert not survives("in itself the ephod.", ["in its", "the ephod."])  # a longer word
 
 
 def test_infill_keeps_the_kept_text_and_fills_exact_lengths(model):

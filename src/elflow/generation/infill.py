@@ -210,19 +210,19 @@ def kept_texts(tokenizer, template: Template, row: int) -> list[str]:
 
 
 def survives(text: str, kept: Sequence[str]) -> bool:
-    """Whether every kept run appears in ``text`` whole and in order (words not merged into a
-    neighbour's; whitespace-insensitive)."""
-    words = text.split()
+    """Whether every kept run appears in ``text`` in order, unchanged and not merged into a
+    neighbouring word: no letter or digit right before or after it (punctuation a fill puts
+    there, as in "its." or "man,", leaves the kept words whole); whitespace-insensitive."""
     at = 0
     for run in kept:
-        want = run.split()
-        found = next(
-            (i for i in range(at, len(words) - len(want) + 1) if words[i : i + len(want)] == want),
-            None,
-        )
+        words = run.split()
+        if not words:
+            continue
+        body = r"\s+".join(re.escape(w) for w in words)
+        found = re.compile(rf"(?<![^\W_]){body}(?![^\W_])").search(text, at)
         if found is None:
             return False
-        at = found + len(want)
+        at = found.end()
     return True
 
 
