@@ -1,4 +1,4 @@
-"""Benchmark `elflow prepare` on a synthetic corpus: tokens/s and peak RSS (issue 3, benchmarks).
+"""Benchmark `elflow prepare` on a synthetic corpus: tokens/s and peak RSS.
 
 Writes a corpus of random English words (the whole-word entries of the MiniLM WordPiece vocabulary,
 in sentences and one-line documents) in chunks to a temporary folder of *.txt files, then runs

@@ -67,3 +67,25 @@ def test_cpu_presets_use_auto_and_explicit_bf16_on_emulating_cpu_warns(cpu_bf16)
     assert slow_bf16_warning(forced.train.precision, forced.optim.muon_ns_dtype, CUDA) is None
     cpu_bf16(True)
     assert slow_bf16_warning(forced.train.precision, forced.optim.muon_ns_dtype, CPU) is None
+
+
+def test_packed_bf16_linear_equals_f_linear(monkeypatch):
+    """oneDNN's packed bf16 matmul (bias, and the SwiGLU's SiLU, fused) against plain F.linear."""
+    import torch
+
+    from elflow import hardware
+
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(24, 16, generator=g), torch.randn(24, generator=g)
+    x = torch.randn(2, 5, 16, generator=g).to(torch.bfloat16)
+    packed = hardware.LowpLinear.of(w, b, torch.bfloat16)
+    if not packed.packed:
+        pytest.skip("no oneDNN bf16 matmul on this machine")
+    monkeypatch.setattr(hardware, "_onednn_packs", lambda weight: False)
+    plain = hardware.LowpLinear.of(w, b, torch.bfloat16)
+    assert not plain.packed and plain.weight.dtype == torch.bfloat16
+    assert torch.equal(packed(x), plain(x))
+    torch.testing.assert_close(packed(x, silu=True), plain(x, silu=True), rtol=0.01, atol=0.02)
+    other = torch.randn(2, 5, 24, generator=g).to(torch.bfloat16)
+    torch.testing.assert_close(packed(x, times=other), plain(x, times=other), rtol=0.01, atol=0.05)
+    assert not hardware.LowpLinear.of(w, b, torch.float32).packed  # fp32 stays plain

@@ -4,6 +4,8 @@ bf16 is a large win on CPUs that multiply it in hardware (x86 AVX-512 BF16 or AM
 extension): the CPU presets' steps run about 1.8x faster there. Everywhere else PyTorch emulates
 bf16 matrix products, which is ~100x slower than fp32 (a 1024^2 matmul on an AVX2-only AMD EPYC:
 0.8 GFLOP/s against 86-90), so bf16 must never be chosen silently there (README "Precision").
+:class:`LowpLinear` is a Linear layer for low-precision inference, pre-packed for the CPU's
+matrix unit where oneDNN can (the network's bf16 sampling path, ``elflow.model.lowp_block``).
 """
 
 from __future__ import annotations
@@ -12,8 +14,11 @@ import contextlib
 import functools
 import os
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
+from torch import Tensor
 
 _X86_BF16 = {"avx512_bf16", "amx_bf16"}
 ENV = "ELFLOW_CPU_BF16"
@@ -73,6 +78,49 @@ def full_precision(device: torch.device) -> torch.autocast:
     """Autocast off inside a caller's bf16 autocast: what spec §3 keeps in the parameters' dtype
     (fp32) runs there (the network's projections, embedders and heads; the frozen encoder)."""
     return torch.autocast(device.type, enabled=False)
+
+
+def _onednn_packs(weight: Tensor) -> bool:
+    """Whether oneDNN can pre-pack ``weight`` for :class:`LowpLinear` (bf16 on a CPU)."""
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
+        return False
+    ops = torch.ops.mkldnn
+    if not (torch.backends.mkldnn.is_available() and hasattr(ops, "_linear_pointwise")):
+        return False
+    return hasattr(ops, "_is_mkldnn_bf16_supported") and ops._is_mkldnn_bf16_supported()
+
+
+class LowpLinear(NamedTuple):
+    """A Linear layer in a low-precision dtype for inference. On a CPU with oneDNN the weight is
+    packed once into its matmul layout and the bias (and a SiLU) run inside the matmul.
+
+    NOTE: the packed path uses ``torch.ops.mkldnn`` (the ops torch.compile emits for frozen CPU
+    linears); where they are missing, plain ``F.linear`` does the same sums.
+    """
+
+    weight: Tensor
+    bias: Tensor
+    packed: bool
+
+    @classmethod
+    def of(cls, weight: Tensor, bias: Tensor, dtype: torch.dtype) -> LowpLinear:
+        weight, bias = weight.detach().to(dtype), bias.detach().to(dtype)
+        if _onednn_packs(weight):
+            return cls(torch.ops.mkldnn._reorder_linear_weight(weight), bias, True)
+        return cls(weight, bias, False)
+
+    def __call__(self, x: Tensor, silu: bool = False, times: Tensor | None = None) -> Tensor:
+        """``x W^T + b``, then SiLU (``silu``) or a product with ``times`` (its shape)."""
+        if self.packed:
+            ops = torch.ops.mkldnn
+            if times is not None:
+                return ops._linear_pointwise.binary(x, times, self.weight, self.bias, "mul")
+            attr = "swish" if silu else "none"
+            return ops._linear_pointwise(x, self.weight, self.bias, attr, [], "")
+        y = F.linear(x, self.weight, self.bias)
+        if times is not None:
+            return y.mul_(times)
+        return F.silu(y, inplace=True) if silu else y
 
 
 def slow_bf16_warning(precision: str, ns_dtype: str, device: torch.device) -> str | None:

@@ -1,4 +1,4 @@
-"""Hugging Face datasets as a data source: `load_from_disk` folders and Hub names (issue 3, data).
+"""Hugging Face datasets as a data source: `load_from_disk` folders and Hub names.
 
 The `datasets` package is imported only when such a source is used; without it the error says
 how to install it. Arrow-backed datasets are memory-mapped by `datasets`, so iterating streams.
