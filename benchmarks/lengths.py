@@ -1,11 +1,13 @@
 """Sample lengths against the data's: free length, ``length_range=data``, and a fixed range.
 
     python benchmarks/lengths.py --model demo --num 1024 --out lengths.json
+    python benchmarks/lengths.py --model demo --settings data,10:20
 
-For each setting, ``--num`` samples (seed 0); each one's text length in tokens (its row up to the
-first end token, less the tokenizer's own special tokens) is compared with the validation
-verses' (prepared like training rows): the total-variation distance between the two length
-histograms, the mean lengths, and the share of samples that end before the row limit.
+For each setting (``free``: where the model puts its end token; else a ``length_range``),
+``--num`` samples (seed 0); each one's text length in tokens (its row up to the first end token,
+less the tokenizer's own special tokens) is compared with the validation verses' (prepared like
+training rows): the total-variation distance between the two length histograms, the mean
+lengths, and the share of samples that end before the row limit.
 """
 
 from __future__ import annotations
@@ -43,7 +45,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="demo", help="an unconditional model (default: demo)")
     p.add_argument("--num", type=int, default=1024, help="samples per setting")
-    p.add_argument("--ranges", default="data,10:20", help="length_range values besides free")
+    p.add_argument(
+        "--settings",
+        default="free,data,10:20",
+        help="comma-separated: free (the model's own end token) and length_range values",
+    )
     p.add_argument("--batch-size", type=int, default=64, help="samples per forward")
     p.add_argument("--out", help="JSON file for the lengths and the table")
     args = p.parse_args()
@@ -59,7 +65,7 @@ def main() -> None:
     record = {"model": args.model, "num": args.num, "real": real.tolist(), "rows": []}
     print(f"validation verses: {len(real)}, mean {real.mean():.1f} tokens")
     print(f"{'setting':<14} {'mean':>6} {'TV to real':>11} {'ended':>6} {'seconds':>8}")
-    for setting in ["free", *[r for r in args.ranges.split(",") if r]]:
+    for setting in [s for s in args.settings.split(",") if s]:
         sampler = pipe.sampler if setting == "free" else replace(pipe.sampler, length_range=setting)
         t0 = time.perf_counter()
         out = pipe.generate_full(args.num, sampler=sampler, seed=0, batch_size=args.batch_size)

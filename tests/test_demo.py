@@ -99,6 +99,16 @@ def test_shipped_demo_model_generates_deterministically():
     assert sum(len(t.split()) for t in a) > 6  # real words, not empty strings
 
 
+def test_shipped_demo_model_samples_lengths_like_its_training_verses():
+    pipe = ELFPipeline.from_pretrained("demo")
+    hist = pipe.config.length_histogram
+    assert sum(hist) == 20_000 and 1.1 < pipe.config.tokens_per_word < 1.4
+    two = replace(pipe.sampler, steps=2, project_from=1.0, length_range="data")
+    out = pipe.generate_full(4, seed=0, sampler=two)
+    ends = (out.tokens == pipe.tokens.eos_id).int().argmax(1)
+    assert all(hist[e - 1] > 0 for e in ends.tolist())  # [CLS] + a length the verses have
+
+
 def test_shipped_demo_model_without_the_minilm_package(monkeypatch, tmp_path, capsys):
     import sys
 

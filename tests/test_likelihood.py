@@ -119,5 +119,6 @@ def test_cli_likelihood(tmp_path, capsys):
     assert "bits per token (95% CI [" in capsys.readouterr().out
     record = json.loads(out.read_text())
     assert len(record["per_text"]) == 3 and record["probes"] == 1
+    assert record["t1"] == 0.1  # the default: near t1 = 1 the bound is far looser
     assert main([*argv[:-2], "--shuffle-words", "-n", "2"]) == 0
     assert main(["likelihood", "--model", model, "--texts", str(tmp_path / "none.jsonl")]) == 2

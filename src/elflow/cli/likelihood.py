@@ -31,8 +31,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--t1",
         type=float,
-        help="where the flow stops and the decoder takes over (default 1 - t_eps; lower is "
-        "tighter on the demo model, docs/likelihood)",
+        help="where the flow stops and the decoder takes over, in (0, 1) (default 0.1: near 1 the "
+        "bound is far looser; docs/likelihood)",
     )
     p.add_argument("--shuffle-words", action="store_true", help="a control: shuffle each text")
     p.add_argument("--seed", type=int, default=0, help="text i's draws depend on (seed, i) only")
