@@ -505,6 +505,16 @@ def test_bf16_inference_matches_per_op_autocast(masked):
     assert _rel(x_pred, per_op) < 0.02
 
 
+def test_bf16_inference_takes_an_empty_batch():
+    """The held-out loss's no-grad pass may hold no rows (nograd_prediction's selection)."""
+    model = _varied(_tiny())
+    x_in, t, w = _inputs(0, 6, 2 * E, seed=13)
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+        x_pred, hidden = model(x_in, t, w, 0.0)
+    assert model._lowp is not None
+    assert x_pred.shape == (0, 6, E) and hidden.shape[0] == 0
+
+
 def test_lowp_block_is_block_in_exact_arithmetic():
     """lowp_block with fp32 weights computes Block's function (norm weights folded into qkv and
     w12, w12 split into gate and value, q and k normalised and rotated together)."""

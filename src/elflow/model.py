@@ -198,7 +198,7 @@ def lowp_block(
     """
     B, N, D = x.shape
     dtype = p.proj.bias.dtype
-    qkv = p.qkv((x * _rms(x)).to(dtype)).view(B, N, 3, heads, -1)
+    qkv = p.qkv((x * _rms(x)).to(dtype)).unflatten(-1, (3, heads, -1))  # (B, N, 3, H, hd)
     qk = qkv[:, :, :2].float()  # (B, N, 2, H, hd): q and k normalised and rotated together
     qk.mul_(_rms(qk)).mul_(p.qk_norm)
     torch.view_as_complex(qk.unflatten(-1, (-1, 2))).mul_(rotations)
