@@ -64,6 +64,17 @@ def main() -> None:
     real = np.array([len(x) - specials for x in ids])
     record = {"model": args.model, "num": args.num, "real": real.tolist(), "rows": []}
     print(f"validation verses: {len(real)}, mean {real.mean():.1f} tokens")
+    hist = np.asarray(pipe.config.length_histogram, dtype=float)
+    if hist.sum() > 0:  # what sampling noise alone gives: exact draws from the training lengths
+        rng = np.random.default_rng(0)
+        p_len = hist / hist.sum()
+        draws = [tv_distance(rng.choice(len(hist), args.num, p=p_len), real) for _ in range(200)]
+        lo, hi = np.percentile(draws, [2.5, 97.5])
+        record["floor"] = {"mean": float(np.mean(draws)), "range": [float(lo), float(hi)]}
+        print(
+            f"floor: {args.num} exact draws from the training lengths are at TV "
+            f"{np.mean(draws):.3f} ({lo:.3f}-{hi:.3f}, 200 draws) from the verses"
+        )
     print(f"{'setting':<14} {'mean':>6} {'TV to real':>11} {'ended':>6} {'seconds':>8}")
     for setting in [s for s in args.settings.split(",") if s]:
         sampler = pipe.sampler if setting == "free" else replace(pipe.sampler, length_range=setting)
