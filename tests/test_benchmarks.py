@@ -1,5 +1,5 @@
-"""The scripts in benchmarks/: each answers --help, the commands documented for them (README and
-their own docstrings) parse, and the cheapest ones run for real on tiny inputs.
+"""The scripts in benchmarks/: each answers --help, the commands documented for them (README, docs
+pages and their own docstrings) parse, and the cheapest ones run for real on tiny inputs.
 
 The scripts are loaded from their paths and run in-process through ``main()`` with a patched
 ``sys.argv``. To parse a command without running it, ``ArgumentParser.parse_args`` is patched to
@@ -22,7 +22,7 @@ from types import ModuleType
 
 import pytest
 
-from tests.test_readme import split_fenced
+from tests.doc_commands import doc_pages, split_fenced
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
@@ -93,8 +93,9 @@ def readme_commands(text: str) -> list[str]:
     return found
 
 
-README_TEXT = (ROOT / "README.md").read_text()
-README_COMMANDS = readme_commands(README_TEXT)
+# The README and the docs pages (results pages included): each text read on its own.
+DOC_TEXTS = [(ROOT / "README.md").read_text()] + [p.read_text() for p in doc_pages()]
+README_COMMANDS = [c for text in DOC_TEXTS for c in readme_commands(text)]
 DOC_COMMANDS = [
     c for s in SCRIPTS for c in lines(ast.get_docstring(ast.parse((BENCH / f"{s}.py").read_text())))
 ]
@@ -119,8 +120,10 @@ def test_help_exits_0(name, monkeypatch, capsys):
 
 
 def test_readme_command_extraction_finds_every_command():
-    # Each "python benchmarks/" in the README (inline or fenced, however wrapped) is one command.
-    assert len(README_COMMANDS) == " ".join(README_TEXT.split()).count("python benchmarks/")
+    # Each "python benchmarks/" in the README and the docs (inline or fenced, however wrapped) is
+    # one command.
+    found = sum(" ".join(text.split()).count("python benchmarks/") for text in DOC_TEXTS)
+    assert len(README_COMMANDS) == found
     assert len(README_COMMANDS) >= 15
     assert len(DOC_COMMANDS) >= len(CLIS)  # each script documents at least one command
 
@@ -254,3 +257,49 @@ def test_startup_times_the_help_commands(monkeypatch, capsys):
     assert "elflow --help" in out and "elflow sample --help" in out
     best = [float(line.split()[-2]) for line in out.splitlines() if "--help" in line]
     assert len(best) == 2 and all(0 < t < 60 for t in best)
+
+
+# ---- gpu_check.py: its CPU smoke mode and its refusal without CUDA ----------------------------
+
+
+def test_gpu_check_without_cuda_says_so_in_one_line(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as e:
+        run(monkeypatch, "gpu_check")
+    message = str(e.value.code)
+    assert "no CUDA device" in message and "--device cpu --tiny" in message
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize("argv", [["--device", "tpu"], ["--device", "cpu", "--steps", "0"]])
+def test_gpu_check_refuses_bad_arguments(monkeypatch, capsys, argv):
+    with pytest.raises(SystemExit) as e:
+        run(monkeypatch, "gpu_check", *argv)
+    assert e.value.code == 2 and "gpu_check.py: error:" in capsys.readouterr().err
+
+
+def test_gpu_check_tiny_runs_every_sampler_on_cpu(monkeypatch, capsys, tmp_path):
+    out_json = tmp_path / "check.json"
+    argv = ["--device", "cpu", "--tiny", "--train-steps", "2", "--steps", "2", "--repeats", "1"]
+    run(monkeypatch, "gpu_check", *argv, "--json", str(out_json))
+    out = capsys.readouterr().out
+    assert "train (bf16): 2 steps" in out and "FAILED" not in out
+    report = json.loads(out_json.read_text())
+    assert report["failures"] == [] and not report["stopped_early"]
+    rows = {(r["sampler"], r["dtype"]) for r in report["sampling"]}
+    assert rows == {(s, d) for s in ("ode", "sde", "heun", "pc") for d in DTYPE_ROWS}
+    assert all(r["samples_per_s"] > 0 and r["finite"] for r in report["sampling"])
+    assert all(0.0 <= r["same_tokens"] <= 1.0 for r in report["sampling"] if r["dtype"] != "fp32")
+    assert set(report["forward_rel_l2"]) == {"bf16", "bf16-per-op"}
+
+
+DTYPE_ROWS = ("fp32", "bf16", "bf16-per-op")
+
+
+def test_sample_benchmark_refuses_unknown_sizes_and_dtypes(monkeypatch, capsys):
+    for argv in (["--sizes", "elf-q"], ["--dtypes", "fp16"]):
+        with pytest.raises(SystemExit) as e:
+            run(monkeypatch, "sample", *argv)
+        assert e.value.code == 2 and "unknown" in capsys.readouterr().err

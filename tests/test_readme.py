@@ -3,17 +3,11 @@ its Python examples run (on tiny local models)."""
 
 import contextlib
 import io
-import re
-import shlex
 from pathlib import Path
 
 import pytest
 
-from elflow.__main__ import build_parser
-from elflow.train.config import apply_overrides
-from elflow.train.presets import preset
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.doc_commands import ROOT, fenced_elflow_commands, parse_error, split_fenced
 
 
 def _command(heading: str) -> str:
@@ -51,61 +45,20 @@ def test_ci_pins_cpu_torch_only_through_constraints():
     assert "torch==" not in pyproject  # GPU users keep their own CUDA build
 
 
-def split_fenced(text: str) -> tuple[list[tuple[str, str]], str]:
-    """The (language, body) of every fenced code block, indented ones in list items included,
-    and the prose around them."""
-    blocks: list[tuple[str, str]] = []
-    prose: list[str] = []
-    lang, body = None, []
-    for line in text.splitlines():
-        fence = line.strip().startswith("```")
-        if fence and lang is None:
-            lang, body = line.strip()[3:], []
-        elif fence:
-            blocks.append((lang, "\n".join(body)))
-            lang = None
-        elif lang is None:
-            prose.append(line)
-        else:
-            body.append(line)
-    assert lang is None, "README.md has an unclosed code block"
-    return blocks, "\n".join(prose)
-
-
-def _fenced_elflow_commands() -> list[str]:
-    """Every ``elflow ...`` command in the README's shell blocks (continuations joined)."""
-    blocks, _ = split_fenced((ROOT / "README.md").read_text())
-    commands = []
-    for lang, block in blocks:
-        if lang:  # python API examples
-            continue
-        for line in block.replace("\\\n", " ").splitlines():
-            line = line.split("  #")[0].strip()
-            found = re.search(r"(?:^|&& |-m )elflow ([^&|]*)", line)
-            if found:
-                commands.append(found.group(1).strip())
-    return commands
-
-
-README_COMMANDS = _fenced_elflow_commands()
+README_COMMANDS = fenced_elflow_commands((ROOT / "README.md").read_text())
 
 
 def test_readme_has_elflow_commands():
-    assert len(README_COMMANDS) >= 20  # the extraction itself still works
+    assert len(README_COMMANDS) >= 14  # the extraction itself still works
+    assert any(c.startswith("train ") and "--steps" in c for c in README_COMMANDS)
 
 
 @pytest.mark.parametrize("command", README_COMMANDS)
 def test_readme_command_parses(command):
     """Each documented command is accepted as written: flags, and for train/distill the
-    preset and every --set key."""
-    stderr = io.StringIO()
-    with contextlib.redirect_stderr(stderr):
-        try:
-            args = build_parser().parse_args(shlex.split(command))
-        except SystemExit:
-            pytest.fail(f"elflow {command}: {stderr.getvalue().strip()}")
-    if args.command in ("train", "distill"):
-        apply_overrides(preset(args.preset), None, args.set)
+    preset, --steps and every --set key."""
+    error = parse_error(command)
+    assert error is None, f"elflow {command}: {error}"
 
 
 def _python_blocks() -> list[str]:
@@ -146,5 +99,8 @@ def test_readme_python_examples_run(tmp_path, monkeypatch):
             assert len(scope["texts"]) == 8 and all(isinstance(t, str) for t in scope["texts"])
     assert any("de-en" in s for s in opened) and len(opened) >= 2
     ((cfg, out),) = calls
-    assert cfg.train.init == "src/elflow/demo_model" and cfg.data.path == "my.jsonl"
+    assert cfg.train.init == "demo" and cfg.data.path == "my.jsonl"
     assert out == "runs/ft"
+    # the short-run scaling took effect (what `elflow train --steps 2000` does)
+    assert cfg.train.max_steps == 2000 and cfg.optim.schedule == "wsd"
+    assert (cfg.optim.warmup_steps, cfg.optim.decay_steps, cfg.train.save_every) == (100, 600, 400)

@@ -810,3 +810,54 @@ def test_a_branch_without_tokens_logs_nan_not_zero(tmp_path, assets):
     step, held = lines[0], heldout_lines(tmp_path / "run")[0]
     assert step["ce"] is None and step["l2"] > 0 and step["loss"] == pytest.approx(step["l2"])
     assert held["valid_ce"] is None and held["valid_l2"] > 0  # NaN, written as strict JSON's null
+
+
+def test_short_run_scales_schedule_checkpoints_evaluation_and_samples():
+    """--steps N: warm-up 5%, wsd decay over the last 30%, saves and held-out losses every N/5,
+    samples at the end, EMA warm-up; the keys a user sets win; with train.max_steps: refused."""
+    from elflow.train.config import apply_overrides
+    from elflow.train.presets import preset, short_run
+
+    for name in ("bible-tiny", "owt-b"):  # owt-b warms up by epochs and keeps a 0.9999 EMA
+        cfg = short_run(preset(name), 1000)
+        o, t = cfg.optim, cfg.train
+        assert (o.warmup_steps, o.schedule, o.decay_steps) == (50, "wsd", 300)
+        assert (t.max_steps, t.warmup_epochs, t.save_every, t.eval_every) == (1000, 0, 200, 200)
+        assert t.sample_every == 1000 and t.ema_warmup
+        assert cfg.model == preset(name).model and cfg.data == preset(name).data
+    tiny = short_run(preset("bible-tiny"), 3).optim
+    assert (tiny.warmup_steps, tiny.decay_steps) == (1, 1)
+    # Overrides applied on the scaled preset win; a warm-up in epochs replaces the one in steps.
+    sets = ["train.save_every=7", "optim.schedule=cosine", "train.warmup_epochs=0.1"]
+    keep = {s.split("=")[0] for s in sets}
+    cfg = apply_overrides(short_run(preset("owt-b"), 1000, keep), sets=sets)
+    assert (cfg.train.save_every, cfg.optim.schedule, cfg.train.warmup_epochs) == (7, "cosine", 0.1)
+    assert cfg.optim.warmup_steps == 0 and cfg.train.eval_every == 200
+    with pytest.raises(ELFError, match=r"--steps N sets train\.max_steps"):
+        short_run(preset("bible-tiny"), 100, {"train.max_steps"})
+    with pytest.raises(ELFError, match="positive"):
+        short_run(preset("bible-tiny"), 0)
+
+
+def test_train_steps_flag_runs_a_scaled_short_run(tmp_path, assets, capsys):
+    cfg = run_config(assets, train={"num_samples": 2, "eval_rows": 4})
+    for key in ("warmup_steps", "schedule"):
+        del cfg["optim"][key]
+    for key in ("max_steps", "save_every", "sample_every", "eval_every", "ema_warmup"):
+        del cfg["train"][key]
+    assert train_cli(tmp_path, tmp_path / "run", cfg, "--steps", "10") == 0
+    run = tmp_path / "run"
+    assert sorted(int(p.name.split("-")[1]) for p in run.glob("checkpoint-*")) == [2, 4, 6, 8, 10]
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    lr = {x["step"]: x["lr"] for x in lines if "lr" in x}
+    assert lr[1] == 0 and lr[2] == lr[8] == pytest.approx(3e-3)  # a 1-step warm-up
+    assert lr[10] < lr[9] < lr[8]  # then the decay over the last 3 steps
+    assert [x["step"] for x in heldout_lines(run)] == [2, 4, 6, 8, 10]
+    assert [p.name for p in (run / "samples").iterdir()] == ["step-10.jsonl"]
+    saved = json.loads((run / "checkpoint-10" / "config.json").read_text())["run"]
+    assert saved["train"]["max_steps"] == 10 and saved["optim"]["decay_steps"] == 3
+    capsys.readouterr()
+    assert train_cli(tmp_path, tmp_path / "r2", cfg, "--steps", "4", "--set", "train.max_steps=4")
+    assert error_lines(capsys.readouterr().err) == [
+        "elflow: error: --steps N sets train.max_steps; give one of them"
+    ]

@@ -3,7 +3,7 @@
 bf16 is a large win on CPUs that multiply it in hardware (x86 AVX-512 BF16 or AMX, Arm's BF16
 extension): the CPU presets' steps run about 1.8x faster there. Everywhere else PyTorch emulates
 bf16 matrix products, which is ~100x slower than fp32 (a 1024^2 matmul on an AVX2-only AMD EPYC:
-0.8 GFLOP/s against 86-90), so bf16 must never be chosen silently there (README "Precision").
+0.8 GFLOP/s against 86-90), so bf16 must never be chosen silently there (docs/training.md).
 :class:`LowpLinear` is a Linear layer for low-precision inference, pre-packed for the CPU's
 matrix unit where oneDNN can (the network's bf16 sampling path, ``elflow.model.lowp_block``).
 """

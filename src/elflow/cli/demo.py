@@ -42,7 +42,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from elflow.distributed import resolve_device
-    from elflow.generation.trajectory import animate_terminal, render_html
+    from elflow.generation.records import settings_record
+    from elflow.generation.trajectory import animate_terminal, page_settings, render_html
 
     t0 = time.perf_counter()
     model = model_from_args(args)
@@ -62,9 +63,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         for i, text in enumerate(out.texts):
             print(f"{i}: {text}")
-    meta = {"model": model, "sampler": scfg.sampler, "steps": scfg.steps}
-    meta |= {"gamma": scfg.gamma if scfg.sampler == "sde" else None, "w": scfg.w}
-    meta |= {"project_from": scfg.project_from, "seed": args.seed}
+    settings = settings_record(pipe, scfg, seed=args.seed, bf16=False, model=model, ema=True)
+    meta = page_settings(settings)
     html.parent.mkdir(parents=True, exist_ok=True)
     html.write_text(render_html(frames, meta, labels=labels), encoding="utf-8")
     print(f"\n{n} samples in {time.perf_counter() - t0:.1f} s; trajectory page: {args.html}")

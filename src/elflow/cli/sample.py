@@ -157,12 +157,8 @@ def run(args: argparse.Namespace) -> int:
         else:
             write_jsonl(args.out, result.records)
         if result.frames is not None:
-            meta = {k: v for k, v in result.records[0].items() if k not in ("id", "text")}
-            per_sample = ("source", "source_id", "tokens", "fills", "kept", "kept_survived")
-            for key in (*per_sample, "template"):  # record 0's, not all's
-                meta.pop(key, None)
             kept = [r["kept"] for r in result.records] if infill is not None else None
-            write_trajectory(args.trajectory, result.frames, meta, kept)
+            write_trajectory(args.trajectory, result.frames, result.records[0], kept)
         if args.out is not None:
             rate = len(result.records) / max(result.seconds, 1e-9)
             print(

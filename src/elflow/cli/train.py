@@ -2,6 +2,8 @@
 
 ``--model MODEL`` fine-tunes: the run starts from that model's weights, in its architecture and
 latent space (the same as ``--set train.init=MODEL``; ``--init`` is its old spelling).
+``--steps N`` makes a short run sensible without extra keys
+(:func:`elflow.train.presets.short_run`).
 """
 
 from __future__ import annotations
@@ -51,6 +53,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "architecture and latent space (= --set train.init=MODEL)",
     )
     p.add_argument("--init", metavar="MODEL", help=argparse.SUPPRESS)  # the old --model
+    p.add_argument(
+        "--steps",
+        type=int,
+        metavar="N",
+        help="a run of N steps with everything scaled to it: warm-up 5%% of N, the lr decaying "
+        "over the last 30%%, a checkpoint and held-out loss every N/5 steps, samples at the end, "
+        "EMA warm-up on (a --set of any of these keys wins; not with --set train.max_steps)",
+    )
     p.add_argument("--print-config", action="store_true", help="print the resolved config, exit")
 
 
@@ -86,10 +96,12 @@ def init_from_args(args: argparse.Namespace) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from elflow.train.config import apply_overrides, run_config_to_dict
-    from elflow.train.presets import preset
+    from elflow.train.config import apply_overrides, override_keys, run_config_to_dict
+    from elflow.train.presets import preset, short_run
 
     base = preset(args.preset)
+    if args.steps is not None:  # scaled first, so that the user's own keys win
+        base = short_run(base, args.steps, keep=override_keys(args.config, args.set))
     cfg = apply_overrides(base, args.config, args.set)
     init = init_from_args(args)
     if init:

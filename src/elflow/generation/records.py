@@ -250,11 +250,12 @@ def token_agreement(a: Sequence[dict], b: Sequence[dict]) -> float:
 
 
 def write_trajectory(
-    target: str, frames: list[list[str]], meta: dict, kept: list[list[str]] | None = None
+    target: str, frames: list[list[str]], settings: dict, kept: list[list[str]] | None = None
 ) -> None:
-    """``-``: animate in the terminal (stdout); else write the HTML page to ``target`` (an
-    infill's ``kept`` text runs, per sample, shown distinctly)."""
-    from elflow.generation.trajectory import animate_terminal, render_html
+    """``-``: animate in the terminal (stdout); else write the HTML page to ``target``, its
+    settings table in plain words from a record's ``settings`` (an infill's ``kept`` text runs,
+    per sample, shown distinctly)."""
+    from elflow.generation.trajectory import animate_terminal, page_settings, render_html
 
     labels = [f"step {k + 1}/{len(frames) - 1}" for k in range(len(frames) - 1)] + ["final"]
     if target == "-":
@@ -262,4 +263,4 @@ def write_trajectory(
         return
     out = Path(target)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(render_html(frames, meta, labels, kept), encoding="utf-8")
+    out.write_text(render_html(frames, page_settings(settings), labels, kept), encoding="utf-8")

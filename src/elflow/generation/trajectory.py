@@ -5,7 +5,9 @@ that step's x_hat), usually followed by the final samples. :func:`render_html` w
 self-contained page (inline CSS/JS, data in a JSON block, nothing fetched) with a slider, a play
 button and the words that changed since the previous step highlighted; :func:`animate_terminal`
 replays it with ANSI codes. Generated text is untrusted: it is HTML-escaped in the page and only
-ever inserted with ``textContent`` by the script (ELF_SPEC §10, "Safety").
+ever inserted with ``textContent`` by the script (ELF_SPEC §10, "Safety"). :func:`page_settings`
+turns a sample record's settings into the page's table in plain words (what w, gamma and the
+projection mean, which steps the projection touched), with values as a user writes them.
 """
 
 from __future__ import annotations
@@ -13,11 +15,13 @@ from __future__ import annotations
 import difflib
 import html
 import json
+import math
 import shutil
 import sys
 import time
 import unicodedata
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any, TextIO
 
 
@@ -59,6 +63,135 @@ def _check_frames(frames: Sequence[Sequence[str]], labels: Sequence[str] | None)
     return list(labels)
 
 
+def plain(value: Any) -> str:
+    """A setting as a user writes it: no Python ``None``/``True``/``False``, numbers as typed
+    (``1`` for 1.0, ``0.3`` for 0.3)."""
+    if value is None:
+        return "off"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
+
+
+def model_label(model: str) -> str:
+    """How a page names the model: the shipped demo model by name, a local folder or file by its
+    own name (a checkpoint with its run's), a Hub id as given; never a local absolute path."""
+    from elflow.io.sources import DEMO_MODEL
+
+    if model == "demo":
+        return "the shipped demo model"
+    path = Path(model).expanduser()
+    if not (path.exists() or path.is_absolute()):
+        return model  # a Hub id
+    path = path.resolve()
+    if path == DEMO_MODEL:
+        return "the shipped demo model"
+    if path.name.startswith("checkpoint"):
+        return f"{path.parent.name}/{path.name}"
+    return path.name
+
+
+_SAMPLERS = {
+    "sde": ("SDE", "Euler steps that first put some noise back (the paper's stochastic sampler)"),
+    "ode": ("ODE", "deterministic Euler steps along the flow"),
+    "heun": ("Heun", "second-order steps: an Euler step corrected by a second network evaluation"),
+    "pc": ("predictor-corrector", "an Euler step, then one Langevin correction move"),
+}
+
+
+def _projected_steps(s: Mapping[str, Any], start: float) -> str:
+    """Which steps projected sampling touched: the steps whose network evaluation is at
+    t >= ``start`` (exact on the uniform grid; on the logit-normal grid, drawn per sample, the
+    expected count)."""
+    steps = int(s["steps"])
+    if s.get("time_grid") == "uniform":
+        import torch
+
+        from elflow.flow import gamma_at
+
+        t = torch.linspace(0.0, 1.0, steps + 1, dtype=torch.float64)
+        at = t[:-1]
+        if s.get("sampler") == "sde":  # the SDE evaluates after stepping back to alpha t
+            rate = gamma_at(s.get("gamma_schedule") or "constant", float(s["gamma"]), at)
+            at = at * torch.clamp(1.0 - rate * (t[1:] - at), 0.0, 1.0)
+        touched = [k + 1 for k in range(steps) if at[k] >= start]
+        if not touched:
+            return f"no step of the {steps} on this evenly spaced grid reaches t = {start:g}"
+        first = touched[0]
+        which = f"step {first}" if first == steps else f"steps {first}–{steps}"
+        return f"on this evenly spaced grid, {which} of {steps}"
+    if start <= 0:
+        return f"all {steps} steps"
+    mean, std = float(s.get("time_mean") or 0.0), float(s.get("time_std") or 1.0)
+    z = (math.log(start / (1.0 - start)) - mean) / std
+    expected = (steps - 1) * 0.5 * math.erfc(z / math.sqrt(2.0))  # interior times >= start
+    return (
+        "the step times are drawn afresh for each sample, so these are different steps in each "
+        f"sample: about {expected:.0f} of the {steps} on average"
+    )
+
+
+def page_settings(s: Mapping[str, Any]) -> dict[str, tuple[str, str]]:
+    """A sample record's settings (:func:`elflow.generation.records.settings_record`) as the
+    page's table: setting -> (value as a user writes it, what it means)."""
+    rows: dict[str, tuple[str, str]] = {}
+    if s.get("model"):
+        rows["model"] = (model_label(str(s["model"])), "")
+    name, what = _SAMPLERS.get(s["sampler"], (s["sampler"], ""))
+    rows["sampler"] = (name, what)
+    nfe = s.get("nfe", s["steps"])
+    rows["steps"] = (
+        plain(s["steps"]),
+        f"from noise (t = 0) to text (t = 1); {plain(nfe)} network evaluations per sample",
+    )
+    if s["sampler"] == "sde":
+        what = "the SDE's noise re-injection: how much noise each step puts back (0: the ODE)"
+        schedule = s.get("gamma_schedule") or "constant"
+        if schedule != "constant":
+            what += f"; {schedule} schedule: this much at t = 0, falling to 0 at t = 1"
+        rows["gamma"] = (plain(s["gamma"]), what)
+    else:
+        rows["gamma"] = ("not used", "the SDE's noise re-injection; this sampler puts none back")
+    if s.get("pc_snr") is not None:
+        rows["corrector"] = (plain(s["pc_snr"]), "the Langevin move's signal-to-noise ratio")
+    rows["w"] = (
+        plain(s["w"]),
+        "self-conditioning guidance scale: how far each step's estimate is pushed from the one "
+        "made without the previous step's estimate towards, and past, the one made with it "
+        "(1: no guidance)",
+    )
+    if s.get("cfg") is not None:
+        rows["cfg"] = (plain(s["cfg"]), "classifier-free guidance on the source (1: none)")
+    if s.get("time_grid") == "uniform":
+        rows["time grid"] = ("evenly spaced", "the times of the steps")
+    else:
+        rows["time grid"] = (
+            f"logit-normal, mean {plain(s.get('time_mean'))}, scale {plain(s.get('time_std'))}",
+            "the times of the steps, drawn afresh for each sample, most of them near the noise",
+        )
+    start = s.get("project_from")
+    if start is None or start >= 1:
+        rows["projection"] = ("off", "projected sampling (an elflow addition) was not used")
+    else:
+        rows["projection"] = (
+            f"from t = {plain(start)}",
+            f"at the steps at t ≥ {plain(start)}, the network's clean-text estimate was replaced "
+            "by the encoder's latents of the text it decodes to; "
+            + _projected_steps(s, float(start)),
+        )
+    if "seed" in s:
+        rows["seed"] = (plain(s["seed"]), "sample i depends only on the seed and i")
+    if "length" in s:
+        rows["length"] = (f"{plain(s['length'])} tokens", "the room each sample has")
+    if "dtype" in s:
+        rows["precision"] = (plain(s["dtype"]), "")
+    if "ema" in s:
+        rows["weights"] = ("EMA" if s["ema"] else "training weights", "")
+    return rows
+
+
 def _script_json(obj: Any) -> str:
     # NOTE: inside <script> the HTML parser ends the block at the first "</"; escaping every
     # <, > and & as JSON unicode escapes keeps any generated text inert and the JSON unchanged.
@@ -69,7 +202,8 @@ def _script_json(obj: Any) -> str:
 _CSS = """
 body{font:15px/1.5 system-ui,sans-serif;margin:1.5em auto;max-width:60em;padding:0 1em;color:#222}
 h1{font-size:1.3em}table.meta{border-collapse:collapse;font-size:.85em;margin-bottom:1em}
-table.meta td{border:1px solid #ddd;padding:2px 8px}
+table.meta td{border:1px solid #ddd;padding:2px 8px;vertical-align:top}
+table.meta td.what{color:#555}p.about{font-size:.9em;color:#444}
 .controls{position:sticky;top:0;background:#fff;padding:.5em 0;border-bottom:1px solid #ddd}
 #step{width:60%;vertical-align:middle}#label{font-weight:600;margin-left:.5em}
 .sample{border-left:3px solid #8ab;padding:.3em .8em;margin:.8em 0;white-space:pre-wrap;
@@ -135,7 +269,7 @@ def kept_words(words: Sequence[str], runs: Sequence[str]) -> list[int]:
 
 def render_html(
     frames: Sequence[Sequence[str]],
-    meta: dict,
+    meta: Mapping[str, Any],
     labels: Sequence[str] | None = None,
     kept: Sequence[Sequence[str]] | None = None,
 ) -> str:
@@ -143,22 +277,28 @@ def render_html(
 
     Args:
         frames: per step, one decoded text per sample.
-        meta: settings shown in a table at the top (values are stringified and escaped).
+        meta: settings shown in a table at the top: a value, or a (value, what it means) pair
+            (:func:`page_settings`); values are written as a user writes them and escaped.
         labels: one label per frame (default "step k/N").
         kept: infilling: each sample's kept text runs, shown distinctly (bold, blue).
     """
     labels = _check_frames(frames, labels)
     words, changed = frame_words(frames)
-    data = {"labels": labels, "words": words, "changed": changed, "meta": meta}
+    table = {
+        str(k): (plain(v[0]), str(v[1])) if isinstance(v, tuple) else (plain(v), "")
+        for k, v in meta.items()
+    }
+    data = {"labels": labels, "words": words, "changed": changed}
     if kept is not None:
         data["kept"] = [
             [kept_words(frame[i], kept[i]) for i in range(len(frame))] for frame in words
         ]
-        data["meta"] = {**meta, "kept text": "shown in bold blue"}
-        meta = data["meta"]
+        table["kept text"] = ("bold blue", "the text you gave, held fixed while the gaps fill")
+    data["meta"] = {k: v for k, (v, _) in table.items()}
     esc = html.escape
     rows = "".join(
-        f"<tr><td>{esc(str(k))}</td><td>{esc(str(v))}</td></tr>" for k, v in meta.items()
+        f'<tr><td>{esc(k)}</td><td>{esc(v)}</td><td class="what">{esc(what)}</td></tr>'
+        for k, (v, what) in table.items()
     )
     # Without JavaScript the page still shows the last frame (escaped here, server side).
     samples = "".join(
@@ -171,10 +311,15 @@ def render_html(
         "<title>elflow trajectory</title>"
         f"<style>{_CSS}</style></head><body>"
         "<h1>elflow sampling trajectory</h1>"
+        '<p class="about">Sampling moves each text from noise to words in steps. Each step here '
+        "shows the text the model would give if it stopped there (its clean-text estimate, "
+        "decoded); words that changed since the previous step are highlighted. Drag the slider "
+        "or press play to move through the steps.</p>"
         f'<table class="meta">{rows}</table>'
         '<div class="controls"><button id="play" type="button">play</button> '
         f'<input id="step" type="range" min="0" max="{len(frames) - 1}" step="1" '
-        f'value="{len(frames) - 1}"><span id="label">{esc(labels[-1])}</span></div>'
+        f'value="{len(frames) - 1}" aria-label="step">'
+        f'<span id="label">{esc(labels[-1])}</span></div>'
         f"{samples}"
         f'<script type="application/json" id="elflow-data">{_script_json(data)}</script>'
         f"<script>{_JS}</script></body></html>\n"

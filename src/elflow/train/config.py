@@ -41,7 +41,7 @@ class EncoderConfig:
     latent_std: float = 0.2
     """0.2 for T5-small (the paper's); 0 = measure it on the training data at start-up."""
     layer: int = 0
-    """0 = the encoder's output (the paper's); k = the output of its block k (see README)."""
+    """0 = the encoder's output (the paper's); k = its block k's output (docs/differences.md)."""
 
     def __post_init__(self) -> None:
         if self.latent_std < 0:

@@ -201,7 +201,7 @@ def distill(
     init = {k: v.detach().clone() for k, v in teacher.state_dict().items()}
     last = out
     for k, (n_student, n_sub) in enumerate(plan, start=1):
-        # The few-step settings, with the teacher's guidance and projection (README "Few-step").
+        # The few-step settings, with the teacher's guidance and projection (docs/distillation.md).
         sampler = replace(
             fewstep_sampler(SamplerConfig(), n_student),
             cfg=tcfg.sampler.cfg,

@@ -3,15 +3,16 @@
 The paper's (``owt-b/m/l``, ``de-en-b``, ``xsum-b``) carry the released settings: T5-small,
 latent_std 0.2, batch 512, EMA 0.9999. The CPU presets (``bible-tiny``, ``de-en-tiny``,
 ``summ-tiny``) use the offline MiniLM encoder, a measured latent_std, a latent cache and an EMA
-suited to a few thousand steps (README "Configuration and presets"); ``bible-tiny`` reads the
+suited to a few thousand steps (docs/training.md, "Presets"); ``bible-tiny`` reads the
 World English Bible shipped in :mod:`elflow.examples`, the other two need ``data.path`` and
-``data.valid_path``. ``--config``/``--set`` then override any key
+``data.valid_path``. :func:`short_run` scales any of them to a run of N steps (``elflow train
+--steps N``). ``--config``/``--set`` then override any key
 (:func:`elflow.train.config.apply_overrides`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import replace
 from typing import Any
 
@@ -26,7 +27,7 @@ from elflow.config import (
     elf_small,
 )
 from elflow.data.config import DataConfig
-from elflow.errors import ELFError
+from elflow.errors import ELFError, require
 from elflow.examples import web_bible
 from elflow.train.config import EncoderConfig, RunConfig, TrainConfig
 from elflow.train.optim import OptimConfig
@@ -94,7 +95,7 @@ def _cpu(model: ModelConfig, data: DataConfig, name: str, **kw: Any) -> RunConfi
         sampler=SamplerConfig(steps=32, sampler="sde", gamma=1.5, w=3.0),
         data=data,
         # auto: bf16 autocast and bf16 Newton-Schulz on CPUs with native bf16 (1.8x faster steps),
-        # fp32 on the others, where emulated bf16 is ~8x slower (README "Precision").
+        # fp32 on the others, where emulated bf16 is ~8x slower (docs/training.md "Precision").
         optim=OptimConfig(lr=2e-3, warmup_steps=200, muon_ns_dtype="auto"),
         train=TrainConfig(
             global_batch=64,
@@ -115,7 +116,7 @@ def _cpu(model: ModelConfig, data: DataConfig, name: str, **kw: Any) -> RunConfi
 
 
 def bible_tiny() -> RunConfig:
-    """World English Bible, one verse per row (L 64), D 256 x 6 blocks (see README)."""
+    """World English Bible, one verse per row (L 64), D 256 x 6 blocks (docs/training.md)."""
     data = DataConfig(
         path=web_bible("train"),  # shipped inside the package (elflow/examples)
         valid_path=web_bible("valid"),
@@ -131,8 +132,8 @@ def bible_tiny() -> RunConfig:
         elf_small(max_length=64), data, "bible-tiny", objective=ObjectiveConfig(pad_with_eos=True)
     )
     # 7000 steps (12.5 epochs): the lr holds at 2e-3 for 5000, then decays linearly to 0 over the
-    # last 2000 (the demo model's run; README "The demo model"). Its sampler: projected SDE, gamma 1
-    # from t 0.3 (README "Projected sampling": the paper's plain SDE misses the demo's bars).
+    # last 2000 (the demo model's run; docs/install.md). Its sampler: projected SDE, gamma 1 from
+    # t 0.3 (docs/sampling.md; the paper's plain SDE misses the demo's bars: docs/results/).
     return replace(
         cfg,
         sampler=replace(cfg.sampler, gamma=1.0, project_from=0.3),
@@ -171,6 +172,36 @@ def de_en_tiny() -> RunConfig:
 def summ_tiny() -> RunConfig:
     """Debian long description -> synopsis (96 + 32 tokens)."""
     return _ddtp_pairs(("document", "summary"), (96, 128), "summ-tiny")
+
+
+def short_run(cfg: RunConfig, steps: int, keep: Collection[str] = ()) -> RunConfig:
+    """``cfg`` scaled to a run of ``steps`` optimizer steps (``elflow train --steps N``).
+
+    Warm-up over the first 5% of the steps, the wsd schedule decaying the lr linearly to its floor
+    over the last 30%, a checkpoint and a held-out loss every ``steps // 5`` steps, samples at
+    the end, and the EMA's warm-up on (a 0.9999 EMA of a few thousand steps is mostly the initial
+    weights). Apply it to the preset before the user's overrides, which then win; ``keep`` names
+    the keys they set, so that a warm-up given in epochs is not doubled by one in steps.
+    """
+    require(steps > 0, f"--steps must be a positive number of optimizer steps, got {steps}")
+    if "train.max_steps" in keep:
+        raise ELFError("--steps N sets train.max_steps; give one of them")
+    every = max(1, steps // 5)
+    by_epochs = "train.warmup_epochs" in keep and "optim.warmup_steps" not in keep
+    warmup = 0 if by_epochs else max(1, round(0.05 * steps))
+    optim = replace(
+        cfg.optim, warmup_steps=warmup, schedule="wsd", decay_steps=max(1, round(0.3 * steps))
+    )
+    train = replace(
+        cfg.train,
+        max_steps=steps,
+        warmup_epochs=cfg.train.warmup_epochs if by_epochs else 0.0,
+        save_every=every,
+        eval_every=every,
+        sample_every=steps,
+        ema_warmup=True,
+    )
+    return replace(cfg, optim=optim, train=train)
 
 
 PRESETS: dict[str, Callable[[], RunConfig]] = {
