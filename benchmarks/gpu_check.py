@@ -22,7 +22,6 @@ is further than ``--tolerance`` from fp32; stops sampling early (and says so) pa
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import statistics
@@ -31,6 +30,8 @@ import time
 
 import torch
 
+from sample import autocast_for, sample_once  # benchmarks/sample.py
+
 SAMPLERS = ("ode", "sde", "heun", "pc")
 BF16 = ("bf16", "bf16-per-op")
 
@@ -38,12 +39,6 @@ BF16 = ("bf16", "bf16-per-op")
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def _autocast(dtype: str, device: torch.device) -> contextlib.AbstractContextManager:
-    if dtype == "fp32":
-        return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=torch.bfloat16)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -73,7 +68,7 @@ def train(model, args, device: torch.device, dims: tuple[int, int, int, int]) ->
         draws = sample_draws_keyed(range(i * B, (i + 1) * B), L, E, cfg, args.seed, device)
         _sync(device)
         t0 = time.perf_counter()
-        with _autocast("bf16", device):
+        with autocast_for("bf16", device):
             out = elf_loss(TrainForward(model), batch, draws, cfg)
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -104,7 +99,7 @@ def forward_errors(model, device: torch.device, dims: tuple[int, int, int, int])
         ref = model(x_in, 0.5, 3.0, 0.0)[0]
         for dtype in BF16:
             model.lowp_inference = dtype == "bf16"
-            with _autocast(dtype, device):
+            with autocast_for(dtype, device):
                 out[dtype] = _rel(model(x_in, 0.5, 3.0, 0.0)[0], ref)
     model.lowp_inference = True
     return out
@@ -113,8 +108,6 @@ def forward_errors(model, device: torch.device, dims: tuple[int, int, int, int])
 def sample_all(model, args, device: torch.device, dims, started: float) -> tuple[list, bool]:
     """Every sampler in every dtype; rows of timings and agreement with fp32."""
     from elflow.config import SamplerConfig
-    from elflow.network import sample_model
-    from elflow.sampling import sample_generators
 
     _, _, L, B = dims
     model.eval()
@@ -126,16 +119,10 @@ def sample_all(model, args, device: torch.device, dims, started: float) -> tuple
         cfg = SamplerConfig(steps=args.steps, sampler=name, gamma=1.5 if name == "sde" else 0.0)
         results = {}
         for dtype in ("fp32", *BF16):
-            model.lowp_inference = dtype != "bf16-per-op"
             times = []
             for _ in range(1 + args.repeats):  # the first batch is the warm-up
-                gens = sample_generators(args.seed, range(B), device)
-                _sync(device)
-                t0 = time.perf_counter()
-                with _autocast(dtype, device):
-                    out = sample_model(model, gens, L, cfg)
-                _sync(device)
-                times.append(time.perf_counter() - t0)
+                seconds, out = sample_once(model, B, L, cfg, dtype, device, args.seed)
+                times.append(seconds)
             results[dtype] = (statistics.median(times[1:]), out)
         model.lowp_inference = True
         ref = results["fp32"][1]

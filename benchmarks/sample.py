@@ -56,21 +56,27 @@ def build(name: str, device: str, seed: int) -> torch.nn.Module:
     return model.eval()
 
 
-def sample_once(model, name: str, cfg: SamplerConfig, dtype: str, device: str, seed: int):
-    """One batch: (seconds, tokens)."""
-    _, _, _, L, B = SIZES[name]
+def autocast_for(dtype: str, device: str | torch.device) -> contextlib.AbstractContextManager:
+    """bf16 autocast for ``bf16`` and ``bf16-per-op``, nothing for ``fp32``."""
+    if not dtype.startswith("bf16"):
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16)
+
+
+def sample_once(model, B: int, L: int, cfg: SamplerConfig, dtype: str, device, seed: int):
+    """One batch of ``B`` samples of length ``L`` in ``dtype`` (DTYPES): (seconds, SampleOutput).
+    ``bf16`` samples on the cached bf16 weights, ``bf16-per-op`` with per-op autocast."""
     model.lowp_inference = dtype != "bf16-per-op"
-    autocast = (
-        torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16)
-        if dtype.startswith("bf16")
-        else contextlib.nullcontext()
-    )
+    gens = sample_generators(seed, range(B), device)
+    cuda = torch.device(device).type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
     t0 = time.perf_counter()
-    with autocast:
-        out = sample_model(model, sample_generators(seed, range(B), device), L, cfg)
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-    return time.perf_counter() - t0, out.tokens
+    with autocast_for(dtype, device):
+        out = sample_model(model, gens, L, cfg)
+    if cuda:
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - t0, out
 
 
 def run_random(args: argparse.Namespace) -> None:
@@ -86,10 +92,10 @@ def run_random(args: argparse.Namespace) -> None:
             times: dict[str, list[float]] = {d: [] for d in dtypes}
             tokens = {}
             for d in dtypes:  # warm-up (and the tokens compared)
-                tokens[d] = sample_once(model, name, cfg, d, args.device, args.seed)[1]
+                tokens[d] = sample_once(model, B, L, cfg, d, args.device, args.seed)[1].tokens
             for _ in range(args.repeats):
                 for d in dtypes:
-                    times[d].append(sample_once(model, name, cfg, d, args.device, args.seed)[0])
+                    times[d].append(sample_once(model, B, L, cfg, d, args.device, args.seed)[0])
             for d in dtypes:
                 s = statistics.median(times[d])
                 ref = AUTHORS_S_PER_BATCH.get((name, d.removesuffix("-per-op")))

@@ -43,7 +43,8 @@ def load(name: str) -> ModuleType:
         spec.loader.exec_module(module)
     finally:
         sys.path.remove(str(BENCH))
-        sys.modules.pop("quality", None)
+        for helper in ("quality", "sample"):  # sibling scripts imported as helpers
+            sys.modules.pop(helper, None)
     return module
 
 
