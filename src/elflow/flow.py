@@ -53,6 +53,12 @@ def euler_step(z: Tensor, v: Tensor, t: Tensor, t_next: Tensor) -> Tensor:
     return z + _bcast(t_next - t, z) * v
 
 
+def backtrack_alpha(t: Tensor, t_next: Tensor, gamma: float | Tensor) -> Tensor:
+    """The SDE's step-back factor alpha = clip(1 - gamma (t_next - t), 0, 1): it evaluates the
+    network at alpha t (:func:`sde_backtrack`)."""
+    return torch.clamp(1.0 - gamma * (t_next - t), 0.0, 1.0)
+
+
 def sde_backtrack(
     z: Tensor, t: Tensor, t_next: Tensor, gamma: float | Tensor, noise: Tensor, noise_scale: float
 ) -> tuple[Tensor, Tensor]:
@@ -61,7 +67,7 @@ def sde_backtrack(
     alpha = clip(1 - gamma h, 0, 1), t_back = alpha t, z_back = alpha z + (1 - alpha) s noise.
     gamma = 0 gives alpha = 1 (the ODE); ``gamma`` may be per row (a schedule's value at t).
     """
-    alpha = torch.clamp(1.0 - gamma * (t_next - t), 0.0, 1.0)
+    alpha = backtrack_alpha(t, t_next, gamma)
     ab = _bcast(alpha, z)
     return ab * z + (1.0 - ab) * noise_scale * noise, alpha * t
 

@@ -109,13 +109,13 @@ def _projected_steps(s: Mapping[str, Any], start: float) -> str:
     if s.get("time_grid") == "uniform":
         import torch
 
-        from elflow.flow import gamma_at
+        from elflow.flow import backtrack_alpha, gamma_at
 
         t = torch.linspace(0.0, 1.0, steps + 1, dtype=torch.float64)
         at = t[:-1]
         if s.get("sampler") == "sde":  # the SDE evaluates after stepping back to alpha t
             rate = gamma_at(s.get("gamma_schedule") or "constant", float(s["gamma"]), at)
-            at = at * torch.clamp(1.0 - rate * (t[1:] - at), 0.0, 1.0)
+            at = at * backtrack_alpha(at, t[1:], rate)
         touched = [k + 1 for k in range(steps) if at[k] >= start]
         if not touched:
             return f"no step of the {steps} on this evenly spaced grid reaches t = {start:g}"
