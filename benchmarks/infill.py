@@ -16,7 +16,6 @@ kept text survives decoding whole, and the fill's BLEU and ROUGE-L against the m
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import random
 import time
@@ -24,7 +23,7 @@ from dataclasses import replace
 
 from elflow.evaluation import load_judge
 from elflow.evaluation.metrics import bleu, rouge
-from elflow.examples import web_bible
+from elflow.examples import web_bible_texts
 from elflow.generation.infill import Gap, InfillRequest
 from elflow.generation.pipeline import ELFPipeline
 from quality import score
@@ -32,8 +31,7 @@ from quality import score
 
 def masked_verses(pipe: ELFPipeline, num: int, seed: int) -> list[tuple[str, str, str, int]]:
     """(prefix, span, suffix, span tokens) for ``num`` random validation verses."""
-    with gzip.open(web_bible("valid"), "rt") as f:
-        texts = [json.loads(line)["text"] for line in f]
+    texts = web_bible_texts("valid")
     rng = random.Random(seed)
     L = pipe.config.model.max_length
     out = []

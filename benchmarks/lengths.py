@@ -13,14 +13,13 @@ lengths, and the share of samples that end before the row limit.
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import time
 from dataclasses import replace
 
 import numpy as np
 
-from elflow.examples import web_bible
+from elflow.examples import web_bible_texts
 from elflow.generation.pipeline import ELFPipeline
 
 
@@ -57,8 +56,7 @@ def main() -> None:
         p.error("--num must be >= 1")
     pipe = ELFPipeline.from_pretrained(args.model)
     L = pipe.config.model.max_length
-    with gzip.open(web_bible("valid"), "rt") as f:
-        verses = [json.loads(line)["text"] for line in f]
+    verses = web_bible_texts("valid")
     ids = pipe.tokenizer(verses, max_length=L, truncation=True)["input_ids"]
     specials = len(pipe.tokenizer("", add_special_tokens=True)["input_ids"])
     real = np.array([len(x) - specials for x in ids])

@@ -12,7 +12,6 @@ ranks the real verses first.
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import math
 import random
@@ -22,7 +21,7 @@ import numpy as np
 import torch
 
 from elflow.evaluation.metrics import bootstrap_ci
-from elflow.examples import web_bible
+from elflow.examples import web_bible_texts
 from elflow.generation.likelihood import text_likelihood
 from elflow.generation.pipeline import ELFPipeline
 from elflow.model import build_model
@@ -32,8 +31,7 @@ def unigram_bits(tokenizer, texts: list[str], max_length: int) -> float:
     """Bits per token of ``texts``' rows (special tokens included, each text's mean, then the
     mean over texts, as the bound is reported) under a unigram model of the training verses with
     add-one smoothing: a reference point for the bound."""
-    with gzip.open(web_bible("train"), "rt") as f:
-        train = [json.loads(line)["text"] for line in f]
+    train = web_bible_texts("train")
     counts = np.ones(len(tokenizer))
     for ids in tokenizer(train, max_length=max_length, truncation=True)["input_ids"]:
         np.add.at(counts, ids, 1)
@@ -55,8 +53,7 @@ def main() -> None:
     if args.num < 1:
         p.error("--num must be >= 1")
     pipe = ELFPipeline.from_pretrained(args.model)
-    with gzip.open(web_bible("valid"), "rt") as f:
-        verses = [json.loads(line)["text"] for line in f]
+    verses = web_bible_texts("valid")
     rng = random.Random(0)
     real = rng.sample(verses, min(args.num, len(verses)))
     shuffled = [" ".join(rng.sample(t.split(), len(t.split()))) for t in real]

@@ -127,19 +127,17 @@ def newton_schulz_seconds(shape: tuple[int, int] = (30522, 384), reps: int = 3) 
 
 def cache_speedup(batches: int = 3) -> dict:
     """Seconds per batch of 64 verses (L 64) through MiniLM vs a latent-cache lookup."""
-    import gzip
 
     import numpy as np
     from transformers import AutoTokenizer
 
     from elflow.data.latent_cache import LatentCache
     from elflow.encoder import FrozenEncoder, resolve_pretrained
-    from elflow.examples import web_bible
+    from elflow.examples import web_bible_texts
 
     tok = AutoTokenizer.from_pretrained(resolve_pretrained("minilm"))
     enc = FrozenEncoder.from_pretrained("minilm", latent_std=0.358)
-    with gzip.open(web_bible("valid"), "rt") as f:
-        texts = [json.loads(line)["text"] for line in f][: 64 * batches]
+    texts = web_bible_texts("valid")[: 64 * batches]
     ids = tok(texts, max_length=64, truncation=True, padding="max_length", return_tensors="pt")
     enc(ids["input_ids"][:64], ids["attention_mask"][:64])
     t0 = time.perf_counter()

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import elflow
-from elflow.examples import web_bible
+from elflow.examples import web_bible, web_bible_texts
 from elflow.train import presets
 from elflow.train.presets import preset
 from tests.data.conftest import SHARED_DATA
@@ -27,6 +27,7 @@ def test_the_bible_ships_inside_the_package(split):
         rows = [json.loads(line) for line in f]
     assert len(rows) == {"train": 35804, "valid": 729}[split]
     assert {"book", "chapter", "verse", "text"} <= set(rows[0])
+    assert web_bible_texts(split) == [row["text"] for row in rows]
     cfg = preset("bible-tiny").data
     assert (cfg.path if split == "train" else cfg.valid_path) == str(path)
     shared = SHARED_DATA / "web_bible" / path.name

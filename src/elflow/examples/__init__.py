@@ -30,6 +30,13 @@ def web_bible(split: str = "train") -> str:
     return str(EXAMPLES / "web_bible" / f"{split}.jsonl.gz")
 
 
+def web_bible_texts(split: str = "train") -> list[str]:
+    """The verses of a packaged World English Bible split, in file order."""
+    from elflow.jsonl import read_jsonl
+
+    return [row["text"] for row in read_jsonl(web_bible(split))]
+
+
 def missing_data_hint(source_field: str, target_field: str) -> str:
     """Where a preset's unshipped example data lives ('' for fields no preset uses)."""
     found = DEBIAN_PAIRS.get((source_field, target_field))
