@@ -21,6 +21,7 @@ import numpy as np
 
 from elflow.examples import web_bible_texts
 from elflow.generation.pipeline import ELFPipeline
+from elflow.tokens import special_token_count
 
 
 def text_lengths(pipe: ELFPipeline, tokens) -> tuple[np.ndarray, np.ndarray]:
@@ -28,8 +29,7 @@ def text_lengths(pipe: ELFPipeline, tokens) -> tuple[np.ndarray, np.ndarray]:
     eos = (tokens == pipe.tokens.eos_id).numpy()
     ended = eos.any(1)
     first = np.where(ended, eos.argmax(1), tokens.shape[1])
-    specials = len(pipe.tokenizer("", add_special_tokens=True)["input_ids"])
-    return first + 1 - specials, ended
+    return first + 1 - special_token_count(pipe.tokenizer), ended
 
 
 def tv_distance(a: np.ndarray, b: np.ndarray) -> float:
@@ -58,8 +58,7 @@ def main() -> None:
     L = pipe.config.model.max_length
     verses = web_bible_texts("valid")
     ids = pipe.tokenizer(verses, max_length=L, truncation=True)["input_ids"]
-    specials = len(pipe.tokenizer("", add_special_tokens=True)["input_ids"])
-    real = np.array([len(x) - specials for x in ids])
+    real = np.array([len(x) for x in ids]) - special_token_count(pipe.tokenizer)
     record = {"model": args.model, "num": args.num, "real": real.tolist(), "rows": []}
     print(f"validation verses: {len(real)}, mean {real.mean():.1f} tokens")
     hist = np.asarray(pipe.config.length_histogram, dtype=float)

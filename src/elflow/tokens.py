@@ -49,6 +49,11 @@ def token_spec(tokenizer) -> TokenSpec:
     return TokenSpec(eos_id=int(eos_id), pad_id=int(pad_id), vocab_size=len(tokenizer))
 
 
+def special_token_count(tokenizer) -> int:
+    """How many special tokens the tokenizer adds to a text (e.g. 2 for [CLS] ... [SEP])."""
+    return len(tokenizer("", add_special_tokens=True)["input_ids"])
+
+
 def tokenize(tokenizer, texts: list[str], max_length: int | None = None) -> list[list[int]]:
     """Tokenise `texts` in one batched call, with the tokenizer's special tokens.
 

@@ -35,7 +35,7 @@ from elflow.io.tokenizer import load_tokenizer
 from elflow.model import ELF, build_model, count_parameters
 from elflow.network import TrainForward
 from elflow.paths import output_dir
-from elflow.tokens import TokenSpec, token_spec, vocab_hash
+from elflow.tokens import TokenSpec, special_token_count, token_spec, vocab_hash
 from elflow.train.config import RunConfig, check_projection
 from elflow.train.ema import EMA
 from elflow.train.heldout import valid_rows
@@ -314,7 +314,7 @@ def text_lengths(dataset: RowDataset, tokenizer: Any) -> tuple[tuple[int, ...], 
     n = len(dataset)
     idx = np.unique(np.linspace(0, n - 1, min(n, LENGTH_SAMPLE)).astype(np.int64))
     rows = dataset.get_rows(idx)
-    specials = len(tokenizer("", add_special_tokens=True)["input_ids"])
+    specials = special_token_count(tokenizer)
     valid = rows["attention_mask"].sum(1) - rows["cond_mask"].sum(1) - specials
     counts = np.bincount(np.clip(valid, 0, None), minlength=1)
     texts = tokenizer.batch_decode(rows["input_ids"][:2000].tolist(), skip_special_tokens=True)
