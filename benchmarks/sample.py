@@ -6,6 +6,7 @@ Usage:
     python benchmarks/sample.py --sizes elf-b-64 --dtypes fp32,bf16,bf16-per-op --repeats 3
     python benchmarks/sample.py --sizes small --steps 8,16,32
     python benchmarks/sample.py --checkpoint MODEL --steps 32 --dtypes fp32,bf16 --num-samples 32
+    python benchmarks/sample.py --sizes elf-b --dtypes bf16 --malloc default   # glibc as it comes
 
 Randomly initialised weights (the speed does not depend on them), self-conditioning CFG w 3,
 unconditional, one warm-up batch per setting, then ``--repeats`` timed batches per setting,
@@ -18,12 +19,17 @@ a 2-core Xeon with AMX (measured side by side): ``x authors`` divides those by o
 With ``--checkpoint`` (any model source) it times ``elflow sample``'s own path
 (``sample_records``: sampling, decoding, detokenising) on that model, whose bf16
 agreement with fp32 is the meaningful one (a random network's argmax is near-uniform).
+Sampling on a CPU keeps freed memory for reuse (``elflow.hardware.keep_freed_memory``);
+``--malloc default`` leaves glibc's allocator as it comes, as before that change. The setting is
+process-wide and earlier settings' allocations warm the allocator for later ones: time one dtype
+per process to see a user's first batch.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import statistics
 import time
 from dataclasses import replace
@@ -31,6 +37,7 @@ from dataclasses import replace
 import torch
 
 from elflow.config import SamplerConfig, model_preset
+from elflow.hardware import MALLOC_ENV, keep_freed_memory
 from elflow.model import build_model
 from elflow.network import sample_model
 from elflow.sampling import sample_generators
@@ -158,7 +165,15 @@ def main() -> None:
     parser.add_argument("--checkpoint", help="time elflow sample's path on this model instead")
     parser.add_argument("--num-samples", type=int, default=32, help="with --checkpoint")
     parser.add_argument("--batch-size", type=int, default=8, help="with --checkpoint")
+    parser.add_argument(
+        "--malloc",
+        default="keep",
+        choices=["keep", "default"],
+        help="keep freed memory for reuse (what sampling does) or leave glibc as it comes",
+    )
     args = parser.parse_args()
+    if args.malloc == "default":
+        os.environ[MALLOC_ENV] = "0"  # read by keep_freed_memory, which sample_model calls
     for size in args.sizes.split(","):
         if size not in SIZES:
             parser.error(f"--sizes: unknown size {size!r}; choose from {', '.join(SIZES)}")
@@ -171,6 +186,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     print(
         f"torch {torch.__version__}, device {args.device}, {torch.get_num_threads()} threads, "
+        f"malloc {'kept' if keep_freed_memory() else 'as it comes'}, "
         f"{time.strftime('%Y-%m-%d %H:%M')}"
     )
     if args.checkpoint:

@@ -89,3 +89,43 @@ def test_packed_bf16_linear_equals_f_linear(monkeypatch):
     other = torch.randn(2, 5, 24, generator=g).to(torch.bfloat16)
     torch.testing.assert_close(packed(x, times=other), plain(x, times=other), rtol=0.01, atol=0.05)
     assert not hardware.LowpLinear.of(w, b, torch.float32).packed  # fp32 stays plain
+
+
+@pytest.fixture
+def fresh_malloc_setting(monkeypatch):
+    """keep_freed_memory's once-per-process answer, recomputed for this test and after it."""
+    hardware.keep_freed_memory.cache_clear()
+    yield
+    hardware.keep_freed_memory.cache_clear()
+
+
+def test_keep_freed_memory_applies_on_glibc_and_opts_out(monkeypatch, fresh_malloc_setting):
+    import platform
+    import sys
+
+    glibc = sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"
+    assert hardware.keep_freed_memory() is glibc  # mallopt accepted both settings
+    hardware.keep_freed_memory.cache_clear()
+    monkeypatch.setenv(hardware.MALLOC_ENV, "0")
+    assert hardware.keep_freed_memory() is False
+    monkeypatch.setattr(sys, "platform", "darwin")
+    monkeypatch.setenv(hardware.MALLOC_ENV, "")
+    hardware.keep_freed_memory.cache_clear()
+    assert hardware.keep_freed_memory() is False  # only Linux's glibc has these settings
+
+
+def test_cpu_sampling_keeps_freed_memory(monkeypatch):
+    """sample_model sets the allocator up before it samples on a CPU (and only there)."""
+    from elflow import network
+    from elflow.config import SamplerConfig, model_preset
+    from elflow.model import build_model
+    from elflow.sampling import sample_generators
+
+    calls = []
+    monkeypatch.setattr(network, "keep_freed_memory", lambda: calls.append(1) or True)
+    cfg = model_preset("elf-tiny", encoder_dim=8, vocab_size=11, max_length=6)
+    model = build_model(cfg).eval()
+    out = network.sample_model(
+        model, sample_generators(0, range(2), "cpu"), 6, SamplerConfig(steps=2)
+    )
+    assert calls == [1] and out.tokens.shape == (2, 6)

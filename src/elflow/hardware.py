@@ -6,13 +6,17 @@ bf16 matrix products, which is ~100x slower than fp32 (a 1024^2 matmul on an AVX
 0.8 GFLOP/s against 86-90), so bf16 must never be chosen silently there (docs/training.md).
 :class:`LowpLinear` is a Linear layer for low-precision inference, pre-packed for the CPU's
 matrix unit where oneDNN can (the network's bf16 sampling path, ``elflow.model.lowp_block``).
+:func:`keep_freed_memory` stops glibc from handing every freed activation back to the kernel.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import os
+import platform
+import sys
 from pathlib import Path
 from typing import NamedTuple
 
@@ -23,6 +27,13 @@ from torch import Tensor
 _X86_BF16 = {"avx512_bf16", "amx_bf16"}
 ENV = "ELFLOW_CPU_BF16"
 """Set to 1 or 0 to override the detection (e.g. a CPU whose flags this module misreads)."""
+MALLOC_ENV = "ELFLOW_MALLOC"
+"""Set to 0 to leave glibc's allocator settings alone (:func:`keep_freed_memory`)."""
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt's parameter numbers (malloc.h)
+MMAP_THRESHOLD = 32 << 20
+"""Blocks up to this size come from the heap (glibc's ceiling for the setting)."""
+TRIM_THRESHOLD = 1 << 30
+"""Free memory at the top of the heap that the process keeps instead of returning."""
 
 
 def _cpu_flags(cpuinfo: str) -> set[str]:
@@ -121,6 +132,34 @@ class LowpLinear(NamedTuple):
         if times is not None:
             return y.mul_(times)
         return F.silu(y, inplace=True) if silu else y
+
+
+@functools.cache
+def keep_freed_memory() -> bool:
+    """Let freed tensors' memory be reused instead of going back to the kernel at every free.
+
+    glibc serves blocks over a (dynamic, initially 128 KiB) threshold with fresh mmaps and gives
+    heap tops back past a trim threshold, so each network call's activations fault their pages in
+    anew: at ELF-B, B 8, L 128 that is ~15% of a sampling run's time in fp32 and in bf16
+    (docs/sampling.md). This serves blocks up to 32 MiB from the heap and keeps up to 1 GiB of
+    freed heap, once per process (``mallopt``; what jemalloc/tcmalloc do by default). Returns
+    whether it applied: Linux with glibc, unless ``ELFLOW_MALLOC=0``.
+
+    NOTE: process-wide and not undone; the process's memory stays at its high-water mark.
+    """
+    if os.environ.get(MALLOC_ENV, "").strip() == "0":
+        return False
+    if not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    # The mmap threshold first: setting either fixes both (no more dynamic adjustment).
+    return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(
+        mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD)
+    )
 
 
 def slow_bf16_warning(precision: str, ns_dtype: str, device: torch.device) -> str | None:

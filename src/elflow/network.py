@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from elflow.config import SamplerConfig
 from elflow.errors import ELFError
 from elflow.flow import velocity
+from elflow.hardware import keep_freed_memory
 from elflow.model import ELF
 from elflow.projection import Project, Projection, project_denoiser, project_rows
 from elflow.sampling import Condition, Decoder, Denoiser, SampleOutput, sample
@@ -115,8 +116,12 @@ def sample_model(
 
     ``sampler.project_from < 1`` wraps the denoiser in projected sampling
     (:func:`elflow.projection.project_denoiser`), which needs ``projection`` (unconditional
-    models; checked by :func:`elflow.generation.pipeline.ELFPipeline.projection`).
+    models; checked by :func:`elflow.generation.pipeline.ELFPipeline.projection`). On a CPU it
+    first calls :func:`elflow.hardware.keep_freed_memory` (process-wide; ``ELFLOW_MALLOC=0``
+    opts out).
     """
+    if model.final_layer.linear.weight.device.type == "cpu":
+        keep_freed_memory()
     w = sampling_w(model, sampler.w)
     denoise = make_denoiser(model, w, t_eps, cond, sampler.cfg)
     if sampler.project_from < 1.0:
