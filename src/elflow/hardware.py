@@ -140,8 +140,8 @@ def keep_freed_memory() -> bool:
 
     glibc serves blocks over a (dynamic, initially 128 KiB) threshold with fresh mmaps and gives
     heap tops back past a trim threshold, so each network call's activations fault their pages in
-    anew: at ELF-B, B 8, L 128 that is ~15% of a sampling run's time in fp32 and in bf16
-    (docs/sampling.md). This serves blocks up to 32 MiB from the heap and keeps up to 1 GiB of
+    anew: at ELF-B, B 8, L 128 that is ~19% of a bf16 sampling run's time and ~9% of an fp32
+    one's (docs/sampling.md). This serves blocks up to 32 MiB from the heap and keeps up to 1 GiB of
     freed heap, once per process (``mallopt``; what jemalloc/tcmalloc do by default). Returns
     whether it applied: Linux with glibc, unless ``ELFLOW_MALLOC=0``.
 
