@@ -120,7 +120,7 @@ def sample_model(
     first calls :func:`elflow.hardware.keep_freed_memory` (process-wide; ``ELFLOW_MALLOC=0``
     opts out).
     """
-    if model.final_layer.linear.weight.device.type == "cpu":
+    if next(model.parameters()).device.type == "cpu":
         keep_freed_memory()
     w = sampling_w(model, sampler.w)
     denoise = make_denoiser(model, w, t_eps, cond, sampler.cfg)
