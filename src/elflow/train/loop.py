@@ -66,18 +66,7 @@ def train(
     try:
         stop.install()
         for step in range(run.start_step, g.total_steps):
-            lr = learning_rate(run.optim, step, g.total_steps, g.global_batch)
-            set_lr(run.optimizer, lr)
-            metrics = step_grads.accumulate(step)
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(run.model.parameters(), max_grad_norm))
-            if not (math.isfinite(metrics["loss"]) and math.isfinite(grad_norm)):
-                raise ELFError(
-                    f"non-finite loss or gradient at step {step}; stopping (last good checkpoint: "
-                    f"{last_ckpt or 'none'}); lower the learning rate or check the data"
-                )
-            run.optimizer.step()
-            run.optimizer.zero_grad(set_to_none=True)
-            run.ema.update(run.model)
+            lr, metrics, grad_norm = optimizer_step(run, step_grads, step, max_grad_norm, last_ckpt)
             done = step + 1
             report.step(done, metrics, lr, grad_norm)
             if done % cfg.train.save_every == 0 or done == g.total_steps:
@@ -91,6 +80,27 @@ def train(
         stop.restore()
         report.close()
     return last_ckpt if last_ckpt is not None else run.out
+
+
+def optimizer_step(
+    run: Run, step_grads: StepContext, step: int, max_grad_norm: float, last_ckpt: Path | None
+) -> tuple[float, dict[str, Any], float]:
+    """One optimizer step: the lr, the global batch's gradients, clipping, Muon + Adam, EMA;
+    returns (lr, the step's metrics, the gradient norm)."""
+    g = run.geometry
+    lr = learning_rate(run.optim, step, g.total_steps, g.global_batch)
+    set_lr(run.optimizer, lr)
+    metrics = step_grads.accumulate(step)
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(run.model.parameters(), max_grad_norm))
+    if not (math.isfinite(metrics["loss"]) and math.isfinite(grad_norm)):
+        raise ELFError(
+            f"non-finite loss or gradient at step {step}; stopping (last good checkpoint: "
+            f"{last_ckpt or 'none'}); lower the learning rate or check the data"
+        )
+    run.optimizer.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    run.ema.update(run.model)
+    return lr, metrics, grad_norm
 
 
 def _stopped(stop: StopSignal, done: int, total: int, last_ckpt: Path) -> Interrupted:

@@ -1,0 +1,336 @@
+"""Exact counts of one steady-state training step of a preset, through the real trainer.
+
+Usage:
+    python benchmarks/step_profile.py                      # owt-b, reduced size, as on CUDA
+    python benchmarks/step_profile.py --preset owt-l --world 2 --parallel fsdp2
+    python benchmarks/step_profile.py --micro-batch 64 --accum 1 --json after.json
+    python benchmarks/step_profile.py --compare before.json after.json   # a before/after table
+    python benchmarks/step_profile.py --full --device cuda  # full size, on a GPU
+
+The run is built by ``elflow.train.setup.prepare_run`` from the preset, with a T5-shaped random
+encoder of the preset's encoder width (``--encoder-dim``), the packaged tokenizer and the packaged
+Bible verses as data. ``--warmup`` optimizer steps run first (optimizer state, caches); the next
+step is counted with :class:`elflow.profiling.OpCounter`: host syncs and aten ops per micro-batch
+and per step outside them, FLOPs per token by the dtype the matrix products compute in, the bytes
+autograd saves per token, the collective payload bytes per rank, and the optimiser's FLOPs per
+rank (Muon's Newton-Schulz). ``--as-cuda`` (default on) sets what a CUDA run resolves 'auto' to:
+bf16 autocast, the encoder in bf16, bf16 Newton-Schulz, TF32 allowed; ``--no-as-cuda`` takes the
+settings as given. ``--world N`` runs N gloo processes on this machine (DDP or FSDP2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REDUCED = {"depth": 2, "hidden_size": 128, "num_heads": 4, "max_length": 64}
+"""The default reduced size on a CPU (per-token counts scale; the op and sync counts do not)."""
+
+
+def build_assets(root: Path, encoder_dim: int, encoder_layers: int, conditional: bool) -> dict:
+    """A T5-shaped random encoder, the packaged tokenizer and Bible verses as training data."""
+    from transformers import AutoTokenizer, T5Config, T5EncoderModel
+
+    from elflow.examples import web_bible_texts
+
+    tok_dir = Path(__file__).resolve().parents[1] / "src/elflow/demo_model/tokenizer"
+    tokenizer = AutoTokenizer.from_pretrained(str(tok_dir))
+    heads = max(1, encoder_dim // 64)
+    torch.manual_seed(0)
+    encoder = T5EncoderModel(
+        T5Config(
+            vocab_size=len(tokenizer),
+            d_model=encoder_dim,
+            d_kv=encoder_dim // heads,
+            d_ff=4 * encoder_dim,
+            num_layers=encoder_layers,
+            num_heads=heads,
+        )
+    )
+    encoder.save_pretrained(root / "encoder")
+    verses = web_bible_texts("train")[:4096]
+    with (root / "train.jsonl").open("w") as f:
+        if conditional:
+            for a, b in zip(verses[::2], verses[1::2], strict=False):
+                f.write(json.dumps({"source": a, "target": b}) + "\n")
+        else:
+            for v in verses:
+                f.write(json.dumps({"text": v}) + "\n")
+    return {"encoder": str(root / "encoder"), "tokenizer": str(tok_dir), "data": str(root)}
+
+
+def run_config(args, assets: dict):
+    """The preset at the profiled size, on the profile's assets."""
+    from dataclasses import replace
+
+    from elflow.train.config import apply_overrides
+    from elflow.train.presets import preset
+
+    base = preset(args.preset)
+    sets = [
+        f"encoder.name={assets['encoder']}",
+        f"encoder.tokenizer={assets['tokenizer']}",
+        f"data.path={assets['data']}/train.jsonl",
+        "data.valid_path=",
+        "data.format=" + ("pairs" if base.task == "conditional" else "jsonl"),
+        "data.latent_cache=false",
+        f"train.global_batch={args.micro_batch * args.accum * args.world}",
+        f"train.micro_batch={args.micro_batch}",
+        f"train.max_steps={args.warmup + 2}",
+        "train.save_every=1000000",
+        "train.log_every=1000000",
+        "train.sample_every=0",
+        "train.eval_every=0",
+        "train.tensorboard=false",
+        f"train.parallel={args.parallel}",
+        f"train.device={args.device}",
+        "optim.warmup_steps=0",
+        "train.warmup_epochs=0",
+    ]
+    if not args.full:
+        sets += [f"model.{k}={v}" for k, v in REDUCED.items() if k != "max_length"]
+        sets.append(f"model.max_length={args.length}")
+        if base.task == "conditional":
+            sets.append(f"max_input_length={args.length // 2}")
+    elif args.length:
+        sets.append(f"model.max_length={args.length}")
+    if args.as_cuda:
+        sets += ["train.precision=bf16", "optim.muon_ns_dtype=bfloat16"]
+    sets += args.set
+    cfg = apply_overrides(replace(base, preset=args.preset), None, sets)
+    return cfg
+
+
+def profile(args) -> dict:
+    """Set up the run, take the warm-up steps, count one step; this process's figures."""
+    from elflow.hardware import bf16_autocast
+    from elflow.profiling import OpCounter
+    from elflow.train import loop
+    from elflow.train.setup import prepare_run
+    from elflow.train.step import ELFObjective, StepContext
+
+    if args.as_cuda:
+        torch.backends.cuda.matmul.allow_tf32 = True
+    tmp = Path(tempfile.mkdtemp(prefix="elflow-profile-"))
+    assets = build_assets(tmp, args.encoder_dim, args.encoder_layers, args.preset in SEQ2SEQ)
+    cfg = run_config(args, assets)
+    run = prepare_run(cfg, tmp / "run", "never")
+    objective = ELFObjective(run.cfg)
+    step_grads = StepContext(run, objective, bf16_autocast(run.bf16, run.info.device))
+    max_norm = run.optim.clip_grad_norm
+    for step in range(args.warmup):
+        loop.optimizer_step(run, step_grads, step, max_norm, None)
+    weights = [*run.model.parameters(), *run.encoder.parameters()]
+    host = host_tensors(run.optimizer)
+    micro = OpCounter(weights, saved_activations=True, host=host)
+    whole = OpCounter(weights, host=host)
+    optim = OpCounter(weights, host=host)
+    accumulate, opt_step = step_grads.accumulate, run.optimizer.step
+
+    def counted_accumulate(step):
+        with micro:
+            return accumulate(step)
+
+    def counted_optimizer_step(*a, **k):
+        with optim:
+            return opt_step(*a, **k)
+
+    step_grads.accumulate = counted_accumulate
+    run.optimizer.step = counted_optimizer_step
+    t0 = time.perf_counter()
+    with whole:
+        loop.optimizer_step(run, step_grads, args.warmup, max_norm, None)
+    seconds = time.perf_counter() - t0
+    g = run.geometry
+    L = run.cfg.model.max_length
+    tokens = g.micro * L
+    m, w, o = micro.counts, whole.counts, optim.counts
+    outside_ops = w.num_ops - m.num_ops
+    outside_syncs = w.syncs.copy()
+    outside_syncs.subtract(m.syncs)
+    return {
+        "preset": args.preset,
+        "world": run.info.world_size,
+        "rank": run.info.rank,
+        "parallel": run.cfg.train.parallel,
+        "model": {k: getattr(run.cfg.model, k) for k in ("depth", "hidden_size", "num_heads")},
+        "length": L,
+        "micro_batch": g.micro,
+        "accum": g.accum,
+        "encoder_dim": run.encoder.hidden_size,
+        "bf16": run.bf16,
+        "syncs_per_micro_batch": m.num_syncs / g.accum,
+        "sync_reasons_per_micro_batch": {k: v / g.accum for k, v in m.syncs.items()},
+        "syncs_per_step_outside": sum(v for v in outside_syncs.values() if v > 0),
+        "sync_reasons_outside": {k: v for k, v in outside_syncs.items() if v > 0},
+        "sync_sites": dict(w.sync_sites),
+        "ops_per_micro_batch": m.num_ops / g.accum,
+        "ops_per_step_outside": outside_ops,
+        "flops_per_token": {k: v / (tokens * g.accum) for k, v in m.flops.items()},
+        "saved_bytes_per_token": {k: v / (tokens * g.accum) for k, v in m.saved_bytes.items()},
+        "comm_bytes_per_step": dict(w.comm_bytes),
+        "comm_calls_per_step": dict(w.comm_calls),
+        "optimizer_flops": dict(o.flops),
+        "step_seconds": seconds,
+    }
+
+
+def host_tensors(optimizer) -> list[torch.Tensor]:
+    """The optimizers' step counters: host tensors in a GPU run too (not capturable/fused)."""
+    subs = getattr(optimizer, "optimizers", {"": optimizer}).values()
+    return [
+        s["step"]
+        for opt in subs
+        for s in opt.state.values()
+        if isinstance(s.get("step"), torch.Tensor) and s["step"].device.type == "cpu"
+    ]
+
+
+SEQ2SEQ = ("de-en-b", "xsum-b", "de-en-tiny", "summ-tiny")
+
+
+def _worker(rank: int, world: int, port: int, args, queue) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    torch.set_num_threads(1)
+    queue.put(profile(args))
+
+
+def gather_ranks(args) -> list[dict]:
+    """``profile`` in ``args.world`` gloo processes; every rank's figures."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [
+        ctx.Process(target=_worker, args=(r, args.world, port, args, queue))
+        for r in range(args.world)
+    ]
+    for p in procs:
+        p.start()
+    results = [queue.get(timeout=1800) for _ in procs]
+    for p in procs:
+        p.join()
+    return sorted(results, key=lambda r: r["rank"])
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def rows(report: dict) -> list[tuple[str, str]]:
+    """(measure, value) lines of one report (rank 0's, with every rank's optimiser FLOPs)."""
+    out = [
+        ("host syncs per micro-batch", f"{report['syncs_per_micro_batch']:g}"),
+        ("host syncs per step, outside micro-batches", f"{report['syncs_per_step_outside']:g}"),
+        ("aten ops per micro-batch", f"{report['ops_per_micro_batch']:.0f}"),
+        ("aten ops per step, outside micro-batches", f"{report['ops_per_step_outside']:.0f}"),
+    ]
+    fl = report["flops_per_token"]
+    total = sum(fl.values()) or 1
+    for dtype in sorted(fl):
+        out.append(
+            (
+                f"FLOPs per token in {dtype}",
+                f"{fl[dtype] / 1e6:.2f} M ({100 * fl[dtype] / total:.0f}%)",
+            )
+        )
+    sb = report["saved_bytes_per_token"]
+    total_saved = sum(sb.values()) or 1
+    out.append(("saved activations per token", _fmt_bytes(sum(sb.values()))))
+    for dtype in sorted(sb):
+        out.append((f"  of which {dtype}", f"{100 * sb[dtype] / total_saved:.0f}%"))
+    for kind, n in sorted(report["comm_bytes_per_step"].items()):
+        calls = report["comm_calls_per_step"].get(kind, 0)
+        out.append((f"{kind} payload per rank per step", f"{_fmt_bytes(n)} in {calls} calls"))
+    per_rank = report.get("optimizer_flops_per_rank") or [sum(report["optimizer_flops"].values())]
+    out.append(
+        ("optimiser FLOPs per rank per step", ", ".join(f"{f / 1e9:.2f} G" for f in per_rank))
+    )
+    out.append(("step seconds on this machine", f"{report['step_seconds']:.2f}"))
+    return out
+
+
+def print_table(reports: list[tuple[str, dict]]) -> None:
+    names = [n for n, _ in reports]
+    table = [rows(r) for _, r in reports]
+    keys = []
+    for t in table:
+        for k, _ in t:
+            if k not in keys:
+                keys.append(k)
+    print("| measure | " + " | ".join(names) + " |")
+    print("|---|" + "---|" * len(names))
+    for k in keys:
+        vals = [dict(t).get(k, "—") for t in table]
+        print(f"| {k} | " + " | ".join(vals) + " |")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="owt-b")
+    p.add_argument("--full", action="store_true", help="the preset's full size (a GPU's work)")
+    p.add_argument("--length", type=int, default=64, help="sequence length at reduced size")
+    p.add_argument("--micro-batch", type=int, default=64)
+    p.add_argument("--accum", type=int, default=2, help="micro-batches per step per process")
+    p.add_argument("--world", type=int, default=1, help="gloo processes (CPU)")
+    p.add_argument("--parallel", default="ddp", choices=("ddp", "fsdp2"))
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--encoder-dim", type=int, default=64, help="the random T5 encoder's width")
+    p.add_argument("--encoder-layers", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=2, help="optimizer steps before the counted one")
+    p.add_argument("--as-cuda", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--set", action="append", default=[], help="KEY=VALUE config overrides")
+    p.add_argument("--json", help="write the figures to this file")
+    p.add_argument("--compare", nargs="+", help="print a table of these JSON files and exit")
+    args = p.parse_args(argv)
+    if args.compare:
+        print_table([(Path(f).stem, json.loads(Path(f).read_text())) for f in args.compare])
+        return
+    if args.full:
+        args.encoder_dim, args.encoder_layers = 512, 6
+        args.length = args.length if args.length != 64 else 0
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    ranks = gather_ranks(args) if args.world > 1 else [profile(args)]
+    report = ranks[0]
+    report["optimizer_flops_per_rank"] = [sum(r["optimizer_flops"].values()) for r in ranks]
+    print(
+        f"{report['preset']}: depth {report['model']['depth']}, D {report['model']['hidden_size']},"
+        f" L {report['length']}, E {report['encoder_dim']}, micro-batch {report['micro_batch']} x "
+        f"{report['accum']}, {report['world']} process(es) {report['parallel']}, "
+        f"{'bf16' if report['bf16'] else 'fp32'}, torch {torch.__version__}"
+    )
+    print_table([("this step", report)])
+    for k, v in report["sync_reasons_per_micro_batch"].items():
+        print(f"  sync per micro-batch: {v:g} x {k}")
+    for k, v in report["sync_reasons_outside"].items():
+        print(f"  sync per step outside: {v:g} x {k}")
+    for k, v in report["sync_sites"].items():
+        print(f"  syncs at {k}: {v}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
