@@ -102,7 +102,7 @@ def run_config(args, assets: dict):
     elif args.length:
         sets.append(f"model.max_length={args.length}")
     if args.as_cuda:
-        sets += ["train.precision=bf16", "optim.muon_ns_dtype=bfloat16"]
+        sets += ["train.precision=bf16", "optim.muon_ns_dtype=bfloat16", "encoder.precision=bf16"]
     sets += args.set
     cfg = apply_overrides(replace(base, preset=args.preset), None, sets)
     return cfg
@@ -110,11 +110,10 @@ def run_config(args, assets: dict):
 
 def profile(args) -> dict:
     """Set up the run, take the warm-up steps, count one step; this process's figures."""
-    from elflow.hardware import bf16_autocast
     from elflow.profiling import OpCounter
-    from elflow.train import loop
+    from elflow.train.loop import Trainer
     from elflow.train.setup import prepare_run
-    from elflow.train.step import ELFObjective, StepContext
+    from elflow.train.step import ELFObjective
 
     if args.as_cuda:
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -122,17 +121,15 @@ def profile(args) -> dict:
     assets = build_assets(tmp, args.encoder_dim, args.encoder_layers, args.preset in SEQ2SEQ)
     cfg = run_config(args, assets)
     run = prepare_run(cfg, tmp / "run", "never")
-    objective = ELFObjective(run.cfg)
-    step_grads = StepContext(run, objective, bf16_autocast(run.bf16, run.info.device))
-    max_norm = run.optim.clip_grad_norm
+    trainer = Trainer(run, ELFObjective(run.cfg))
     for step in range(args.warmup):
-        loop.optimizer_step(run, step_grads, step, max_norm, None)
+        trainer.step(step)
     weights = [*run.model.parameters(), *run.encoder.parameters()]
-    host = host_tensors(run.optimizer)
+    host = [*host_tensors(run.optimizer), trainer.stop.flag]
     micro = OpCounter(weights, saved_activations=True, host=host)
     whole = OpCounter(weights, host=host)
     optim = OpCounter(weights, host=host)
-    accumulate, opt_step = step_grads.accumulate, run.optimizer.step
+    accumulate, opt_step = trainer.grads.accumulate, run.optimizer.step
 
     def counted_accumulate(step):
         with micro:
@@ -142,12 +139,13 @@ def profile(args) -> dict:
         with optim:
             return opt_step(*a, **k)
 
-    step_grads.accumulate = counted_accumulate
+    trainer.grads.accumulate = counted_accumulate
     run.optimizer.step = counted_optimizer_step
     t0 = time.perf_counter()
     with whole:
-        loop.optimizer_step(run, step_grads, args.warmup, max_norm, None)
+        trainer.step(args.warmup)
     seconds = time.perf_counter() - t0
+    trainer.close()
     g = run.geometry
     L = run.cfg.model.max_length
     tokens = g.micro * L

@@ -274,21 +274,47 @@ def test_gpu_check_without_cuda_says_so_in_one_line(monkeypatch):
     assert "\n" not in message
 
 
-@pytest.mark.parametrize("argv", [["--device", "tpu"], ["--device", "cpu", "--steps", "0"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--device", "tpu"],
+        ["--device", "cpu", "--steps", "0"],
+        ["--device", "cpu", "--runs", "ddp,zero"],
+    ],
+)
 def test_gpu_check_refuses_bad_arguments(monkeypatch, capsys, argv):
     with pytest.raises(SystemExit) as e:
         run(monkeypatch, "gpu_check", *argv)
     assert e.value.code == 2 and "gpu_check.py: error:" in capsys.readouterr().err
 
 
-def test_gpu_check_tiny_runs_every_sampler_on_cpu(monkeypatch, capsys, tmp_path):
+def test_gpu_check_tiny_trains_through_train_and_runs_every_sampler_on_cpu(
+    monkeypatch, capsys, tmp_path
+):
     out_json = tmp_path / "check.json"
-    argv = ["--device", "cpu", "--tiny", "--train-steps", "2", "--steps", "2", "--repeats", "1"]
-    run(monkeypatch, "gpu_check", *argv, "--json", str(out_json))
+    argv = ["--device", "cpu", "--tiny", "--runs", "ddp,fsdp2,fp32", "--repeats", "1"]
+    run(
+        monkeypatch,
+        "gpu_check",
+        *argv,
+        "--steps",
+        "6",
+        "--max-rows",
+        "800",
+        "--json",
+        str(out_json),
+    )
     out = capsys.readouterr().out
-    assert "train (bf16): 2 steps" in out and "FAILED" not in out
+    assert "gloo group of 1" in out and "FAILED" not in out
     report = json.loads(out_json.read_text())
     assert report["failures"] == [] and not report["stopped_early"]
+    runs = report["runs"]
+    assert set(runs) == {"ddp", "fsdp2", "fp32"}
+    for r in runs.values():
+        assert list(r["losses"]) == ["2", "4", "6"] and r["tokens_per_s"] > 0
+        assert r["steady_steps"] == 1 and r["peak_memory_gb"] > 0  # 0-based step 4 logs not
+    # Resumed from ddp's checkpoint-3: bitwise the straight run on a CPU.
+    assert report["resume"]["max_weight_diff"] == 0 < report["resume"]["max_weight_change"]
     rows = {(r["sampler"], r["dtype"]) for r in report["sampling"]}
     assert rows == {(s, d) for s in ("ode", "sde", "heun", "pc") for d in DTYPE_ROWS}
     assert all(r["samples_per_s"] > 0 and r["finite"] for r in report["sampling"])

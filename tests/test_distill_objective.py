@@ -346,7 +346,8 @@ def test_keyed_draws_do_not_depend_on_the_batch():
     b = sample_distill_draws_keyed([11, 42], L, E, ocfg, K=4, seed=5)
     assert a.inner_u.shape == (3, 3) and a.noise.shape == (3, L, E)
     for f in DistillDraws.__dataclass_fields__:
-        assert torch.equal(getattr(a, f)[2], getattr(b, f)[0]), f
+        if f != "plan":  # host indices of the batch's own rows
+            assert torch.equal(getattr(a, f)[2], getattr(b, f)[0]), f
     assert not torch.equal(a.noise[0], a.noise[1])
     assert ((a.inner_u > 0) & (a.inner_u < 1)).all()
     one = sample_distill_draws_keyed([3], L, E, ocfg, K=1, seed=5)

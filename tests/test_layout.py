@@ -1,4 +1,5 @@
-"""The package's arrows point one way: the maths imports only torch and the configs, the network
+"""The package's arrows point one way: the maths imports only torch (and numpy, for the host's
+half of the keyed draws) and the configs, the network
 knows nothing of noise or samplers, configs do not import model I/O, and nothing imports the
 command line (which alone imports argparse)."""
 
@@ -8,7 +9,7 @@ import ast
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "elflow"
-MATHS = ("flow", "sampling", "projection", "objective", "distill")
+MATHS = ("flow", "sampling", "projection", "objective", "distill", "keyed")
 CONFIGS = ("config", "train.config", "train.presets", "data.config")
 
 
@@ -46,6 +47,7 @@ def test_the_maths_imports_only_torch_the_configs_and_itself():
         assert third <= {
             "__future__",
             "torch",
+            "numpy",
             "collections",
             "dataclasses",
             "hashlib",

@@ -13,18 +13,22 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from elflow.config import ObjectiveConfig
 from elflow.errors import ELFError, check_finite, require
 from elflow.flow import euler_step, interpolate, logit_normal, velocity
+from elflow.keyed import host_normal
 from elflow.objective import (
     Batch,
     Forward,
-    example_generator,
+    RowPlan,
+    host_index,
     nograd_prediction,
     sample_draws,
+    sample_draws_keyed,
     token_cross_entropy,
 )
 from elflow.projection import Project
@@ -148,6 +152,8 @@ class DistillDraws:
     inner_u: Tensor
     """(B, K - 1) logit-normal draws in (0, 1), any order: the teacher's interior sub-step times
     are t_s + sort(inner_u) (t_t - t_s)."""
+    plan: RowPlan | None = None
+    """The rows of each branch on the host (None: read from the tensors when needed)."""
 
 
 @dataclass
@@ -198,7 +204,7 @@ def sample_distill_draws(
 
 
 def sample_distill_draws_keyed(
-    keys: Sequence[int],
+    positions: Sequence[int] | np.ndarray,
     length: int,
     dim: int,
     cfg: ObjectiveConfig,
@@ -206,12 +212,25 @@ def sample_distill_draws_keyed(
     seed: int,
     device: torch.device | str = "cpu",
 ) -> DistillDraws:
-    """Draws for examples identified by their global index: each row depends only on (seed, key),
-    so N processes or gradient accumulation see the draws of one process (ELF_SPEC §10)."""
-    gens = [example_generator(seed, int(k), device) for k in keys]
-    rows = [sample_distill_draws(1, length, dim, cfg, K, g, device) for g in gens]
+    """Draws for the examples at stream ``positions``: each row's depend only on (seed, its
+    position), so N processes or gradient accumulation see the draws of one process (ELF_SPEC
+    §10): :func:`elflow.objective.sample_draws_keyed`'s, and the K - 1 interior times."""
+    pos = np.asarray(positions, dtype=np.int64).reshape(-1)
+    d = sample_draws_keyed(pos, length, dim, cfg, seed, device)
+    inner = np.zeros((len(pos), K - 1), dtype=np.float32)
+    for k in range(K - 1):
+        inner[:, k] = host_normal(pos, seed, f"inner/{k}")
+    inner_t = torch.from_numpy(inner)
     return DistillDraws(
-        **{f: torch.cat([getattr(r, f) for r in rows]) for f in DistillDraws.__dataclass_fields__}
+        u=d.t,
+        noise=d.noise,
+        decoder_active=d.decoder_active,
+        decoder_lambda=d.decoder_lambda,
+        decoder_noise=d.decoder_noise,
+        use_self_cond=d.use_self_cond,
+        w=d.w,
+        inner_u=logit_normal(inner_t.to(device, non_blocking=True), cfg.time_mean, cfg.time_std),
+        plan=d.plan,
     )
 
 
@@ -287,6 +306,7 @@ def distill_loss(
     draws: DistillDraws,
     cfg: DistillConfig,
     project: Project | None = None,
+    check_inputs: bool = True,
 ) -> DistillLossOutput:
     """The distillation loss of one batch for the given draws (ELF_SPEC §8).
 
@@ -300,10 +320,13 @@ def distill_loss(
             teacher pass runs under no_grad and only on the rows that need it.
         project: the teacher's projector (:func:`elflow.network.projector`), which
             ``cfg.project_from`` < 1 needs.
+        check_inputs: refuse non-finite latents at once (a device read; the trainer checks
+            them with its other metrics instead).
     """
     ocfg = cfg.objective
     x = batch.x.float()
-    check_finite(x, "the batch's latents")
+    if check_inputs:
+        check_finite(x, "the batch's latents")
     B, L, _ = x.shape
     K = cfg.teacher_substeps
     if draws.inner_u.shape != (B, K - 1):
@@ -332,6 +355,9 @@ def distill_loss(
     dec = draws.decoder_active.bool()
     den = ~dec
     sc = draws.use_self_cond.bool() & den
+    plan = draws.plan if draws.plan is not None else RowPlan.of(draws)  # type: ignore[arg-type]
+    den_np = np.setdiff1d(np.arange(B), plan.decoder)
+    dec_rows, den_rows = host_index(plan.decoder, x.device), host_index(den_np, x.device)
 
     t_s = draws.u.float() * max(1.0 - cfg.delta, MIN_TS_SCALE)  # (B,)
     t_t = t_s + cfg.delta
@@ -341,7 +367,9 @@ def distill_loss(
     x_cond_only = torch.where(cond3, x, 0.0)  # Z0: zeros with x at the condition positions
 
     # 1) Self-conditioning half: the teacher's unconditional x_hat at (z_s, t_s, w) on sc rows.
-    x_hat_u = nograd_prediction(teacher, z_s, x_cond_only, t_s, w, sc)
+    x_hat_u = nograd_prediction(
+        teacher, z_s, x_cond_only, t_s, w, host_index(plan.self_cond, x.device)
+    )
     # It stands for the previous step's x_hat, projected in sampling when that step's time was
     # >= project_from; here, for want of that time, when t_s is.
     if project is not None:
@@ -351,21 +379,26 @@ def distill_loss(
 
     # 2) Teacher sub-steps and the x-target, on the student-step rows only.
     x_target = torch.zeros_like(x)
-    if bool(den.any()):
-        x_target[den] = distill_targets(
+    if len(den_np):
+
+        def rows(v: Tensor) -> Tensor:
+            return v.index_select(0, den_rows)
+
+        targets = distill_targets(
             teacher,
-            z_s[den],
-            sc_half[den],
-            x[den],
-            cond[den],
-            t_s[den],
-            t_t[den],
-            draws.inner_u[den],
-            w[den],
+            rows(z_s),
+            rows(sc_half),
+            rows(x),
+            rows(cond),
+            rows(t_s),
+            rows(t_t),
+            rows(draws.inner_u),
+            rows(w),
             ocfg.t_eps,
             project,
             cfg.project_from,
         )[0]
+        x_target.index_copy_(0, den_rows, targets)
     x_target = x_target.detach()
 
     # 3) Trained pass: student-step rows [z_s, SC half] at t_s; decoder rows [z_dec, Z0] at t = 1.
@@ -373,7 +406,7 @@ def distill_loss(
     dec_in = torch.cat([z_dec, x_cond_only], dim=-1)
     x_in = torch.where(dec[:, None, None], dec_in, den_in)  # (B, L, 2E)
     t_in = torch.where(dec, torch.ones_like(t_s), t_s)
-    x_pred, logits = student(x_in, t_in, w, dec.float(), dec)
+    x_pred, logits = student(x_in, t_in, w, dec.float(), dec_rows)
 
     # 4) Per-row masked token means (x-space MSE or CE), then the plain mean over rows.
     valid = torch.ones_like(cond) if ocfg.pad_with_eos else batch.attention_mask.bool()
@@ -382,20 +415,20 @@ def distill_loss(
     tok = torch.where(mask > 0, l2_tok, 0.0)  # decoder rows' x_pred is unused: keep it finite
     # NOTE: also with no decoder rows (then an empty slice), so that the decoder head is in the
     # graph and gets (zero) gradients on every rank: DDP reduces the same buckets everywhere.
-    ce_tok = torch.zeros_like(tok)
-    ce_tok[dec] = token_cross_entropy(logits, batch.input_ids.long()[dec])  # (B_dec, L)
+    ce_dec = token_cross_entropy(logits, batch.input_ids.long().index_select(0, dec_rows))
+    ce_tok = torch.zeros_like(tok).index_copy_(0, dec_rows, ce_dec)  # (B_dec, L) into (B, L)
     tok = torch.where(dec[:, None], ce_tok, tok)
     row_loss = (tok * mask).sum(-1) / mask.sum(-1).clamp_min(1.0)  # (B,)
     row_sum = row_loss.sum()
     # NOTE: a row with no loss tokens (all condition) counts as a zero row: the spec's mean over B.
-    n_den, n_dec = int(den.sum()), int(dec.sum())
+    n_den, n_dec = len(den_np), len(plan.decoder)
     rl = row_loss.detach()
     return DistillLossOutput(
         loss=row_sum / max(B, 1),
         row_sum=row_sum,
         num_rows=B,
         row_loss=rl,
-        l2_loss=rl[den].sum() / max(n_den, 1),
-        ce_loss=rl[dec].sum() / max(n_dec, 1),
+        l2_loss=rl.index_select(0, den_rows).sum() / max(n_den, 1),
+        ce_loss=rl.index_select(0, dec_rows).sum() / max(n_dec, 1),
         x_target=x_target,
     )

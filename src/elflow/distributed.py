@@ -8,7 +8,9 @@ process group (NCCL on GPU, gloo on CPU) when there is more than one process, an
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 import torch
@@ -50,21 +52,75 @@ def setup(device: str = "auto", option: str = "train.device") -> DistInfo:
     dev = torch.device(f"cuda:{local}") if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(dev)
-    if world > 1 and not dist.is_initialized():
+    # Under torchrun the group is made for one process too: the same wrappers and collectives
+    # run as for N (a launch without torchrun skips them).
+    if (world > 1 or launched_by_torchrun()) and not dist.is_initialized():
         dist.init_process_group(backend="nccl" if use_cuda else "gloo")
+        if use_cuda:  # collective on every rank, once
+            _CONTROL["group"] = dist.new_group(backend="gloo")
     return DistInfo(rank, world, local, dev)
+
+
+def launched_by_torchrun() -> bool:
+    """Whether this process was started by torchrun (its elastic agent sets the run id)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ and "MASTER_ADDR" in os.environ
+
+
+def group_up() -> bool:
+    """Whether a process group is initialised (N processes, or one under torchrun)."""
+    return dist.is_available() and dist.is_initialized()
 
 
 def teardown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+    _CONTROL.clear()
 
 
 def all_reduce_sum(t: Tensor) -> Tensor:
-    """Sum over processes (identity for one process)."""
+    """Sum over processes, in place (identity for one process)."""
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t
+
+
+def all_reduce_min(t: Tensor) -> Tensor:
+    """Elementwise minimum over processes, in place (identity for one process)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return t
+
+
+_CONTROL: dict[str, object] = {}
+
+
+def control_group():
+    """A gloo process group for host-side agreement (stop signals): its collectives run on the
+    CPU, so agreeing never waits for the GPU's queue. The default group when that is gloo
+    already; None for one process."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return None
+    return _CONTROL.get("group", dist.group.WORLD)  # made for NCCL runs; gloo's own otherwise
+
+
+@contextlib.contextmanager
+def gradient_sync(module: nn.Module, enabled: bool) -> Iterator[None]:
+    """Reduce gradients over processes in the backward passes inside only when ``enabled`` (the
+    last micro-batch of a step): DDP's ``no_sync``, FSDP2's ``set_requires_gradient_sync``;
+    a module that is neither is left alone."""
+    if enabled:
+        yield
+    elif hasattr(module, "no_sync"):  # DDP
+        with module.no_sync():
+            yield
+    elif hasattr(module, "set_requires_gradient_sync"):  # FSDP2
+        module.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            module.set_requires_gradient_sync(True)
+    else:
+        yield
 
 
 def barrier() -> None:
@@ -81,27 +137,48 @@ def broadcast_object(obj, src: int = 0):
     return box[0]
 
 
-def parallelize(module: nn.Module, blocks: nn.ModuleList, info: DistInfo, mode: str) -> nn.Module:
-    """Wrap ``module`` (whose parameters include ``blocks``) for ``info.world_size`` processes.
+def parallelize(
+    module: nn.Module,
+    blocks: nn.ModuleList,
+    info: DistInfo,
+    mode: str,
+    bf16: bool = False,
+    compile: bool = False,
+) -> nn.Module:
+    """Compile and wrap ``module`` (whose parameters include ``blocks``) for ``info.world_size``
+    processes; one function for every layout (torchtitan's ``parallelize_llama``).
 
-    ``ddp``: DistributedDataParallel (a no-op for one process). ``fsdp2``: ``fully_shard`` on each
-    block, then on ``module``; parameters become DTensors (the optimizer must be built after).
+    ``compile``: each block is compiled on its own first. ``ddp``: DistributedDataParallel (when
+    a process group is up: N processes, or one under torchrun). ``fsdp2``: ``fully_shard`` on
+    each block, with bf16 compute and fp32 gradient reduction when ``bf16`` (a
+    :class:`MixedPrecisionPolicy`; the residual stream
+    between blocks stays fp32), then on ``module``, whose own parameters (input projections,
+    embedders, heads) stay fp32 as the spec keeps them. Parameters become DTensors (build the
+    optimizer after).
     """
+    if compile:
+        for block in blocks:
+            block.compile()
     if mode == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mesh = init_device_mesh(info.device.type, (info.world_size,))
+        policy = MixedPrecisionPolicy()
+        if bf16:
+            policy = MixedPrecisionPolicy(
+                param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False
+            )
         for block in blocks:
-            fully_shard(block, mesh=mesh)
+            fully_shard(block, mesh=mesh, mp_policy=policy)
         fully_shard(module, mesh=mesh)
         return module
-    if not info.distributed:
+    if not group_up():
         return module
     from torch.nn.parallel import DistributedDataParallel
 
     ids = [info.device.index] if info.device.type == "cuda" else None
-    return DistributedDataParallel(module, device_ids=ids, broadcast_buffers=False)
+    return DistributedDataParallel(module, device_ids=ids)  # no buffers to broadcast
 
 
 def resolve_device(name: str) -> DistInfo:

@@ -85,6 +85,43 @@ def bf16_autocast(bf16: bool, device: torch.device) -> contextlib.AbstractContex
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
 
 
+GPU_BF16_TFLOPS = {
+    # Dense bf16 tensor-core peaks from the vendors' datasheets (no sparsity), matched against
+    # torch.cuda.get_device_name in order: the first key found in the name wins.
+    "GB200": 2500.0,
+    "B200": 2250.0,
+    "B100": 1750.0,
+    "H200": 989.0,
+    "H100 PCIe": 756.0,
+    "H100 NVL": 835.0,
+    "H100": 989.0,
+    "H800": 989.0,
+    "GH200": 989.0,
+    "A100": 312.0,
+    "A800": 312.0,
+    "A10G": 70.0,
+    "A10": 125.0,
+    "A6000": 155.0,
+    "L40S": 362.0,
+    "L40": 181.0,
+    "L4": 121.0,
+    "RTX 4090": 165.0,
+    "RTX 3090": 71.0,
+    "MI300X": 1307.0,
+    "MI250X": 383.0,
+}
+"""Dense bf16 TFLOP/s per GPU by model name (MFU's denominator; ``train.peak_tflops`` overrides)."""
+
+
+def peak_tflops(device: torch.device) -> float | None:
+    """The dense bf16 peak of ``device`` from :data:`GPU_BF16_TFLOPS`, or None (a CPU, or a
+    GPU the table does not know: set ``train.peak_tflops``)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in GPU_BF16_TFLOPS.items() if k in name), None)
+
+
 def full_precision(device: torch.device) -> torch.autocast:
     """Autocast off inside a caller's bf16 autocast: what spec §3 keeps in the parameters' dtype
     (fp32) runs there (the network's projections, embedders and heads; the frozen encoder)."""

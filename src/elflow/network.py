@@ -178,7 +178,10 @@ class TrainForward(nn.Module):
         gate: Tensor | float,
         head_rows: Tensor | None = None,
     ) -> tuple[Tensor, Tensor | None]:
+        """(x_pred, decoder logits of ``head_rows``: row indices or a mask; None: no logits)."""
         x_pred, hidden = self.model(x_in, t, w, gate)
         if head_rows is None:
             return x_pred, None
-        return x_pred, self.model.decode_logits(hidden[head_rows])
+        if head_rows.dtype == torch.bool:  # a mask (a device read); indices do not wait
+            return x_pred, self.model.decode_logits(hidden[head_rows])
+        return x_pred, self.model.decode_logits(hidden.index_select(0, head_rows))

@@ -1,8 +1,11 @@
 """The ELF training objective (paper §3; ELF_SPEC §3, §9).
 
 :func:`elf_loss` is a deterministic function of the batch and of explicit random draws
-(:class:`Draws`); :func:`sample_draws` is the thin layer that makes the draws from a generator.
-Two procedures compute the same loss and gradients:
+(:class:`Draws`); :func:`sample_draws` makes the draws from a generator, and
+:func:`sample_draws_keyed` (training) draws them for a batch of stream positions in a few batched
+calls, each row's a function of (seed, position) alone (:mod:`elflow.keyed`). Which rows take
+which branch is a :class:`RowPlan` of host index arrays, so that a training step selects rows
+without reading the device. Two procedures compute the same loss and gradients:
 
 - ``"reference"``: the authors' procedure: a no-grad unconditional pass and a no-grad
   self-conditioned pass over every row, and the V-way decoder head on every row of every pass
@@ -14,10 +17,10 @@ Two procedures compute the same loss and gradients:
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -25,6 +28,7 @@ from torch import Tensor
 from elflow.config import ObjectiveConfig
 from elflow.errors import ELFError, check_finite
 from elflow.flow import interpolate, log_uniform_scale, logit_normal, velocity
+from elflow.keyed import host_normal, host_uniform, keyed_normals
 
 PROCEDURES = ("efficient", "reference")
 Forward = Callable[..., tuple[Tensor, "Tensor | None"]]
@@ -46,6 +50,37 @@ class Batch:
     """(B, L) 1 at condition (source) positions; None for unconditional data."""
     label_drop: Tensor | None = None
     """(B,) 1 where the condition is dropped (classifier-free guidance training)."""
+    loss_tokens: float | None = None
+    """The loss mask's total when the host knows it (the trainer's batches), else None."""
+
+
+@dataclass(frozen=True)
+class RowPlan:
+    """Which rows take which branch, as host index arrays (ELF_SPEC §3 steps 3 and 5).
+
+    The objective selects rows with index tensors made from these, never with a boolean mask of
+    the device's draws (a data-dependent shape): a training step then never waits for the
+    device. :func:`sample_draws_keyed` knows them on the host; :meth:`of` reads hand-made draws.
+    """
+
+    decoder: np.ndarray
+    """Indices of the decoder-branch rows."""
+    self_cond: np.ndarray
+    """Indices of the denoiser rows whose input carries the self-conditioning prediction."""
+
+    @classmethod
+    def of(cls, draws: Draws) -> RowPlan:
+        """The plan of ``draws``' own tensors (one device read: for draws made by hand)."""
+        dec = draws.decoder_active.detach().cpu().numpy() > 0
+        sc = (draws.use_self_cond.detach().cpu().numpy() > 0) & ~dec
+        return cls(np.flatnonzero(dec), np.flatnonzero(sc))
+
+
+def host_index(rows: np.ndarray, device: torch.device) -> Tensor:
+    """A host index array on ``device`` without waiting for it (an asynchronous copy)."""
+    return torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64)).to(
+        device, non_blocking=True
+    )
 
 
 @dataclass
@@ -66,6 +101,8 @@ class Draws:
     """(B,) 1 = the trained pass receives the detached self-conditioning prediction."""
     w: Tensor
     """(B,) SC-CFG scale."""
+    plan: RowPlan | None = None
+    """The rows of each branch on the host (None: read from the tensors when needed)."""
 
 
 @dataclass
@@ -107,29 +144,47 @@ def sample_draws(
     )
 
 
-def example_generator(seed: int, key: int, device: torch.device | str = "cpu") -> torch.Generator:
-    """The generator of training example ``key`` (its global stream position) in run ``seed``."""
-    digest = hashlib.sha256(f"elflow-train:{seed}:{key}".encode()).digest()
-    return torch.Generator(device=device).manual_seed(int.from_bytes(digest[:8], "little") >> 1)
-
-
 def sample_draws_keyed(
-    keys: Sequence[int],
+    positions: Sequence[int] | np.ndarray,
     length: int,
     dim: int,
     cfg: ObjectiveConfig,
     seed: int,
     device: torch.device | str = "cpu",
 ) -> Draws:
-    """Draws for examples identified by their global index: each row's draws depend only on
-    (seed, key), so N processes or gradient accumulation see the draws of one process
-    (ELF_SPEC §10 "Distributed equality")."""
-    rows = [
-        sample_draws(1, length, dim, cfg, example_generator(seed, int(k), device), device)
-        for k in keys
-    ]
+    """Draws for the examples at stream ``positions``: each row's depend only on (seed, its
+    position), so N processes, gradient accumulation and a resume see the draws of one process
+    (ELF_SPEC §10 "Distributed equality").
+
+    The per-example scalars (t, branch, self-conditioning, w) are drawn on the host, which then
+    knows the :class:`RowPlan`; the (L, E) noise and the (L,) decoder mixing weights in one
+    batched call on ``device`` (:func:`elflow.keyed.keyed_normals`). A row uses its path noise
+    (denoiser rows) or its decoder noise (decoder rows), never both, so the two fields are the
+    same tensor.
+    """
+    pos = np.asarray(positions, dtype=np.int64).reshape(-1)
+    B = len(pos)
+    dec = host_uniform(pos, seed, "decoder") < cfg.decoder_prob
+    sc = host_uniform(pos, seed, "self_cond") < cfg.self_cond_prob
+    t = 1.0 / (1.0 + np.exp(-(cfg.time_mean + cfg.time_std * host_normal(pos, seed, "t"))))
+    w = log_uniform_scale(torch.from_numpy(host_uniform(pos, seed, "w")), cfg.w_min, cfg.w_max)
+    scalars = np.stack([t, dec, sc, w.numpy()], axis=1).astype(np.float32)  # (B, 4)
+    t_, dec_, sc_, w_ = torch.from_numpy(scalars).to(device, non_blocking=True).unbind(1)
+    device_pos = host_index(pos, torch.device(device))
+    normals = keyed_normals(device_pos, length * (dim + 1), seed, "noise")  # (B, L (E + 1))
+    noise = normals[:, : length * dim].view(B, length, dim)
+    lam = logit_normal(
+        normals[:, length * dim :].view(B, length, 1), cfg.decoder_mean, cfg.decoder_std
+    )
     return Draws(
-        **{f: torch.cat([getattr(r, f) for r in rows]) for f in Draws.__dataclass_fields__}
+        t=t_,
+        noise=noise,
+        decoder_active=dec_,
+        decoder_lambda=lam,
+        decoder_noise=noise,
+        use_self_cond=sc_,
+        w=w_,
+        plan=RowPlan(np.flatnonzero(dec), np.flatnonzero(sc & ~dec)),
     )
 
 
@@ -148,6 +203,7 @@ def elf_loss(
     draws: Draws,
     cfg: ObjectiveConfig,
     procedure: str = "efficient",
+    check_inputs: bool = True,
 ) -> LossOutput:
     """The ELF loss of one batch for the given draws (ELF_SPEC §3 steps 2–10).
 
@@ -157,13 +213,18 @@ def elf_loss(
     Args:
         forward: the network's forward function (:class:`elflow.network.TrainForward`, possibly
             wrapped in DDP or FSDP2: every network call then goes through the wrapper).
+        check_inputs: refuse non-finite latents at once (a device read; the trainer checks
+            them with its other metrics instead).
     """
     if procedure not in PROCEDURES:
         raise ELFError(f"procedure must be one of {PROCEDURES}, got {procedure!r}")
     reference = procedure == "reference"
     x = batch.x.float()
-    check_finite(x, "the batch's latents")
+    if check_inputs:
+        check_finite(x, "the batch's latents")
     B, L, _ = x.shape
+    plan = draws.plan if draws.plan is not None else RowPlan.of(draws)
+    dec_rows, sc_rows = host_index(plan.decoder, x.device), host_index(plan.self_cond, x.device)
     cond = (
         batch.cond_mask.bool()
         if batch.cond_mask is not None
@@ -182,9 +243,9 @@ def elf_loss(
     z_dec = lam * x + (1.0 - lam) * cfg.decoder_noise_scale * draws.decoder_noise
     x_cond_only = torch.where(cond3, x, 0.0)  # Z0: zeros with x at the condition positions
 
-    # 1) No-grad unconditional pass at (z_t, t, w) -> x_hat_u.
+    # 1) No-grad unconditional pass at (z_t, t, w) -> x_hat_u (None: every row).
     deterministic, sees_w = network_traits(forward)
-    nograd_rows = torch.ones_like(sc) if reference else sc
+    nograd_rows = None if reference else sc_rows
     x_hat_u = nograd_prediction(forward, z_t, x_cond_only, t, w, nograd_rows, with_head=reference)
     sc_half = torch.where(cond3, x, x_hat_u)  # the self-conditioning input (condition reset)
 
@@ -194,21 +255,20 @@ def elf_loss(
     x_in = torch.where(dec[:, None, None], dec_in, den_in)  # (B, L, 2E)
     t_in = torch.where(dec, torch.ones_like(t), t)
     # Decoder head on every row (reference) or on decoder rows only, inside the same forward.
-    x_pred, logits = forward(x_in, t_in, w, dec.float(), torch.ones_like(dec) if reference else dec)
+    head_rows = torch.arange(B, device=x.device) if reference else dec_rows
+    x_pred, logits = forward(x_in, t_in, w, dec.float(), head_rows)
 
     # 3) SC-CFG target: v* + (1 - 1/w)(v_cond - v_u) on self-conditioned rows, v* elsewhere.
-    num_nograd = int(nograd_rows.sum()) if not reference else B
+    num_nograd = B if reference else len(plan.self_cond)
     if reference:
-        x_hat_c = nograd_prediction(
-            forward, z_t, sc_half, t, w, torch.ones_like(sc), with_head=True
-        )
+        x_hat_c = nograd_prediction(forward, z_t, sc_half, t, w, None, with_head=True)
         num_nograd += B
     elif deterministic:
         # Same input as the trained pass for these rows, so the same output: reuse it.
         x_hat_c = x_pred.detach()
     else:
-        x_hat_c = nograd_prediction(forward, z_t, sc_half, t, w, sc)
-        num_nograd += int(sc.sum())
+        x_hat_c = nograd_prediction(forward, z_t, sc_half, t, w, sc_rows)
+        num_nograd += len(plan.self_cond)
     v_star = velocity(x, z_t, t, cfg.t_eps)
     if not sees_w:
         # A network without scale tokens cannot see w: its one consistent target is v* (w = 1).
@@ -230,8 +290,8 @@ def elf_loss(
         ce_tok = token_cross_entropy(logits, ids)  # (B, L)
         dec_mask = mask * dec.float()[:, None]
     else:
-        ce_tok = token_cross_entropy(logits, ids[dec])  # (B_dec, L)
-        dec_mask = mask[dec]
+        ce_tok = token_cross_entropy(logits, ids.index_select(0, dec_rows))  # (B_dec, L)
+        dec_mask = mask.index_select(0, dec_rows)
     ce_sum = (ce_tok * dec_mask).sum()
     dec_count = dec_mask.sum()
     denom = mask.sum()
@@ -260,23 +320,26 @@ def nograd_prediction(
     sc_half: Tensor,
     t: Tensor,
     w: Tensor,
-    rows: Tensor,
+    rows: Tensor | None,
     with_head: bool = False,
 ) -> Tensor:
     """x-prediction at (z, t, w) in denoise mode, computed only for ``rows`` (zeros elsewhere).
 
+    ``rows``: an index tensor (or None: every row; a boolean mask costs a device read).
     ``with_head`` also evaluates (and discards) the decoder head, as the reference forward does.
     The network runs even when ``rows`` selects none (on an empty batch): each forward of an
     FSDP2-sharded network gathers its shards collectively, so a rank that skipped it would leave
     the others waiting for ever.
     """
-    out = torch.zeros_like(z)
-    if bool(rows.all()):
+    B = z.shape[0]
+    if rows is not None and rows.dtype == torch.bool:
+        rows = rows.nonzero().squeeze(1)
+    if rows is None or rows.numel() == B:  # every row, in order (indices are sorted)
         x_in = torch.cat([z, sc_half], dim=-1)
-        out = forward(x_in, t, w, 0.0, torch.ones_like(rows) if with_head else None)[0].float()
-    else:  # NOTE: also with no rows: under FSDP2 every rank must run the same forwards
-        x_in = torch.cat([z[rows], sc_half[rows]], dim=-1)
-        n = x_in.shape[0]
-        head_rows = x_in.new_ones(n, dtype=torch.bool) if with_head else None
-        out[rows] = forward(x_in, t[rows], w[rows], 0.0, head_rows)[0].float()
-    return out
+        head_rows = torch.arange(B, device=z.device) if with_head else None
+        return forward(x_in, t, w, 0.0, head_rows)[0].float()
+    # NOTE: also with no rows: under FSDP2 every rank must run the same forwards
+    x_in = torch.cat([z.index_select(0, rows), sc_half.index_select(0, rows)], dim=-1)
+    head_rows = torch.arange(rows.numel(), device=z.device) if with_head else None
+    pred = forward(x_in, t.index_select(0, rows), w.index_select(0, rows), 0.0, head_rows)[0]
+    return torch.zeros_like(z).index_copy_(0, rows, pred.float())

@@ -1,20 +1,107 @@
 """Training batches: dataset rows to clean latents, keyed by their stream positions (ELF_SPEC §3).
 
-A batch's latents come from the latent cache when the run keeps one, else from the frozen encoder;
-a conditional example's label drop (§3 step 10) is a function of its stream position and the seed,
-so every process, accumulation split and resume draws the same one.
+A batch is made in two halves. :func:`host_batch` does the host's part: the rows, a conditional
+example's label drop and span conditioning (functions of the stream position and the seed, so
+every process, accumulation split and resume draws the same ones), and the cached latents when
+the run keeps a latent cache, in pinned memory when the device is a GPU. :meth:`HostBatch.
+to_device` copies that without waiting for the device and runs the frozen encoder when nothing is
+cached. :class:`BatchLoader` makes the next step's host halves in a background thread while the
+device works on this step's.
 """
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
 import numpy as np
 import torch
+from torch import Tensor
 
 from elflow.data.latent_cache import LatentCache
-from elflow.data.order import keyed_bernoulli, keyed_uniform
+from elflow.data.order import StreamOrder, keyed_bernoulli, keyed_uniform, rank_positions
 from elflow.encoder import FrozenEncoder
 from elflow.objective import Batch
 from elflow.train.config import RunConfig
+
+
+@dataclass
+class HostBatch:
+    """The host's half of a batch: CPU tensors (pinned for a GPU) and what the loss covers."""
+
+    positions: np.ndarray
+    """(B,) stream positions (they key every random draw)."""
+    input_ids: Tensor
+    attention_mask: Tensor
+    source_mask: Tensor | None
+    """(B, L) the dataset's source positions (conditional data), which the encoder sees."""
+    cond_mask: Tensor | None
+    """(B, L) the objective's condition: the source, or a span-conditioning row's kept text."""
+    label_drop: Tensor | None
+    latents: Tensor | None
+    """(B, L, E) cached latents, or None (the encoder runs on the device)."""
+    loss_tokens: float
+    """Tokens the ELF loss covers (its normaliser's share of this batch, ELF_SPEC §3 step 9)."""
+    text_tokens: int
+    """Valid (non-padding) tokens, condition included: what tokens/s counts."""
+
+    def to_device(self, encoder: FrozenEncoder, device: torch.device) -> Batch:
+        """The batch on ``device``: asynchronous copies, the encoder when nothing is cached."""
+
+        def move(t: Tensor | None) -> Tensor | None:
+            return None if t is None else t.to(device, non_blocking=True)
+
+        ids, attn, drop = move(self.input_ids), move(self.attention_mask), move(self.label_drop)
+        if self.latents is not None:
+            x = move(self.latents).float()
+        else:
+            x = encoder(ids, attn, move(self.source_mask), drop)
+        cond = move(self.cond_mask)
+        return Batch(x, ids, attn, cond, drop, loss_tokens=self.loss_tokens)
+
+
+def host_batch(
+    cfg: RunConfig,
+    dataset,
+    cache: LatentCache | None,
+    row_idx: np.ndarray,
+    positions: np.ndarray,
+    pin: bool = False,
+) -> HostBatch:
+    """The host half of the batch of dataset rows ``row_idx`` at stream ``positions``."""
+    rows = dataset.get_rows(row_idx)
+    source = rows["cond_mask"] if dataset.conditional else None
+    drop = None
+    if dataset.conditional and cfg.objective.label_drop_prob > 0:
+        drop = keyed_bernoulli(
+            positions, cfg.objective.label_drop_prob, cfg.train.seed, "label_drop"
+        )
+    latents = cache.get(row_idx, drop) if cache is not None else None
+    cond = source
+    if cfg.objective.span_cond_prob > 0 and not dataset.conditional:
+        cond = span_condition(rows["attention_mask"], positions, cfg)
+    valid = rows["attention_mask"].astype(bool)
+    covered = np.ones_like(valid) if cfg.objective.pad_with_eos else valid
+    if cond is not None:
+        covered = covered & (cond == 0)
+
+    def tensor(a: np.ndarray | None) -> Tensor | None:
+        if a is None:
+            return None
+        t = torch.from_numpy(np.ascontiguousarray(a))
+        return t.pin_memory() if pin else t
+
+    return HostBatch(
+        positions=np.asarray(positions, dtype=np.int64),
+        input_ids=tensor(rows["input_ids"]),
+        attention_mask=tensor(rows["attention_mask"]),
+        source_mask=tensor(source),
+        cond_mask=tensor(cond),
+        label_drop=tensor(drop),
+        latents=None if latents is None else (latents.pin_memory() if pin else latents),
+        loss_tokens=float(covered.sum()),
+        text_tokens=int(valid.sum()),
+    )
 
 
 def make_batch(
@@ -26,25 +113,54 @@ def make_batch(
     row_idx: np.ndarray,
     positions: np.ndarray,
 ) -> Batch:
-    """The batch of dataset rows ``row_idx`` at stream ``positions`` (which key the label drop)."""
-    rows = dataset.get_rows(row_idx)
-    ids = torch.from_numpy(rows["input_ids"]).to(device)
-    attn = torch.from_numpy(rows["attention_mask"]).to(device)
-    cond = torch.from_numpy(rows["cond_mask"]).to(device) if dataset.conditional else None
-    drop_np = None
-    if dataset.conditional and cfg.objective.label_drop_prob > 0:
-        drop_np = keyed_bernoulli(
-            positions, cfg.objective.label_drop_prob, cfg.train.seed, "label_drop"
-        )
-    drop = torch.from_numpy(drop_np).to(device) if drop_np is not None else None
-    if cache is not None:
-        x = cache.get(row_idx, drop_np).to(device)
-    else:
-        x = encoder(ids, attn, cond, drop)
-    if cfg.objective.span_cond_prob > 0 and not dataset.conditional:
-        spans = span_condition(rows["attention_mask"], positions, cfg)
-        cond = torch.from_numpy(spans).to(device)
-    return Batch(x=x, input_ids=ids, attention_mask=attn, cond_mask=cond, label_drop=drop)
+    """The batch of dataset rows ``row_idx`` at stream ``positions`` (which key the label drop),
+    on ``device``: :func:`host_batch`, then :meth:`HostBatch.to_device`."""
+    return host_batch(cfg, dataset, cache, row_idx, positions).to_device(encoder, device)
+
+
+class BatchLoader:
+    """A process's host batches of each optimizer step, the next step's made in a background
+    thread (the host work then overlaps the device's; the batches are pure functions of the
+    step, so the order of making them changes nothing)."""
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        dataset,
+        cache: LatentCache | None,
+        order: StreamOrder,
+        geometry,
+        rank: int,
+        world_size: int,
+        pin: bool,
+    ) -> None:
+        self.cfg, self.dataset, self.cache, self.order = cfg, dataset, cache, order
+        self.geometry, self.rank, self.world_size, self.pin = geometry, rank, world_size, pin
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="elflow-batches")
+        self._next: tuple[int, Future] | None = None
+
+    def make(self, step: int) -> list[HostBatch]:
+        """The host batches of ``step`` (one per micro-step), made now."""
+        g = self.geometry
+        out = []
+        for k in range(g.accum):
+            pos = rank_positions(step, g.global_batch, self.world_size, self.rank, g.micro, k)
+            out.append(
+                host_batch(self.cfg, self.dataset, self.cache, self.order.rows(pos), pos, self.pin)
+            )
+        return out
+
+    def get(self, step: int, prefetch: bool = True) -> list[HostBatch]:
+        """The host batches of ``step``; starts making those of ``step + 1`` (``prefetch``)."""
+        if self._next is not None and self._next[0] == step:
+            batches = self._next[1].result()
+        else:
+            batches = self.make(step)
+        self._next = (step + 1, self._pool.submit(self.make, step + 1)) if prefetch else None
+        return batches
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
 
 
 SPAN_FRACTION = (0.1, 0.6)

@@ -42,8 +42,14 @@ class EncoderConfig:
     """0.2 for T5-small (the paper's); 0 = measure it on the training data at start-up."""
     layer: int = 0
     """0 = the encoder's output (the paper's); k = its block k's output (docs/differences.md)."""
+    precision: str = "auto"
+    """The frozen encoder's compute dtype in training: auto (bf16 on CUDA, fp32 elsewhere),
+    bf16 or fp32 (the latents' last bits; a latent cache built in one is not reused by the
+    other)."""
 
     def __post_init__(self) -> None:
+        if self.precision not in ("auto", "bf16", "fp32"):
+            raise ELFError(f"encoder.precision must be auto, bf16 or fp32, got {self.precision!r}")
         if self.latent_std < 0:
             raise ELFError(f"encoder.latent_std must be >= 0 (0 = measure), got {self.latent_std}")
         if self.layer < 0:
@@ -79,6 +85,13 @@ class TrainConfig:
     """Use min(ema_decay, (1 + k) / (10 + k)) so short runs are not dominated by the init."""
     precision: str = "auto"
     """'auto' (bf16 autocast on CUDA and on CPUs with native bf16, else fp32), 'fp32' or 'bf16'."""
+    tf32: bool = True
+    """On CUDA, let the matrix products the spec keeps in fp32 (input projections, embedders,
+    heads; everything under precision=fp32) use TF32 tensor cores (~7x plain fp32's speed, a
+    10-bit mantissa for the products' inputs); false: plain fp32."""
+    peak_tflops: float = 0.0
+    """The device's dense bf16 peak in TFLOP/s for the logged MFU; 0 = from elflow's table of
+    common GPUs (no MFU on a CPU or an unknown GPU)."""
     parallel: str = "ddp"
     """'ddp' or 'fsdp2' (shards each block; for ELF-L-sized models)."""
     procedure: str = "efficient"
@@ -108,11 +121,13 @@ class TrainConfig:
     wandb: bool = False
     """Log to Weights & Biases (needs the wandb package and its login)."""
     compile: bool = False
-    """torch.compile the network (costs a one-off compile time)."""
-    activation_checkpointing: bool = False
-    """Recompute each block's activations in the backward pass instead of storing them: much
-    less activation memory (larger micro-batches for ELF-M/L at L 1024) for about one more
-    forward of the blocks per step; the same updates (tested, also under FSDP2)."""
+    """torch.compile each transformer block (before FSDP2 shards it): fused kernels for the
+    norms, RoPE and SwiGLU; a one-off compile time of tens of seconds."""
+    activation_checkpointing: str = "none"
+    """'none' or 'blocks': recompute each block's activations in the backward pass instead of
+    storing them: much less activation memory (larger micro-batches for ELF-M/L at L 1024) for
+    about one more forward of the blocks per step; the same updates (tested, also under
+    FSDP2). true/false (older configs) mean blocks/none."""
     init: str = ""
     """Fine-tuning: a model source (run, checkpoint, model folder, Hub id, authors' checkpoint)
     whose weights (EMA when present) start a fresh run. Its architecture (all but max_length),
@@ -132,6 +147,12 @@ class TrainConfig:
             0.0 <= self.ema_decay < 1.0, f"train.ema_decay must be in [0, 1), got {self.ema_decay}"
         )
         require(self.precision in ("auto", "fp32", "bf16"), "train.precision: auto, fp32 or bf16")
+        require(self.peak_tflops >= 0, f"train.peak_tflops must be >= 0, got {self.peak_tflops}")
+        require(
+            self.activation_checkpointing in ("none", "blocks"),
+            "train.activation_checkpointing must be 'none' or 'blocks', got "
+            f"{self.activation_checkpointing!r}",
+        )
         require(self.parallel in ("ddp", "fsdp2"), "train.parallel must be 'ddp' or 'fsdp2'")
         require(
             self.procedure in ("efficient", "reference"), "train.procedure: efficient or reference"
@@ -197,6 +218,14 @@ def run_config_from_dict(data: dict[str, Any]) -> RunConfig:
         raise ELFError(
             f"unknown config key(s) {unknown}; valid: {sorted(SECTIONS) + list(_SCALARS)}"
         )
+    train = data.get("train", {})
+    if isinstance(train, dict) and isinstance(train.get("activation_checkpointing"), bool):
+        # Configs before 'none' | 'blocks' said false | true.
+        flag = train["activation_checkpointing"]
+        data = {
+            **data,
+            "train": {**train, "activation_checkpointing": "blocks" if flag else "none"},
+        }
     kwargs: dict[str, Any] = {
         name: from_dict(cls, data.get(name, {}), name) for name, cls in SECTIONS.items()
     }

@@ -78,13 +78,13 @@ class DistillObjective:
         # The teacher's projector, used only when distill.project_from < 1.
         self.project = None if projection is None else projector(teacher, projection)
 
-    def denominator(self, batch: Batch) -> float:
-        return float(batch.x.shape[0])
+    def denominator(self, batch) -> float:
+        return float(batch.input_ids.shape[0])
 
     def __call__(self, forward, batch: Batch, positions: np.ndarray) -> StepLoss:
         L, E = batch.x.shape[1], batch.x.shape[2]
         draws = sample_distill_draws_keyed(
-            positions.tolist(),
+            positions,
             L,
             E,
             self.cfg.objective,
@@ -92,12 +92,15 @@ class DistillObjective:
             self.cfg.train.seed,
             batch.x.device,
         )
-        out = distill_loss(forward, self.teacher, batch, draws, self.distill, self.project)
-        dec = draws.decoder_active.bool().to(batch.x.device)
-        rows = out.row_loss.detach()
-        stats = torch.stack(
-            [rows[~dec].sum(), rows[dec].sum(), (~dec).sum().to(rows), dec.sum().to(rows)]
+        out = distill_loss(
+            forward, self.teacher, batch, draws, self.distill, self.project, check_inputs=False
         )
+        dec = draws.decoder_active.to(batch.x.device)
+        rows = out.row_loss.detach()
+        ce = (rows * dec).sum()
+        n_dec = dec.sum().to(rows)
+        bad = (~torch.isfinite(batch.x)).any().to(rows)
+        stats = torch.stack([rows.sum() - ce, ce, dec.numel() - n_dec, n_dec, bad])
         return StepLoss(out.row_sum, stats.double())
 
 

@@ -69,12 +69,16 @@ class EMA:
     def update(self, model: nn.Module) -> None:
         """Fold the current weights in; call once after each optimizer step."""
         d = self.current_decay()
+        shadows, params = [], []
         for name, p in model.named_parameters():
             shadow = self.shadow.get(name)
             if shadow is None:
                 raise ELFError(f"EMA has no parameter {name!r}; was it built from another model?")
-            # lerp works shard-locally on DTensors (same placements), with no communication.
-            shadow.lerp_(p.detach().to(torch.float32), 1.0 - d)
+            shadows.append(shadow)
+            params.append(p.detach().to(torch.float32))
+        # One batched lerp for every tensor; it works shard-locally on DTensors (same
+        # placements), with no communication.
+        torch._foreach_lerp_(shadows, params, 1.0 - d)
         self.num_updates += 1
 
     @torch.no_grad()

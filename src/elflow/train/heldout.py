@@ -96,13 +96,13 @@ def heldout_loss(
     ``objective`` is the training objective (``ELFObjective`` or the distillation one): the loss
     is normalised exactly like a training step's, over all of the split's rows at once.
     """
-    totals = torch.zeros(5, dtype=torch.float64, device=device)
+    totals = torch.zeros(6, dtype=torch.float64, device=device)
     for keys, batch in split.batches():
         with autocast if autocast is not None else contextlib.nullcontext():
             out = objective(forward, batch, keys)
         totals[0] += objective.denominator(batch)
         totals[1:] += out.stats.to(totals)
-    denom, l2_sum, ce_sum, l2_n, ce_n = all_reduce_sum(totals).tolist()
+    denom, l2_sum, ce_sum, l2_n, ce_n, _ = all_reduce_sum(totals).tolist()
     l2, ce = branch_means(l2_sum, ce_sum, l2_n, ce_n)
     return {
         f"{split.name}_loss": (l2_sum + ce_sum) / max(denom, 1.0),

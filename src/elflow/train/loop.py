@@ -1,23 +1,28 @@
 """The training loop: one code path for 1 process and N processes under torchrun (ELF_SPEC §3).
 
-:func:`train` sets the run up (:func:`elflow.train.setup.prepare_run`), then per step: the
-learning rate, the global batch's gradients (:class:`elflow.train.step.StepContext`), clipping,
-Muon + Adam, EMA; then the reports (:class:`elflow.train.reporting.Reporter`), checkpoints and a
-clean stop on SIGINT/SIGTERM. A non-finite loss stops every rank with the last good checkpoint
-intact. Checkpoints: ``io/checkpoint.py``; what a resume or a fine-tune must match: ``resume.py``.
+:func:`train` sets the run up (:func:`elflow.train.setup.prepare_run`) and hands it to a
+:class:`Trainer`, whose :meth:`Trainer.step` is one optimizer step: the learning rate, the global
+batch's gradients (:class:`elflow.train.step.StepContext`), clipping, Muon + Adam, EMA, the
+step's metrics (kept on the device) and the stop-signal agreement. The host never waits for the
+device inside a step: the metrics and the non-finite check are fetched every ``train.log_every``
+steps and before each checkpoint, so a non-finite loss stops every rank with the last good
+checkpoint intact (:class:`NonFiniteGuard`). Checkpoints: ``io/checkpoint.py``; what a resume or
+a fine-tune must match: ``resume.py``.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
-from elflow.distributed import DistInfo
+from elflow.distributed import DistInfo, all_reduce_min
 from elflow.errors import ELFError, Interrupted
 from elflow.hardware import bf16_autocast
 from elflow.io import checkpoint as ckpt_io
@@ -26,7 +31,7 @@ from elflow.train.config import RunConfig, run_config_to_dict
 from elflow.train.optim import learning_rate, set_lr
 from elflow.train.reporting import Reporter
 from elflow.train.setup import Run, prepare_run
-from elflow.train.step import ELFObjective, StepContext
+from elflow.train.step import ELFObjective, Objective, StepContext
 from elflow.train.stop import StopSignal
 
 
@@ -51,56 +56,111 @@ def train(
         latent_cache_dir: where the latent cache file lives (default: as ``data`` says).
     """
     run = prepare_run(cfg, out, resume, init_state=init_state, latent_cache_dir=latent_cache_dir)
-    cfg, info, g = run.cfg, run.info, run.geometry
-    autocast = bf16_autocast(run.bf16, info.device)
+    cfg, info = run.cfg, run.info
     pad_id = run.spec.row_pad_id(cfg.objective.pad_with_eos)
     projection = Projection(run.encoder, run.spec.eos_id, pad_id)
     objective = objective_factory(cfg, info, projection) if objective_factory else ELFObjective(cfg)
-    step_grads = StepContext(run, objective, autocast)
-    report = Reporter(run, objective, autocast)
-    # 0 disables clipping; the norm is still measured (logged, and checked for NaN). Clipping to 0
-    # itself would zero every gradient.
-    max_grad_norm = run.optim.clip_grad_norm or math.inf
-    last_ckpt, saved_step = run.resume_from, run.start_step
-    stop = StopSignal()
+    trainer = Trainer(run, objective)
     try:
-        stop.install()
-        for step in range(run.start_step, g.total_steps):
-            lr, metrics, grad_norm = optimizer_step(run, step_grads, step, max_grad_norm, last_ckpt)
-            done = step + 1
-            report.step(done, metrics, lr, grad_norm)
-            if done % cfg.train.save_every == 0 or done == g.total_steps:
-                last_ckpt, saved_step = save(run, done), done
-            report.evaluate(done)
-            if stop.agreed(info):  # after sampling too, so a signal there is not held a step
-                if saved_step != done:
-                    last_ckpt, saved_step = save(run, done), done
-                raise _stopped(stop, done, g.total_steps, last_ckpt)
+        return trainer.fit()
     finally:
-        stop.restore()
-        report.close()
-    return last_ckpt if last_ckpt is not None else run.out
+        trainer.close()
 
 
-def optimizer_step(
-    run: Run, step_grads: StepContext, step: int, max_grad_norm: float, last_ckpt: Path | None
-) -> tuple[float, dict[str, Any], float]:
-    """One optimizer step: the lr, the global batch's gradients, clipping, Muon + Adam, EMA;
-    returns (lr, the step's metrics, the gradient norm)."""
-    g = run.geometry
-    lr = learning_rate(run.optim, step, g.total_steps, g.global_batch)
-    set_lr(run.optimizer, lr)
-    metrics = step_grads.accumulate(step)
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(run.model.parameters(), max_grad_norm))
-    if not (math.isfinite(metrics["loss"]) and math.isfinite(grad_norm)):
-        raise ELFError(
-            f"non-finite loss or gradient at step {step}; stopping (last good checkpoint: "
-            f"{last_ckpt or 'none'}); lower the learning rate or check the data"
-        )
-    run.optimizer.step()
-    run.optimizer.zero_grad(set_to_none=True)
-    run.ema.update(run.model)
-    return lr, metrics, grad_norm
+class NonFiniteGuard:
+    """The first step whose loss, gradient norm or latents were not finite, kept on the device
+    (two ops a step) and read only when :meth:`check` is called."""
+
+    def __init__(self, device: torch.device) -> None:
+        # [first non-finite loss or gradient, first non-finite batch latents]; inf: none yet.
+        self.first = torch.full((2,), math.inf, dtype=torch.float64, device=device)
+
+    def observe(self, step: int, loss: Tensor, grad_norm: Tensor, bad_latents: Tensor) -> None:
+        bad = torch.stack([~torch.isfinite(loss + grad_norm), bad_latents > 0])
+        self.first = torch.minimum(self.first, torch.where(bad, float(step), math.inf))
+
+    def check(self, last_ckpt: Path | None) -> None:
+        """Raise the one-line error if any step so far, on any process, was not finite."""
+        loss_step, latents_step = all_reduce_min(self.first.clone()).tolist()
+        where = f"stopping (last good checkpoint: {last_ckpt or 'none'})"
+        if math.isfinite(latents_step):
+            raise ELFError(
+                f"the batch's latents contain NaN or inf values at step {int(latents_step)}; "
+                f"{where}; check the data, the encoder or the latent cache"
+            )
+        if math.isfinite(loss_step):
+            raise ELFError(
+                f"non-finite loss or gradient at step {int(loss_step)}; {where}; lower the "
+                "learning rate or check the data"
+            )
+
+
+class Trainer:
+    """The loop over a prepared run: :meth:`step` per optimizer step, :meth:`fit` for the run."""
+
+    def __init__(self, run: Run, objective: Objective) -> None:
+        self.run = run
+        autocast = bf16_autocast(run.bf16, run.info.device)
+        self.grads = StepContext(run, objective, autocast)
+        self.report = Reporter(run, objective, autocast)
+        self.guard = NonFiniteGuard(run.info.device)
+        self.stop = StopSignal()
+        # 0 disables clipping; the norm is still measured (logged, and checked for NaN). Clipping
+        # to 0 itself would zero every gradient.
+        self.max_grad_norm = run.optim.clip_grad_norm or math.inf
+        self.last_ckpt, self.saved_step = run.resume_from, run.start_step
+
+    def step(self, step: int) -> bool:
+        """Optimizer step ``step`` (0-based) and its report; True when a stop was agreed."""
+        run, g = self.run, self.run.geometry
+        lr = learning_rate(run.optim, step, g.total_steps, g.global_batch)
+        set_lr(run.optimizer, lr)
+        metrics = self.grads.accumulate(step)
+        grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), self.max_grad_norm)
+        if isinstance(grad_norm, DTensor):  # FSDP2: the (replicated) global norm
+            grad_norm = grad_norm.full_tensor()
+        run.optimizer.step()
+        run.optimizer.zero_grad(set_to_none=True)
+        run.ema.update(run.model)
+        self.guard.observe(step, metrics.loss, grad_norm, metrics.stats[4])
+        done = step + 1
+        if self.report.due(done):
+            self.guard.check(self.last_ckpt)
+        self.report.step(done, metrics, lr, grad_norm)
+        return self.stop.agreed(run.info)
+
+    def fit(self) -> Path:
+        """Every step from the run's start to its end, with checkpoints, evaluations, samples and
+        a clean stop on SIGINT/SIGTERM; returns the last checkpoint folder."""
+        run, cfg, g = self.run, self.run.cfg, self.run.geometry
+        try:
+            self.stop.install()
+            for step in range(run.start_step, g.total_steps):
+                stopping = self.step(step)
+                done = step + 1
+                t0 = time.perf_counter()
+                if done % cfg.train.save_every == 0 or done == g.total_steps:
+                    self.save(done)
+                self.report.evaluate(done)
+                self.report.pause(time.perf_counter() - t0)  # not training time
+                # After sampling too, so that a signal there is not held a step.
+                stopping = stopping or self.stop.agreed(run.info)
+                if stopping:
+                    if self.saved_step != done:
+                        self.save(done)
+                    raise _stopped(self.stop, done, g.total_steps, self.last_ckpt)
+        finally:
+            self.stop.restore()
+        return self.last_ckpt if self.last_ckpt is not None else run.out
+
+    def save(self, done: int) -> None:
+        """Checkpoint step ``done``, after checking that every step so far was finite."""
+        self.guard.check(self.last_ckpt)
+        self.last_ckpt, self.saved_step = save(self.run, done), done
+
+    def close(self) -> None:
+        self.grads.close()
+        self.report.close()
 
 
 def _stopped(stop: StopSignal, done: int, total: int, last_ckpt: Path) -> Interrupted:

@@ -1,10 +1,18 @@
-"""Muon's orthogonalised update, also on FSDP2 shards (ELF_SPEC §3 "Optimiser", §10).
+"""Muon's orthogonalised update, with the work shared by the processes (ELF_SPEC §3, §10).
 
 Newton–Schulz turns the Nesterov momentum of a weight matrix into its nearest semi-orthogonal
-matrix (5 quintic steps, Keller Jordan's coefficients). ``torch.optim.Muon`` runs it in bf16 on
-whatever tensor it is given, which is silently wrong on an FSDP2 shard; :class:`ShardedMuon`
-gathers each matrix once, orthogonalises it whole (bf16 with torch's own function, or fp32 as the
-reference does, on the Gram matrix for wide matrices) and applies this rank's shard of the update.
+matrix (5 quintic steps, Keller Jordan's coefficients). ``torch.optim.Muon`` runs it on whatever
+tensor it is given, which is silently wrong on an FSDP2 shard, and every process of a data-
+parallel run would repeat every matrix. :class:`ShardedMuon` gives each matrix to one process
+(balanced by FLOPs, :func:`assign_owners`), which orthogonalises it whole (bf16 with torch's own
+function, or fp32 as the reference does, on the Gram matrix for wide matrices):
+
+- replicated parameters (DDP): the owners' updates are all-gathered in one collective;
+- FSDP2 shards (row-sharded DTensors): each process sends its rows of every matrix to the
+  matrix's owner and gets its rows of the updates back (two all-to-alls per step, no per-matrix
+  gather).
+
+Every process applies exactly the owner's update, so N processes match one process.
 """
 
 from __future__ import annotations
@@ -14,8 +22,9 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard
 
 GRAM_RATIO = 4
 """Long side / short side from which fp32 Newton–Schulz iterates on the Gram matrix."""
@@ -108,55 +117,60 @@ NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_EPS = 1e-7
 
 
-def _apply_muon_update(
-    param: Tensor,
-    grad: Tensor,
-    buf: Tensor,
-    *,
-    lr: float,
-    weight_decay: float,
-    momentum: float,
-    nesterov: bool,
+def newton_schulz_flops(shape: tuple[int, ...], steps: int) -> float:
+    """FLOPs of the direct Newton–Schulz iteration on a matrix of ``shape`` (the owners'
+    balance; the fp32 Gram form of wide matrices does less)."""
+    m, n = sorted(shape[:2])
+    return float(steps * (4 * m * m * n + 2 * m**3))
+
+
+def assign_owners(shapes: list[tuple[int, ...]], world_size: int, steps: int = 5) -> list[int]:
+    """The process that orthogonalises each matrix: the largest first, each to the least loaded
+    process so far (ties to the lowest rank), so each process does about 1 / world_size of the
+    FLOPs (no less than the largest matrix's)."""
+    load = [0.0] * world_size
+    owners = [0] * len(shapes)
+    for i in sorted(range(len(shapes)), key=lambda i: -newton_schulz_flops(shapes[i], steps)):
+        rank = min(range(world_size), key=lambda r: (load[r], r))
+        owners[i] = rank
+        load[rank] += newton_schulz_flops(shapes[i], steps)
+    return owners
+
+
+def shard_rows(rows: int, world_size: int, rank: int) -> tuple[int, int]:
+    """[start, end) of the rows FSDP2 keeps on ``rank`` (torch.chunk's split, as fully_shard)."""
+    chunk = -(-rows // world_size)
+    return min(rank * chunk, rows), min((rank + 1) * chunk, rows)
+
+
+def _orthogonalise(
+    update: Tensor,
     ns_coefficients: tuple[float, float, float],
     ns_steps: int,
     eps: float,
-    adjust_lr_fn: str | None,
-    ns_dtype: torch.dtype,
-) -> None:
-    # Same op sequence as torch.optim._muon._single_tensor_muon, so plain tensors match bitwise.
-    buf.lerp_(grad, 1 - momentum)  # the momentum buffer stays on the local shard
-    update = grad.lerp(buf, momentum) if nesterov else buf
-    if isinstance(update, DTensor):
-        # NOTE: Newton–Schulz is not elementwise: it must see the whole matrix, never a shard.
-        # (torch 2.13's DTensor dispatch makes torch.optim.Muon exact in fp32 on shards, but via
-        # implicit collectives per NS matmul whose bf16 partial sums change the result.)
-        full = _orthogonalise(update.full_tensor(), ns_coefficients, ns_steps, eps, ns_dtype)
-        # Every rank holds the same full update, so slicing needs no communication.
-        local = distribute_tensor(
-            full, param.device_mesh, param.placements, src_data_rank=None
-        ).to_local()
-        # DTensor.shape is the global shape, so the fan_out/fan_in scale is the full matrix's.
-        adjusted_lr = _adjust_lr(lr, adjust_lr_fn, param.shape)
-        param_local = param.to_local()
-        param_local.mul_(1 - lr * weight_decay)
-        param_local.add_(local, alpha=-adjusted_lr)
-        return
-    update = _orthogonalise(update, ns_coefficients, ns_steps, eps, ns_dtype)
-    adjusted_lr = _adjust_lr(lr, adjust_lr_fn, param.shape)
-    param.mul_(1 - lr * weight_decay)
-    param.add_(update, alpha=-adjusted_lr)
+    dtype: torch.dtype,
+) -> Tensor:
+    if dtype == torch.bfloat16:  # torch's own function: bitwise equal to torch.optim.Muon
+        return _zeropower_via_newtonschulz(update, ns_coefficients, ns_steps, eps)
+    return _newton_schulz(update, ns_coefficients, ns_steps, eps, dtype)
 
 
 class ShardedMuon(torch.optim.Optimizer):
-    """``torch.optim.Muon`` that is correct on FSDP2 (DTensor) parameters.
+    """``torch.optim.Muon`` that is correct on FSDP2 (DTensor) parameters and shares the
+    Newton–Schulz work among the processes (module docstring).
 
-    The momentum buffer lives on the local shard; the Nesterov update is gathered to the full
-    matrix, orthogonalised with torch's own bf16 Newton–Schulz, scaled by the full shape, and only
-    this rank's shard is applied. Every rank orthogonalises every matrix (redundant compute, no
-    extra communication beyond one all-gather per matrix). Same defaults and state layout as
-    ``torch.optim.Muon`` (weight_decay 0.1 by default: pass 0 for the paper's setting).
+    The momentum buffer lives with the parameter (the local shard under FSDP2); each matrix's
+    Nesterov update is orthogonalised by its owner only, scaled by the full shape, and every
+    process applies its part. Same defaults and state layout as ``torch.optim.Muon``
+    (weight_decay 0.1 by default: pass 0 for the paper's setting).
 
-    ``ns_dtype`` is bf16 by default (torch's choice, bitwise equal to ``torch.optim.Muon``).
+    Args:
+        distributed: share the work among the processes of the default group, whose
+            parameters must be replicated (DDP); False: this process orthogonalises every matrix
+            (one process, or independent replicas). Row-sharded DTensors (FSDP2) always share
+            it among their mesh's processes: a shard alone cannot be orthogonalised.
+        ns_dtype: bf16 by default (torch's choice, bitwise equal to ``torch.optim.Muon``).
+
     NOTE: bf16 Newton–Schulz amplifies its own rounding noise in the near-null directions of
     low-rank updates, so a 1e-7 relative change of the gradient (e.g. another all-reduce order)
     moves the weights by ~10% of the step. ``torch.float32`` (the reference's choice) makes N
@@ -175,6 +189,7 @@ class ShardedMuon(torch.optim.Optimizer):
         ns_steps: int = 5,
         adjust_lr_fn: str | None = None,
         ns_dtype: torch.dtype = torch.bfloat16,
+        distributed: bool = False,
     ) -> None:
         if lr < 0 or momentum < 0 or weight_decay < 0:
             raise ValueError(
@@ -198,6 +213,7 @@ class ShardedMuon(torch.optim.Optimizer):
                     raise ValueError(
                         f"Muon only supports 2-D parameters, got shape {tuple(p.shape)}"
                     )
+        self.replicated = distributed and dist.is_initialized()
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
@@ -206,26 +222,166 @@ class ShardedMuon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(
-                        p.grad, memory_format=torch.preserve_format
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            updates = [self._nesterov(p, group) for p in params]
+            sharded = [isinstance(p, DTensor) and p.device_mesh.size() > 1 for p in params]
+            if any(sharded):
+                if not all(_row_sharded(p) for p in params):
+                    raise ValueError(
+                        "ShardedMuon takes FSDP2's row-sharded DTensors (one 1-D mesh) or plain "
+                        "tensors, not a mix or other placements"
                     )
-                _apply_muon_update(
-                    p,
-                    p.grad,
-                    state["momentum_buffer"],
-                    lr=float(group["lr"]),
-                    weight_decay=group["weight_decay"],
-                    momentum=group["momentum"],
-                    nesterov=group["nesterov"],
-                    ns_coefficients=group["ns_coefficients"],
-                    ns_steps=group["ns_steps"],
-                    eps=group["eps"],
-                    adjust_lr_fn=group["adjust_lr_fn"],
-                    ns_dtype=group["ns_dtype"],
-                )
+                ortho = self._exchange_shards(params, updates, group)
+            elif self.replicated:
+                ortho = self._gather_replicated(params, updates, group)
+            else:
+                ortho = [self._ortho(u, group) for u in updates]
+            for p, update in zip(params, ortho, strict=True):
+                _apply(p, update, group)
         return loss
+
+    def _nesterov(self, p: Tensor, group: dict[str, Any]) -> Tensor:
+        """The momentum step (same ops as ``torch.optim.Muon``): the update to orthogonalise,
+        a local tensor (this shard's rows under FSDP2)."""
+        state = self.state[p]
+        grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
+        buf = state["momentum_buffer"]
+        buf_local = buf.to_local() if isinstance(buf, DTensor) else buf
+        m = group["momentum"]
+        buf_local.lerp_(grad, 1 - m)
+        return grad.lerp(buf_local, m) if group["nesterov"] else buf_local
+
+    @staticmethod
+    def _ortho(update: Tensor, group: dict[str, Any]) -> Tensor:
+        return _orthogonalise(
+            update, group["ns_coefficients"], group["ns_steps"], group["eps"], group["ns_dtype"]
+        )
+
+    def _send_dtype(self, group: dict[str, Any]) -> torch.dtype:
+        # bf16 Newton–Schulz starts by rounding its input to bf16: sending bf16 changes nothing.
+        return torch.bfloat16 if group["ns_dtype"] == torch.bfloat16 else torch.float32
+
+    def _gather_replicated(
+        self, params: list[Tensor], updates: list[Tensor], group: dict[str, Any]
+    ) -> list[Tensor]:
+        """Replicated parameters: each owner orthogonalises its matrices; one all-gather of the
+        results (padded to the largest share) gives every process every update."""
+        W, me, dtype = dist.get_world_size(), dist.get_rank(), self._send_dtype(group)
+        owners = assign_owners([tuple(p.shape) for p in params], W, group["ns_steps"])
+        sizes = [0] * W
+        for p, r in zip(params, owners, strict=True):
+            sizes[r] += p.numel()
+        device = updates[0].device
+        mine = [
+            self._ortho(u, group).to(dtype).reshape(-1)
+            for u, r in zip(updates, owners, strict=True)
+            if r == me
+        ]
+        send = torch.zeros(max(sizes), dtype=dtype, device=device)
+        if mine:
+            torch.cat(mine, out=send[: sizes[me]])
+        recv = torch.empty(W * max(sizes), dtype=dtype, device=device)
+        _ALL_GATHER(recv, send)
+        recv = recv.view(W, max(sizes))
+        offsets, out = [0] * W, []
+        for p, r in zip(params, owners, strict=True):
+            out.append(recv[r, offsets[r] : offsets[r] + p.numel()].view(p.shape))
+            offsets[r] += p.numel()
+        return out
+
+    def _exchange_shards(
+        self, params: list[Tensor], updates: list[Tensor], group: dict[str, Any]
+    ) -> list[Tensor]:
+        """FSDP2 row shards: all-to-all this process's rows of each matrix to its owner, which
+        orthogonalises the whole matrix; all-to-all each process's rows of the results back."""
+        mesh = params[0].device_mesh
+        pg, W, me = mesh.get_group(), mesh.size(), mesh.get_local_rank()
+        dtype = self._send_dtype(group)
+        shapes = [tuple(p.shape) for p in params]
+        owners = assign_owners(shapes, W, group["ns_steps"])
+        rows = [[shard_rows(s[0], W, r) for r in range(W)] for s in shapes]
+        for i, u in enumerate(updates):
+            if u.shape[0] != rows[i][me][1] - rows[i][me][0]:
+                raise ValueError(f"a shard of {shapes[i]} has {u.shape[0]} rows on rank {me}")
+
+        def part(i: int, r: int) -> int:  # elements of matrix i on rank r
+            start, end = rows[i][r]
+            return (end - start) * shapes[i][1]
+
+        mine = [i for i, r in enumerate(owners) if r == me]
+        # 1. Rows to owners: to rank r, my rows of the matrices r owns, in order.
+        send = [
+            updates[i].to(dtype).reshape(-1)
+            for r in range(W)
+            for i in range(len(params))
+            if owners[i] == r
+        ]
+        in_split = [
+            sum(part(i, me) for i in range(len(params)) if owners[i] == r) for r in range(W)
+        ]
+        out_split = [sum(part(i, r) for i in mine) for r in range(W)]
+        device = updates[0].device
+        received = _all_to_all(send, in_split, out_split, dtype, device, pg)
+        # From each source rank, its rows of my matrices in order: assemble whole matrices.
+        pieces = {i: [] for i in mine}
+        offset = 0
+        for r in range(W):
+            for i in mine:
+                n = part(i, r)
+                pieces[i].append(received[offset : offset + n])
+                offset += n
+        full = {i: torch.cat(pieces[i]).view(shapes[i]) for i in mine}
+        ortho = {i: self._ortho(full[i], group).to(dtype) for i in mine}
+        # 2. Results back: to rank r, its rows of each matrix I own.
+        back = [ortho[i][rows[i][r][0] : rows[i][r][1]].reshape(-1) for r in range(W) for i in mine]
+        received = _all_to_all(back, out_split, in_split, dtype, device, pg)
+        out: list[Tensor | None] = [None] * len(params)
+        offset = 0
+        for r in range(W):
+            for i in range(len(params)):
+                if owners[i] == r:
+                    n = part(i, me)
+                    start, end = rows[i][me]
+                    out[i] = received[offset : offset + n].view(end - start, shapes[i][1])
+                    offset += n
+        return out  # type: ignore[return-value]
+
+
+# torch >= 2.13 names it all_gather_single (and deprecates the older name).
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _all_to_all(
+    chunks: list[Tensor], in_split: list[int], out_split: list[int], dtype, device, pg
+) -> Tensor:
+    """One ``all_to_all_single`` of the concatenated ``chunks`` (``in_split`` elements to each
+    rank), returning the ``out_split`` elements received from each rank, concatenated."""
+    send = torch.cat(chunks) if chunks else torch.empty(0, dtype=dtype, device=device)
+    recv = torch.empty(sum(out_split), dtype=dtype, device=device)
+    dist.all_to_all_single(recv, send, out_split, in_split, group=pg)
+    return recv
+
+
+def _row_sharded(p: Tensor) -> bool:
+    """A DTensor sharded by rows over a 1-D mesh (what fully_shard makes of a matrix)."""
+    return (
+        isinstance(p, DTensor)
+        and p.device_mesh.ndim == 1
+        and len(p.placements) == 1
+        and isinstance(p.placements[0], Shard)
+        and p.placements[0].dim == 0
+    )
+
+
+def _apply(param: Tensor, update: Tensor, group: dict[str, Any]) -> None:
+    """param <- param (1 - lr wd) - lr' update, lr' scaled by the full matrix's shape (a
+    DTensor's shape is the global one); ``update`` is this process's part of the parameter."""
+    lr = float(group["lr"])
+    adjusted_lr = _adjust_lr(lr, group["adjust_lr_fn"], param.shape)
+    local = param.to_local() if isinstance(param, DTensor) else param
+    local.mul_(1 - lr * group["weight_decay"])
+    local.add_(update, alpha=-adjusted_lr)

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from elflow.errors import ELFError, require
-from elflow.hardware import cpu_has_native_bf16
+from elflow.hardware import fast_bf16
 from elflow.train.muon import ShardedMuon
 
 
@@ -56,10 +56,10 @@ class OptimConfig:
     """Nesterov momentum in Muon."""
     muon_ns_steps: int = 5
     """Newton–Schulz iterations per Muon step."""
-    muon_ns_dtype: str = "float32"
+    muon_ns_dtype: str = "auto"
     """Newton–Schulz precision: bfloat16 (torch.optim.Muon's) or float32 (the reference's;
-    reproducible across process counts, see ShardedMuon); auto = bfloat16 on a CPU with native
-    bf16, else float32 (see ``elflow.hardware``)."""
+    reproducible across process counts, see ShardedMuon); auto = bfloat16 on CUDA and on a CPU
+    with native bf16, else float32 (see ``elflow.hardware``)."""
     clip_grad_norm: float = 1.0
     """Clip the global gradient norm to this value (0 disables clipping)."""
 
@@ -194,22 +194,23 @@ def set_lr(optimizer: CombinedOptimizer | torch.optim.Optimizer, lr: float) -> N
 
 
 def resolve_ns_dtype(name: str, device: torch.device) -> str:
-    """``optim.muon_ns_dtype`` on ``device``: 'auto' is bfloat16 only on a CPU with native bf16
-    (emulated bf16 makes each step ~8x slower); on CUDA float32, the reference's."""
+    """``optim.muon_ns_dtype`` on ``device``: 'auto' is bfloat16 where bf16 is fast (CUDA, a CPU
+    with native bf16; emulated bf16 makes each step ~8x slower), else float32."""
     if name != "auto":
         return name
-    return "bfloat16" if device.type == "cpu" and cpu_has_native_bf16() else "float32"
+    return "bfloat16" if fast_bf16(device) else "float32"
 
 
 def build_optimizer(
-    model: nn.Module, cfg: OptimConfig, sharded: bool = False
+    model: nn.Module, cfg: OptimConfig, sharded: bool = False, distributed: bool = False
 ) -> CombinedOptimizer | torch.optim.Optimizer:
     """The optimiser for ``model`` (ELF_SPEC §3), created with lr = the peak lr at batch 256.
 
     NOTE: call :func:`set_lr` with :func:`learning_rate` before every step; the initial lr is a
     placeholder. ``sharded=True`` is required when the parameters are FSDP2 DTensors: it swaps
     ``torch.optim.Muon`` (silently wrong on shards, ELF_SPEC §10) for :class:`ShardedMuon`, which
-    is also used for ``muon_ns_dtype="float32"``.
+    is also used for ``muon_ns_dtype="float32"`` and, with ``distributed=True`` (replicated
+    parameters under DDP), to share the Newton–Schulz work among the processes.
     """
     lr = peak_lr(cfg, 256)
     betas = (cfg.beta1, cfg.beta2)
@@ -229,9 +230,11 @@ def build_optimizer(
         "ns_steps": cfg.muon_ns_steps,
     }
     ns_name = resolve_ns_dtype(cfg.muon_ns_dtype, next(model.parameters()).device)
-    if sharded or ns_name != "bfloat16":
+    if sharded or distributed or ns_name != "bfloat16":
         ns_dtype = getattr(torch, ns_name)
-        muon: torch.optim.Optimizer = ShardedMuon(muon_params, ns_dtype=ns_dtype, **muon_kwargs)
+        muon: torch.optim.Optimizer = ShardedMuon(
+            muon_params, ns_dtype=ns_dtype, distributed=distributed, **muon_kwargs
+        )
     else:
         muon = torch.optim.Muon(muon_params, **muon_kwargs)
     # AdamW with weight_decay 0 is Adam exactly (the decay multiplies by 1.0).

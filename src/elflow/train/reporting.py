@@ -19,10 +19,11 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch import Tensor
 
 from elflow.config import ModelConfig
 from elflow.data.rows import RowDataset
-from elflow.distributed import DistInfo
+from elflow.distributed import DistInfo, all_reduce_sum
 from elflow.encoder import FrozenEncoder
 from elflow.errors import ELFError
 from elflow.io import checkpoint as ckpt_io
@@ -35,6 +36,8 @@ from elflow.tokens import detokenize, shift_out_source, token_spec
 from elflow.train.config import RunConfig, run_config_to_dict
 from elflow.train.ema import EMA, ema_network
 from elflow.train.heldout import branch_means, heldout_scores, heldout_splits
+from elflow.train.step import NUM_STATS, StepMetrics
+from elflow.train.throughput import ThroughputMeter
 
 
 class MetricsLogger:
@@ -142,6 +145,8 @@ class Progress:
             lr=f"{line['lr']:.2e}",
             gnorm=f"{line['grad_norm']:.2f}",
             tok_s=f"{line['tokens_per_s']:.0f}",
+            **({"mfu": f"{100 * line['mfu']:.1f}%"} if "mfu" in line else {}),
+            mem=f"{line['peak_memory_gb']:.1f}GB",
             refresh=False,
         )
         self.bar.refresh()
@@ -250,31 +255,42 @@ class Reporter:
                 f"metrics of the abandoned branch are kept in {aside}",
                 flush=True,
             )
-        self.t_last, self.tokens, self.sums = time.perf_counter(), 0, {}
+        self.meter = ThroughputMeter(run)
+        # [loss share, the step's 5 logging sums, valid tokens], summed over the window.
+        self.window = torch.zeros(2 + NUM_STATS, dtype=torch.float64, device=info.device)
+        self.steps = 0
 
-    def step(self, done: int, metrics: dict[str, Any], lr: float, grad_norm: float) -> None:
-        """Add step ``done`` to the logging window; log the window when it is full."""
-        g, sums = self.run.geometry, self.sums
-        self.tokens += g.global_batch * self.run.cfg.model.max_length
-        sums["loss"] = sums.get("loss", 0.0) + metrics["loss"]
-        sums["n"] = sums.get("n", 0) + 1
-        for k, v in zip(("l2_sum", "ce_sum", "l2_n", "ce_n"), metrics["stats"], strict=True):
-            sums[k] = sums.get(k, 0.0) + v
-        if done % self.run.cfg.train.log_every and done != g.total_steps:
+    def due(self, done: int) -> bool:
+        """Whether step ``done`` writes a metrics line (and so reads the device)."""
+        return done % self.run.cfg.train.log_every == 0 or done == self.run.geometry.total_steps
+
+    def step(self, done: int, metrics: StepMetrics, lr: float, grad_norm: Tensor) -> None:
+        """Add step ``done`` to the logging window (on the device); when the window is full,
+        fetch it (one all-reduce, one read) and write the metrics line."""
+        g, info = self.run.geometry, self.run.info
+        self.window[0] += metrics.loss
+        self.window[1 : 1 + NUM_STATS] += metrics.stats
+        self.window[-1] += metrics.text_tokens
+        self.steps += 1
+        if not self.due(done):
             return
-        now = time.perf_counter()
+        sums = all_reduce_sum(torch.cat([self.window, grad_norm.double().reshape(1)]))
+        loss, l2_sum, ce_sum, l2_n, ce_n, _, tokens, gnorm = sums.tolist()
         # The branch losses are token means over the logging window (a step whose rows give a
         # branch no token adds nothing to it).
-        l2, ce = branch_means(*(sums[k] for k in ("l2_sum", "ce_sum", "l2_n", "ce_n")))
-        line = {"loss": sums["loss"] / sums["n"], "l2": l2, "ce": ce, "lr": lr}
-        line |= {
-            "grad_norm": grad_norm,
-            "tokens_per_s": self.tokens / (now - self.t_last),
-            "epoch": done * g.global_batch / g.rows,
-        }
+        l2, ce = branch_means(l2_sum, ce_sum, l2_n, ce_n)
+        line = {"loss": loss / self.steps, "l2": l2, "ce": ce, "lr": lr}
+        line["grad_norm"] = gnorm / info.world_size  # the same global norm on every process
+        line |= self.meter.figures(self.steps, tokens)
+        line["epoch"] = done * g.global_batch / g.rows
         self.logger.log(done, line)
         self.progress.update(done, line)
-        self.t_last, self.tokens, self.sums = now, 0, {}
+        self.window.zero_()
+        self.steps = 0
+
+    def pause(self, seconds: float) -> None:
+        """Leave ``seconds`` (a checkpoint, an evaluation, samples) out of the throughput."""
+        self.meter.pause(seconds)
 
     def evaluate(self, done: int) -> None:
         """The held-out loss and the periodic samples, when step ``done`` is due for them."""
@@ -285,7 +301,6 @@ class Reporter:
                 self.heldout, cfg.model, run.ema, self.objective, self.autocast, run.info
             )
             scores["eval_seconds"] = time.perf_counter() - t0
-            self.t_last += scores["eval_seconds"]  # kept out of the next window's tokens/s
             self.logger.log(done, scores)
             if run.info.is_main:
                 losses = ", ".join(

@@ -24,7 +24,7 @@ from elflow.data.latent_cache import LatentCache, run_latent_cache
 from elflow.data.order import StreamOrder
 from elflow.data.preparation import measure_first_rows_latent_std, prepared_latent_std
 from elflow.data.rows import RowDataset, build_dataset
-from elflow.distributed import DistInfo, broadcast_object, parallelize, setup
+from elflow.distributed import DistInfo, broadcast_object, group_up, parallelize, setup
 from elflow.encoder import FrozenEncoder
 from elflow.errors import ELFError
 from elflow.hardware import slow_bf16_warning, use_bf16
@@ -121,6 +121,9 @@ def prepare_run(
     if cfg.train.init and init_state is not None:
         raise ELFError("train.init cannot be combined with init_state; give one of them")
     info = setup(cfg.train.device)
+    if info.device.type == "cuda":  # process-wide: what the fp32 parts' products may use
+        torch.backends.cuda.matmul.allow_tf32 = cfg.train.tf32
+        torch.backends.cudnn.allow_tf32 = cfg.train.tf32
     cfg, init_state, init_source, resume_from, continues_out = _start(cfg, out, resume, init_state)
     torch.manual_seed(cfg.train.seed)
     tokenizer, dataset, valid, resume_state = _rows(cfg, info, init_source, resume_from)
@@ -142,7 +145,13 @@ def prepare_run(
     ns_dtype = broadcast_object(resolve_ns_dtype(optim_cfg.muon_ns_dtype, info.device))
     optim_cfg = replace(optim_cfg, muon_ns_dtype=ns_dtype)
     model, wrapped, ema, optimizer, start_step = _network(
-        cfg, optim_cfg, info, init_state if resume_from is None else None, resume_from, resume_state
+        cfg,
+        optim_cfg,
+        info,
+        init_state if resume_from is None else None,
+        resume_from,
+        resume_state,
+        bf16,
     )
     init_state = None  # the copy is no longer needed
     cache = None
@@ -235,6 +244,7 @@ def _network(
     init_state: dict[str, Tensor] | None,
     resume_from: Path | None,
     resume_state: dict | None,
+    bf16: bool,
 ) -> tuple[ELF, torch.nn.Module, EMA, torch.optim.Optimizer, int]:
     """(the network, its wrapped forward, EMA, optimizer, the first step): built, placed, wrapped
     for data parallelism, and, when resuming, every rank's optimizer, EMA and RNG state restored."""
@@ -248,13 +258,17 @@ def _network(
         start_step = resume_state["step"]
         saved_world = resume_state.get("world_size", 1)
         rank_state = ckpt_io.load_rank_state(resume_from, info, saved_world, sharded)
-    model.activation_checkpointing = cfg.train.activation_checkpointing
+    model.activation_checkpointing = cfg.train.activation_checkpointing == "blocks"
     forward = TrainForward(model)
-    if cfg.train.compile:
-        model.compile()
-    wrapped = parallelize(forward, model.blocks, info, cfg.train.parallel)
+    # Each block compiled, then sharded (torchtitan's order): FSDP2's hooks stay outside the
+    # compiled graphs, and one compiled block serves all of them.
+    wrapped = parallelize(
+        forward, model.blocks, info, cfg.train.parallel, bf16=bf16, compile=cfg.train.compile
+    )
     ema = EMA(model, cfg.train.ema_decay, cfg.train.ema_warmup)
-    optimizer = build_optimizer(model, optim_cfg, sharded=sharded)
+    optimizer = build_optimizer(
+        model, optim_cfg, sharded=sharded, distributed=group_up() and not sharded
+    )
     # The global RNG only draws dropout masks (every other draw is keyed by example): each rank
     # gets its own stream, as data parallelism needs; rank 0 (and one process) keeps the seed's.
     if rank_state is not None:
@@ -276,6 +290,7 @@ def _encoder(cfg: RunConfig, dataset: RowDataset, info: DistInfo) -> FrozenEncod
         latent_mean=cfg.encoder.latent_mean,
         latent_std=1.0,
         layer=cfg.encoder.layer,
+        dtype=encoder_dtype(cfg.encoder.precision, info.device),
     ).to(info.device)
     encoder.check_length(cfg.model.max_length)
     latent_std = (
@@ -285,6 +300,15 @@ def _encoder(cfg: RunConfig, dataset: RowDataset, info: DistInfo) -> FrozenEncod
     )
     encoder.latent_std = broadcast_object(latent_std)  # CPUs may differ in the last bits
     return encoder
+
+
+def encoder_dtype(precision: str, device: torch.device) -> torch.dtype:
+    """``encoder.precision`` on ``device``: 'auto' is bf16 on CUDA (the frozen encoder runs on
+    every batch of an uncached run: plain fp32 there would take longer than the network's bf16
+    step), fp32 elsewhere."""
+    if precision == "auto":
+        precision = "bf16" if device.type == "cuda" else "fp32"
+    return torch.bfloat16 if precision == "bf16" else torch.float32
 
 
 def _geometry(cfg: RunConfig, info: DistInfo, rows: int) -> Geometry:

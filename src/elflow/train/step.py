@@ -1,16 +1,19 @@
 """One optimizer step's gradients: micro-batches, the objective, and the global normaliser
 (ELF_SPEC §3, §10 "Distributed equality").
 
-Every process loads its micro-batches (stream positions from the global order, so the union over
+Every process takes its micro-batches (stream positions from the global order, so the union over
 processes and accumulation steps is the global batch), draws every random quantity keyed by the
 example's global position, and back-propagates numerator x W / D, with D the objective's
-normaliser over the whole global batch (all-reduced): N processes and gradient accumulation give
-the update of one process. The objective is pluggable (``objective_factory``: distillation's).
+normaliser over the whole global batch: N processes and gradient accumulation give the update of
+one process. Nothing here reads the device: D is summed on the host from the batches' masks and
+all-reduced on the device, the losses stay device tensors (the loop fetches them every
+``train.log_every`` steps), rows are selected by host indices, and gradients are reduced once per
+step (on the last micro-batch). The objective is pluggable (``objective_factory``:
+distillation's).
 """
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -18,11 +21,13 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from elflow.data.order import rank_positions
-from elflow.distributed import all_reduce_sum
+from elflow.distributed import all_reduce_sum, gradient_sync
 from elflow.objective import Batch, elf_loss, sample_draws_keyed
-from elflow.train.batches import make_batch
+from elflow.train.batches import BatchLoader, HostBatch
 from elflow.train.config import RunConfig
+
+NUM_STATS = 5
+"""A micro-batch's logging sums: l2 sum, ce sum, l2 tokens, ce tokens, non-finite latents."""
 
 
 @dataclass
@@ -32,13 +37,27 @@ class StepLoss:
     numerator: Tensor
     """Summed loss of this micro-batch; the step loss is its total over the global batch / D."""
     stats: Tensor
-    """(4,) float64: l2 sum, ce sum, l2 count, ce count (for the logged l2 and ce means)."""
+    """(5,) float64 on the device: l2 sum, ce sum, l2 tokens, ce tokens, and 1 if the batch's
+    latents were not finite (for the logged means and the non-finite check)."""
+
+
+@dataclass
+class StepMetrics:
+    """An optimizer step's figures, on the device until the loop fetches them."""
+
+    loss: Tensor
+    """() this process's share of the step loss (the shares sum to the loss over processes)."""
+    stats: Tensor
+    """(5,) this process's logging sums (:class:`StepLoss`)."""
+    text_tokens: int
+    """Valid tokens this process trained on (tokens/s without the padding)."""
 
 
 class Objective(Protocol):
-    """What the loop needs of a loss: its normaliser's share of a batch, and the loss."""
+    """What the loop needs of a loss: its normaliser's share of a batch (from what the host
+    knows of it), and the loss."""
 
-    def denominator(self, batch: Batch) -> float: ...
+    def denominator(self, batch: HostBatch | Batch) -> float: ...
 
     def __call__(self, forward: Any, batch: Batch, positions: np.ndarray) -> StepLoss: ...
 
@@ -49,22 +68,26 @@ class ELFObjective:
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
 
-    def denominator(self, batch: Batch) -> float:
-        return float(loss_mask(batch, self.cfg.objective.pad_with_eos).sum())
+    def denominator(self, batch: HostBatch | Batch) -> float:
+        if batch.loss_tokens is None:  # a batch made by hand: read its mask
+            return float(loss_mask(batch, self.cfg.objective.pad_with_eos).sum())
+        return batch.loss_tokens
 
     def __call__(self, forward, batch: Batch, positions: np.ndarray) -> StepLoss:
         cfg = self.cfg
         L, E = batch.x.shape[1], batch.x.shape[2]
-        draws = sample_draws_keyed(
-            positions.tolist(), L, E, cfg.objective, cfg.train.seed, batch.x.device
+        draws = sample_draws_keyed(positions, L, E, cfg.objective, cfg.train.seed, batch.x.device)
+        out = elf_loss(
+            forward, batch, draws, cfg.objective, cfg.train.procedure, check_inputs=False
         )
-        out = elf_loss(forward, batch, draws, cfg.objective, cfg.train.procedure)
-        den_rows = ~draws.decoder_active.bool().to(batch.x.device)
         mask = loss_mask(batch, cfg.objective.pad_with_eos)
-        l2_tokens = (mask * den_rows.float()[:, None]).sum()
-        ce_tokens = mask.sum() - l2_tokens
-        stats = torch.stack([out.l2_sum.detach(), out.ce_sum.detach(), l2_tokens, ce_tokens])
-        return StepLoss(out.l2_sum + out.ce_sum, stats.double())
+        tokens = mask.sum()
+        l2_tokens = (mask * (1.0 - draws.decoder_active)[:, None]).sum()
+        bad = (~torch.isfinite(batch.x)).any()
+        stats = torch.stack(
+            [out.l2_sum.detach(), out.ce_sum.detach(), l2_tokens, tokens - l2_tokens]
+        )
+        return StepLoss(out.l2_sum + out.ce_sum, torch.cat([stats.double(), bad.double()[None]]))
 
 
 def loss_mask(batch: Batch, pad_with_eos: bool) -> Tensor:
@@ -84,37 +107,40 @@ class StepContext:
 
     def __init__(self, run: Any, objective: Objective, autocast: Any) -> None:
         self.run, self.objective, self.autocast = run, objective, autocast
-
-    def batch(self, positions: np.ndarray) -> Batch:
-        run = self.run
-        row_idx = run.order.rows(positions)
-        return make_batch(
-            run.cfg, run.dataset, run.cache, run.encoder, run.info.device, row_idx, positions
+        info = run.info
+        self.loader = BatchLoader(
+            run.cfg,
+            run.dataset,
+            run.cache,
+            run.order,
+            run.geometry,
+            info.rank,
+            info.world_size,
+            pin=info.device.type == "cuda",
         )
 
-    def accumulate(self, step: int) -> dict[str, Any]:
-        """Back-propagate step ``step``'s global batch; its loss and logging sums."""
+    def accumulate(self, step: int) -> StepMetrics:
+        """Back-propagate step ``step``'s global batch; its loss share and logging sums."""
         run, info = self.run, self.run.info
-        g = run.geometry
         W = info.world_size
-        parts = []
-        for k in range(g.accum):
-            pos = rank_positions(step, g.global_batch, W, info.rank, g.micro, k)
-            parts.append((pos, self.batch(pos)))
+        batches = self.loader.get(step)
         # D: the objective's normaliser over the whole global batch (ELF: the loss-mask total;
-        # distillation: the row count), all-reduced (spec §10 "Distributed equality").
-        local = sum(self.objective.denominator(b) for _, b in parts)
-        denom = all_reduce_sum(torch.tensor([float(local)], device=info.device)).item()
-        stats = torch.zeros(4, device=info.device, dtype=torch.float64)
-        for k, (pos, batch) in enumerate(parts):
-            sync = contextlib.nullcontext()
-            if k < g.accum - 1 and hasattr(run.forward, "no_sync"):
-                sync = run.forward.no_sync()
-            with sync:
+        # distillation: the row count), from the host's masks, all-reduced on the device
+        # (spec §10 "Distributed equality"). torch.full: no host-to-device copy to wait for.
+        local = sum(self.objective.denominator(b) for b in batches)
+        denom = all_reduce_sum(torch.full((), local, dtype=torch.float64, device=info.device))
+        scale = (W / denom.clamp_min(1.0)).float()
+        stats = torch.zeros(NUM_STATS, device=info.device, dtype=torch.float64)
+        for k, host in enumerate(batches):
+            batch = host.to_device(run.encoder, info.device)
+            with gradient_sync(run.forward, k == len(batches) - 1):
                 with self.autocast:
-                    out = self.objective(run.forward, batch, pos)
+                    out = self.objective(run.forward, batch, host.positions)
                 # DDP/FSDP2 average gradients over processes: scale by W to get the sum.
-                (out.numerator * (W / max(denom, 1.0))).backward()
+                (out.numerator * scale).backward()
             stats += out.stats
-        stats = all_reduce_sum(stats).tolist()
-        return {"loss": (stats[0] + stats[1]) / max(denom, 1.0), "stats": stats}
+        loss = (stats[0] + stats[1]) / denom.clamp_min(1.0)
+        return StepMetrics(loss, stats, sum(b.text_tokens for b in batches))
+
+    def close(self) -> None:
+        self.loader.close()

@@ -1,7 +1,8 @@
 """Stopping a training run cleanly on SIGINT/SIGTERM: finish the step, save, then stop.
 
-Every rank must save the same step, so with N processes the ranks agree each step (one all-reduce)
-whether any of them was signalled; the run then raises :class:`elflow.errors.Interrupted` with the
+Every rank must save the same step, so with N processes the ranks agree each step whether any of
+them was signalled (one all-reduce of a CPU flag on a gloo group: the host never waits for the
+GPU to agree); the run then raises :class:`elflow.errors.Interrupted` with the
 shell's exit code (128 + the signal number) and a resume continues bitwise from the saved step.
 """
 
@@ -13,8 +14,9 @@ import threading
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from elflow.distributed import DistInfo, all_reduce_sum
+from elflow.distributed import DistInfo, control_group
 
 
 class StopSignal:
@@ -31,6 +33,8 @@ class StopSignal:
     def __init__(self) -> None:
         self.number = 0
         self._previous: dict[int, Any] = {}
+        self.flag = torch.zeros(1, dtype=torch.int32)
+        """The CPU tensor the ranks all-reduce to agree (a host tensor on a GPU run too)."""
 
     @property
     def name(self) -> str:
@@ -69,8 +73,9 @@ class StopSignal:
         """Whether any process was signalled (every rank gets the same answer)."""
         if info.world_size == 1:
             return self.number != 0
-        signalled = all_reduce_sum(torch.tensor([float(self.number != 0)], device=info.device))
-        stop = bool(signalled.item())
+        self.flag.fill_(int(self.number != 0))
+        dist.all_reduce(self.flag, group=control_group())
+        stop = bool(self.flag.item())
         if stop and not self.number:
             self.number = -1
         return stop

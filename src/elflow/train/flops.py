@@ -1,0 +1,104 @@
+"""Matrix FLOPs of an ELF training step, worked out from the shapes (for MFU and the scale model).
+
+The count follows what the efficient procedure runs (ELF_SPEC §3, §9): the frozen encoder once per
+row (unless the latents are cached), the no-grad unconditional pass on the self-conditioned rows,
+the trained pass on every row (forward and backward), the decoder head on the decoder rows only;
+the reference procedure's extra passes when asked. Products only (2 FLOPs per multiply-add;
+elementwise work is not counted), as ``torch.utils.flop_counter`` counts them: the backward of a
+linear layer is twice its forward, except where its input needs no gradient (the first
+projection, the timestep embedders' first layers), and attention's backward is twice its forward.
+``tests/test_flops.py`` checks these formulas against :class:`elflow.profiling.OpCounter`'s
+count of a real step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from elflow.config import ModelConfig, ObjectiveConfig
+
+FREQ_DIM = 256
+"""The timestep embedders' sinusoidal feature width (ELF_SPEC §2)."""
+
+
+@dataclass(frozen=True)
+class PassFlops:
+    """Forward FLOPs of one network pass over one row of L tokens, by part."""
+
+    body: float
+    """Input projections, prefix embedders, blocks (attention included) and the flow head."""
+    first_layers: float
+    """The part of ``body`` whose input needs no gradient (no input-gradient product)."""
+    head: float
+    """The decoder head on L tokens."""
+
+
+def pass_flops(cfg: ModelConfig, length: int) -> PassFlops:
+    """Forward FLOPs of one row of ``length`` sequence tokens through the network."""
+    D, E, L, F = cfg.hidden_size, cfg.encoder_dim, length, cfg.mlp_hidden
+    N = cfg.num_prefix_tokens + L
+    first = 2 * (2 * E) * E * L if cfg.self_condition else 0.0
+    embedders = 1 + (cfg.num_scale_tokens > 0)
+    first += embedders * 2 * FREQ_DIM * D  # one row's embedding, first layer
+    body = first + embedders * 2 * D * D
+    body += 2 * (E * cfg.bottleneck_dim + cfg.bottleneck_dim * D) * L  # text_proj
+    per_token = 2 * D * 3 * D + 2 * D * D + 2 * D * 2 * F + 2 * F * D  # qkv, proj, w12, w3
+    body += cfg.depth * (per_token * N + 4 * N * N * D)  # + attention
+    body += 2 * D * E * L  # flow head
+    head = 2 * (D * E + E * cfg.vocab_size) * L
+    return PassFlops(body=body, first_layers=first, head=head)
+
+
+def train_row_flops(
+    cfg: ModelConfig,
+    length: int,
+    dec_share: float,
+    sc_share: float,
+    encoder_per_token: float = 0.0,
+    procedure: str = "efficient",
+    deterministic: bool = True,
+) -> float:
+    """FLOPs per training row: expected when the shares are probabilities, exact when they are
+    a batch's fractions of decoder rows and of self-conditioned denoiser rows."""
+    p = pass_flops(cfg, length)
+    trained = 3 * p.body - p.first_layers + 3 * dec_share * p.head
+    if procedure == "reference":  # the head on every row, two no-grad passes with it
+        trained = 3 * p.body - p.first_layers + 3 * p.head
+        nograd = 2 * (p.body + p.head)
+    else:
+        nograd = sc_share * p.body * (1 if deterministic else 2)
+    return trained + nograd + encoder_per_token * length
+
+
+def expected_row_flops(
+    cfg: ModelConfig,
+    objective: ObjectiveConfig,
+    length: int,
+    encoder_per_token: float = 0.0,
+    procedure: str = "efficient",
+) -> float:
+    """:func:`train_row_flops` at the objective's branch probabilities (MFU's numerator)."""
+    sc = objective.self_cond_prob * (1 - objective.decoder_prob)
+    deterministic = cfg.dropout == 0.0
+    return train_row_flops(
+        cfg, length, objective.decoder_prob, sc, encoder_per_token, procedure, deterministic
+    )
+
+
+def encoder_flops_per_token(config, length: int) -> float:
+    """Forward FLOPs per token of a Hugging Face encoder from its config: the products of its
+    layers (2 per weight outside the embeddings) and its attention (4 L d per layer)."""
+    d = getattr(config, "d_model", None) or config.hidden_size
+    layers = getattr(config, "num_layers", None) or config.num_hidden_layers
+    inner = getattr(config, "d_kv", 0) * getattr(config, "num_heads", 0) or d
+    ff = getattr(config, "d_ff", None) or config.intermediate_size
+    gated = "gated" in str(getattr(config, "feed_forward_proj", ""))
+    per_layer = 2 * (4 * d * inner) + 2 * (3 if gated else 2) * d * ff + 4 * length * inner
+    return float(layers * per_layer)
+
+
+def muon_flops(rows: int, cols: int, steps: int = 5) -> float:
+    """FLOPs of Newton–Schulz on one (rows, cols) matrix in the direct form: per step the Gram
+    matrix (2 m m n), its polynomial (2 m^3) and the update (2 m m n), with m the short side."""
+    m, n = min(rows, cols), max(rows, cols)
+    return float(steps * (4 * m * m * n + 2 * m**3))
