@@ -27,6 +27,7 @@ syncs, or a bf16 forward is further than ``--tolerance`` from fp32.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import json
 import math
@@ -38,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 import warnings
 from pathlib import Path
 
@@ -120,7 +122,7 @@ class SyncCounter:
     """Host syncs per optimizer step (CUDA's sync debug mode), by whether the step logs."""
 
     def __init__(self, cuda: bool) -> None:
-        self.cuda, self.steps = cuda, []
+        self.cuda, self.steps, self.sites = cuda, [], collections.Counter()
 
     @contextlib.contextmanager
     def counting(self):
@@ -133,8 +135,10 @@ class SyncCounter:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 stop = original(trainer, k)
-            syncs = sum("synchroniz" in str(w.message) for w in caught)
-            counter.steps.append((k, trainer.report.due(k + 1), syncs))
+            found = [w for w in caught if "synchroniz" in str(w.message)]
+            counter.steps.append((k, trainer.report.due(k + 1), len(found)))
+            if found and k >= 3 and not trainer.report.due(k + 1):
+                counter.sites.update(f"{w.filename}:{w.lineno}" for w in found)
             return stop
 
         loop.Trainer.step = step
@@ -180,6 +184,7 @@ def train_run(args, assets, name: str, root: Path) -> dict:
         "steady_steps": len(steady),
         "steady_syncs": sum(steady),
         "syncs_by_step": counter.steps,
+        "steady_sync_sites": dict(counter.sites),
     }
     print(
         f"{name:<12} {args.steps:>5} {report['s_per_step']:>7.3f} {report['tokens_per_s']:>9.0f} "
@@ -188,6 +193,8 @@ def train_run(args, assets, name: str, root: Path) -> dict:
         f"{lines[-1]['loss']:.4f}  ({wall:.0f} s)",
         flush=True,
     )
+    for site, n in counter.sites.items():
+        print(f"  {n} syncs from {site}", flush=True)
     return report
 
 
@@ -313,7 +320,12 @@ def worker(args) -> int:
     )
     failures = []
     for run in args.runs.split(","):
-        report["runs"][run] = r = train_run(args, assets, run, root)
+        try:
+            report["runs"][run] = r = train_run(args, assets, run, root)
+        except Exception as e:  # report it and go on: one device session must say everything
+            failures.append(f"{run}: {type(e).__name__}: {e}".splitlines()[0])
+            traceback.print_exc(limit=-8)
+            continue
         if not all(math.isfinite(v) for v in r["losses"].values()):
             failures.append(f"{run}: non-finite loss {r['losses']}")
         if r["steady_syncs"] and cuda:
@@ -321,7 +333,11 @@ def worker(args) -> int:
                 f"{run}: {r['steady_syncs']} host syncs in steps that neither log nor save"
             )
     if "ddp" in report["runs"]:
-        report["resume"] = resume_run(args, assets, root)
+        try:
+            report["resume"] = resume_run(args, assets, root)
+        except Exception as e:
+            failures.append(f"resume: {type(e).__name__}: {e}".splitlines()[0])
+            traceback.print_exc(limit=-8)
     if {"ddp", "fp32"} <= set(report["runs"]):
         print("loss at each logged step: bf16 (ddp) against fp32", flush=True)
         a, b = report["runs"]["ddp"]["losses"], report["runs"]["fp32"]["losses"]
