@@ -14,7 +14,10 @@ batch in two micro-batches:
 
 1. ``ddp``: bf16, compile off; 2. ``ddp-compile``: per-block torch.compile; 3. ``fsdp2``: bf16
    compute, fp32 reduction; 4. ``fp32``: precision fp32 with TF32 off (the loss curve's
-   reference); 5. ``resume``: from ``ddp``'s middle checkpoint to the end, against ``ddp``'s end.
+   reference); 5. and 6. ``ddp-1024`` and ``compile-1024``: the paper's L 1024 (4x the tokens
+   per micro-batch); 7. ``resume``: from ``ddp``'s middle checkpoint to the end, against
+   ``ddp``'s end. One steady step of ``ddp`` and of ``ddp-1024`` runs under torch.profiler: its
+   wall time against the device's busy time, and the busiest kernels.
 
 For each: s/step, tokens/s, MFU and peak memory from the run's own log lines, the loss at each
 logged step, and the host syncs of every step counted with ``torch.cuda.set_sync_debug_mode``
@@ -49,7 +52,9 @@ from sample import autocast_for, sample_once  # benchmarks/sample.py
 
 SAMPLERS = ("ode", "sde", "heun", "pc")
 BF16 = ("bf16", "bf16-per-op")
-RUNS = ("ddp", "ddp-compile", "fsdp2", "fp32")
+RUNS = ("ddp", "ddp-compile", "fsdp2", "fp32", "ddp-1024", "compile-1024")
+LONG = 1024
+"""The ``-1024`` runs train at the paper's length (4x the tokens per micro-batch)."""
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -85,8 +90,9 @@ def run_config(args, assets: dict[str, str], name: str):
     from elflow.train.presets import preset
 
     micro = max(1, args.batch // 2)
+    length = LONG if name.endswith("-1024") else args.length
     sets = [
-        f"model.max_length={args.length}",
+        f"model.max_length={length}",
         f"encoder.name={assets['encoder']}",
         f"encoder.tokenizer={assets['tokenizer']}",
         "encoder.latent_std=0.2",
@@ -109,7 +115,7 @@ def run_config(args, assets: dict[str, str], name: str):
         "optim.warmup_steps=5",
         f"train.device={args.device_kind}",
         "train.parallel=" + ("fsdp2" if name == "fsdp2" else "ddp"),
-        "train.compile=" + ("true" if name == "ddp-compile" else "false"),
+        "train.compile=" + ("true" if "compile" in name else "false"),
         "train.precision=" + ("fp32" if name == "fp32" else args.precision),
         "train.tf32=" + ("false" if name == "fp32" else "true"),
     ]
@@ -121,8 +127,9 @@ def run_config(args, assets: dict[str, str], name: str):
 class SyncCounter:
     """Host syncs per optimizer step (CUDA's sync debug mode), by whether the step logs."""
 
-    def __init__(self, cuda: bool) -> None:
+    def __init__(self, cuda: bool, profile_step: int | None = None) -> None:
         self.cuda, self.steps, self.sites = cuda, [], collections.Counter()
+        self.profile_step, self.profile = profile_step, None
 
     @contextlib.contextmanager
     def counting(self):
@@ -134,7 +141,10 @@ class SyncCounter:
         def step(trainer, k):
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                stop = original(trainer, k)
+                if k == counter.profile_step:
+                    stop = counter.profiled(original, trainer, k)
+                else:
+                    stop = original(trainer, k)
             found = [w for w in caught if "synchroniz" in str(w.message)]
             counter.steps.append((k, trainer.report.due(k + 1), len(found)))
             if found and k >= 3 and not trainer.report.due(k + 1):
@@ -151,6 +161,32 @@ class SyncCounter:
             if self.cuda:
                 torch.cuda.set_sync_debug_mode("default")
 
+    def profiled(self, original, trainer, k):
+        """Step ``k`` under torch.profiler: where its host and device time go."""
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
+        t0 = time.perf_counter()
+        with profile(activities=acts) as prof:
+            stop = original(trainer, k)
+            if self.cuda:
+                torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+        events = prof.key_averages()
+        device = sum(getattr(e, "self_device_time_total", 0) for e in events) / 1e6
+        kernels = sum(e.count for e in events if getattr(e, "self_device_time_total", 0) > 0)
+        ops = sum(e.count for e in events if e.key.startswith("aten::"))
+        self.profile = {"step": k, "wall_s": wall, "device_busy_s": device, "kernels": kernels}
+        self.profile["aten_ops"] = ops
+        try:
+            key = "self_device_time_total" if self.cuda else "self_cpu_time_total"
+            self.profile["table"] = events.table(
+                sort_by=key, row_limit=15, max_name_column_width=50
+            )
+        except Exception as e:  # the table's columns differ across torch versions
+            self.profile["table"] = f"({type(e).__name__}: {e})"
+        return stop
+
     def steady(self, warmup: int = 3) -> list[int]:
         """Syncs of each step after ``warmup`` that neither logs nor saves."""
         return [n for k, due, n in self.steps if k >= warmup and not due]
@@ -162,7 +198,8 @@ def train_run(args, assets, name: str, root: Path) -> dict:
 
     cfg = run_config(args, assets, name)
     out = root / name
-    counter = SyncCounter(args.device_kind == "cuda")
+    profile_step = args.steps // 2 + 5 if name in ("ddp", "ddp-1024") else None
+    counter = SyncCounter(args.device_kind == "cuda", profile_step)
     if args.device_kind == "cuda":
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
@@ -195,6 +232,15 @@ def train_run(args, assets, name: str, root: Path) -> dict:
     )
     for site, n in counter.sites.items():
         print(f"  {n} syncs from {site}", flush=True)
+    if counter.profile:
+        pr = report["profile"] = counter.profile
+        print(
+            f"  profiled step {pr['step']}: {pr['wall_s']:.3f} s wall, device busy "
+            f"{pr['device_busy_s']:.3f} s, {pr['kernels']} kernels, {pr['aten_ops']} aten ops",
+            flush=True,
+        )
+        if args.device_kind == "cuda":
+            print(pr["table"], flush=True)
     return report
 
 
