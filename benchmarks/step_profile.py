@@ -68,7 +68,7 @@ def build_assets(root: Path, encoder_dim: int, encoder_layers: int, conditional:
 
 def run_config(args, assets: dict):
     """The preset at the profiled size, on the profile's assets."""
-    from dataclasses import replace
+    from dataclasses import fields, replace
 
     from elflow.train.config import apply_overrides
     from elflow.train.presets import preset
@@ -102,18 +102,42 @@ def run_config(args, assets: dict):
     elif args.length:
         sets.append(f"model.max_length={args.length}")
     if args.as_cuda:
-        sets += ["train.precision=bf16", "optim.muon_ns_dtype=bfloat16", "encoder.precision=bf16"]
+        sets += ["train.precision=bf16", "optim.muon_ns_dtype=bfloat16"]
+        if "precision" in {f.name for f in fields(base.encoder)}:  # (older elflow had none)
+            sets.append("encoder.precision=bf16")
     sets += args.set
     cfg = apply_overrides(replace(base, preset=args.preset), None, sets)
     return cfg
 
 
+def _stepper(run):
+    """(take step k, the object whose ``accumulate`` makes a step's gradients, the host tensors,
+    close): through the trainer's Trainer, or an older elflow's loop function (the before
+    figures of the results page come from an older checkout)."""
+    from elflow.profiling import optimizer_host_tensors
+    from elflow.train import loop
+    from elflow.train.step import ELFObjective
+
+    if hasattr(loop, "Trainer"):
+        trainer = loop.Trainer(run, ELFObjective(run.cfg))
+        host = lambda: [*optimizer_host_tensors(run.optimizer), trainer.stop.flag]
+        return trainer.step, trainer.grads, host, trainer.close
+    from elflow.hardware import bf16_autocast
+    from elflow.train.step import StepContext
+
+    grads = StepContext(run, ELFObjective(run.cfg), bf16_autocast(run.bf16, run.info.device))
+    norm = run.optim.clip_grad_norm
+
+    def step(k):
+        loop.optimizer_step(run, grads, k, norm, None)
+
+    return step, grads, lambda: optimizer_host_tensors(run.optimizer), lambda: None
+
+
 def profile(args) -> dict:
     """Set up the run, take the warm-up steps, count one step; this process's figures."""
     from elflow.profiling import OpCounter
-    from elflow.train.loop import Trainer
     from elflow.train.setup import prepare_run
-    from elflow.train.step import ELFObjective
 
     if args.as_cuda:
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -121,36 +145,42 @@ def profile(args) -> dict:
     assets = build_assets(tmp, args.encoder_dim, args.encoder_layers, args.preset in SEQ2SEQ)
     cfg = run_config(args, assets)
     run = prepare_run(cfg, tmp / "run", "never")
-    trainer = Trainer(run, ELFObjective(run.cfg))
-    for step in range(args.warmup):
-        trainer.step(step)
+    step, grads, host_tensors, close = _stepper(run)
     weights = [*run.model.parameters(), *run.encoder.parameters()]
-    host = [*host_tensors(run.optimizer), trainer.stop.flag]
-    micro = OpCounter(weights, saved_activations=True, host=host)
-    whole = OpCounter(weights, host=host)
-    optim = OpCounter(weights, host=host)
-    accumulate, opt_step = trainer.grads.accumulate, run.optimizer.step
+    accumulate, opt_step = grads.accumulate, run.optimizer.step
+    for k in range(args.warmup - 1):
+        step(k)
+    # The last warm-up step: what autograd saves (its hooks would add ops to the counted step).
+    saved = OpCounter(weights, saved_activations=True, host=host_tensors())
 
-    def counted_accumulate(step):
+    def saving(k):
+        with saved:
+            return accumulate(k)
+
+    grads.accumulate = saving
+    step(args.warmup - 1)
+    host = host_tensors()
+    micro, whole, optim = (OpCounter(weights, host=host) for _ in range(3))
+
+    def counted_accumulate(k):
         with micro:
-            return accumulate(step)
+            return accumulate(k)
 
-    def counted_optimizer_step(*a, **k):
+    def counted_optimizer_step(*a, **kw):
         with optim:
-            return opt_step(*a, **k)
+            return opt_step(*a, **kw)
 
-    trainer.grads.accumulate = counted_accumulate
+    grads.accumulate = counted_accumulate
     run.optimizer.step = counted_optimizer_step
     t0 = time.perf_counter()
     with whole:
-        trainer.step(args.warmup)
+        step(args.warmup)
     seconds = time.perf_counter() - t0
-    trainer.close()
+    close()
     g = run.geometry
     L = run.cfg.model.max_length
-    tokens = g.micro * L
+    tokens = g.micro * L * g.accum
     m, w, o = micro.counts, whole.counts, optim.counts
-    outside_ops = w.num_ops - m.num_ops
     outside_syncs = w.syncs.copy()
     outside_syncs.subtract(m.syncs)
     return {
@@ -158,6 +188,7 @@ def profile(args) -> dict:
         "world": run.info.world_size,
         "rank": run.info.rank,
         "parallel": run.cfg.train.parallel,
+        "activation_checkpointing": str(run.cfg.train.activation_checkpointing),
         "model": {k: getattr(run.cfg.model, k) for k in ("depth", "hidden_size", "num_heads")},
         "length": L,
         "micro_batch": g.micro,
@@ -170,25 +201,17 @@ def profile(args) -> dict:
         "sync_reasons_outside": {k: v for k, v in outside_syncs.items() if v > 0},
         "sync_sites": dict(w.sync_sites),
         "ops_per_micro_batch": m.num_ops / g.accum,
-        "ops_per_step_outside": outside_ops,
-        "flops_per_token": {k: v / (tokens * g.accum) for k, v in m.flops.items()},
-        "saved_bytes_per_token": {k: v / (tokens * g.accum) for k, v in m.saved_bytes.items()},
+        "kernels_per_micro_batch": m.kernels / g.accum,
+        "ops_per_step_outside": w.num_ops - m.num_ops,
+        "kernels_per_step_outside": w.kernels - m.kernels,
+        "flops_per_token": {k: v / tokens for k, v in m.flops.items()},
+        "traffic_bytes_per_token": m.traffic_bytes / tokens,
+        "saved_bytes_per_token": {k: v / tokens for k, v in saved.counts.saved_bytes.items()},
         "comm_bytes_per_step": dict(w.comm_bytes),
         "comm_calls_per_step": dict(w.comm_calls),
         "optimizer_flops": dict(o.flops),
         "step_seconds": seconds,
     }
-
-
-def host_tensors(optimizer) -> list[torch.Tensor]:
-    """The optimizers' step counters: host tensors in a GPU run too (not capturable/fused)."""
-    subs = getattr(optimizer, "optimizers", {"": optimizer}).values()
-    return [
-        s["step"]
-        for opt in subs
-        for s in opt.state.values()
-        if isinstance(s.get("step"), torch.Tensor) and s["step"].device.type == "cpu"
-    ]
 
 
 SEQ2SEQ = ("de-en-b", "xsum-b", "de-en-tiny", "summ-tiny")
@@ -237,13 +260,19 @@ def _fmt_bytes(n: float) -> str:
     return str(n)
 
 
+def _int(value: float | None) -> str:
+    return "—" if value is None else f"{value:.0f}"
+
+
 def rows(report: dict) -> list[tuple[str, str]]:
     """(measure, value) lines of one report (rank 0's, with every rank's optimiser FLOPs)."""
     out = [
         ("host syncs per micro-batch", f"{report['syncs_per_micro_batch']:g}"),
         ("host syncs per step, outside micro-batches", f"{report['syncs_per_step_outside']:g}"),
         ("aten ops per micro-batch", f"{report['ops_per_micro_batch']:.0f}"),
+        ("computing ops (kernels) per micro-batch", _int(report.get("kernels_per_micro_batch"))),
         ("aten ops per step, outside micro-batches", f"{report['ops_per_step_outside']:.0f}"),
+        ("computing ops per step, outside", _int(report.get("kernels_per_step_outside"))),
     ]
     fl = report["flops_per_token"]
     total = sum(fl.values()) or 1
@@ -254,6 +283,8 @@ def rows(report: dict) -> list[tuple[str, str]]:
                 f"{fl[dtype] / 1e6:.2f} M ({100 * fl[dtype] / total:.0f}%)",
             )
         )
+    traffic = report.get("traffic_bytes_per_token")
+    out.append(("elementwise traffic per token", "—" if traffic is None else _fmt_bytes(traffic)))
     sb = report["saved_bytes_per_token"]
     total_saved = sum(sb.values()) or 1
     out.append(("saved activations per token", _fmt_bytes(sum(sb.values()))))

@@ -166,10 +166,11 @@ def sample_draws_keyed(
     B = len(pos)
     dec = host_uniform(pos, seed, "decoder") < cfg.decoder_prob
     sc = host_uniform(pos, seed, "self_cond") < cfg.self_cond_prob
-    t = 1.0 / (1.0 + np.exp(-(cfg.time_mean + cfg.time_std * host_normal(pos, seed, "t"))))
+    t = logit_normal(torch.from_numpy(host_normal(pos, seed, "t")), cfg.time_mean, cfg.time_std)
     w = log_uniform_scale(torch.from_numpy(host_uniform(pos, seed, "w")), cfg.w_min, cfg.w_max)
-    scalars = np.stack([t, dec, sc, w.numpy()], axis=1).astype(np.float32)  # (B, 4)
-    t_, dec_, sc_, w_ = torch.from_numpy(scalars).to(device, non_blocking=True).unbind(1)
+    flags = torch.from_numpy(np.stack([dec, sc]).astype(np.float64))
+    scalars = torch.stack([t, flags[0], flags[1], w], dim=1).float()  # (B, 4), on the host
+    t_, dec_, sc_, w_ = scalars.to(device, non_blocking=True).unbind(1)
     device_pos = host_index(pos, torch.device(device))
     normals = keyed_normals(device_pos, length * (dim + 1), seed, "noise")  # (B, L (E + 1))
     noise = normals[:, : length * dim].view(B, length, dim)

@@ -35,6 +35,7 @@ _SYNC_OPS = {
     aten.unique_consecutive: "unique (data-dependent shape)",
 }
 _INDEX_OPS = {aten.index, aten.index_put, aten.index_put_, aten._index_put_impl_}
+_HOST_READS = ("tolist", "numpy")
 
 
 def _cpu_sdpa(query, key, value, *args, out_shape=None, **kwargs) -> int:
@@ -106,6 +107,13 @@ def collective_bytes(func, args) -> tuple[str, int] | None:
     all-to-all input, the broadcast tensors. Wire traffic follows from it per algorithm
     (``benchmarks/scale_model.py``)."""
     name = func._overloadpacket.__name__
+    if func.namespace == "_c10d_functional":  # DTensor's collectives (e.g. full_tensor())
+        if name in ("all_gather_into_tensor", "all_gather_into_tensor_out"):
+            return "all_gather", _nbytes(args[0]) * int(args[1])
+        if name in ("reduce_scatter_tensor", "all_reduce", "all_to_all_single"):
+            kind = {"reduce_scatter_tensor": "reduce_scatter", "all_to_all_single": "all_to_all"}
+            return kind.get(name, "all_reduce"), _nbytes(args[0])
+        return None
     if func.namespace != "c10d":
         return None
     if name in ("allreduce_", "allreduce_coalesced_"):
@@ -138,6 +146,14 @@ class Counts:
     """The innermost elflow (or torch.optim) source line of each sync: where to look."""
     saved_bytes: Counter = field(default_factory=Counter)
     """Bytes autograd saved for backward, by dtype (unique storages; weights left out)."""
+    traffic: Counter = field(default_factory=Counter)
+    """:attr:`traffic_bytes` by op name."""
+    kernels: int = 0
+    """Ops that compute (views, reshapes and other metadata ops left out): kernel launches."""
+    traffic_bytes: int = 0
+    """Bytes read and written by the computing ops other than matrix products and attention:
+    the memory-bound work's traffic (eager, unfused), a GPU's elementwise time times its
+    bandwidth."""
 
     @property
     def num_ops(self) -> int:
@@ -180,14 +196,32 @@ class OpCounter(TorchDispatchMode):
 
     def __enter__(self) -> OpCounter:
         self._hooks.__enter__()
+        # .tolist() and .numpy() read a CPU tensor's memory without dispatching an op; on a GPU
+        # they are device-to-host copies: count them as such (patched for this context only).
+        self._saved_methods = {name: getattr(Tensor, name) for name in _HOST_READS}
+        for name, method in self._saved_methods.items():
+            setattr(Tensor, name, self._reading(name, method))
         return super().__enter__()
 
     def __exit__(self, *exc) -> None:
         super().__exit__(*exc)
+        for name, method in self._saved_methods.items():
+            setattr(Tensor, name, method)
         self._hooks.__exit__(*exc)
         for nbytes, dtype in self._saved.values():
             self.counts.saved_bytes[dtype] += nbytes
         self._saved.clear()
+
+    def _reading(self, name: str, method):
+        counter = self
+
+        def read(tensor: Tensor, *args, **kwargs):
+            if _storage(tensor) not in counter._host and tensor.device.type != "meta":
+                counter.counts.syncs[f"host read of a tensor (.{name}())"] += 1
+                counter.counts.sync_sites[_caller()] += 1
+            return method(tensor, *args, **kwargs)
+
+        return read
 
     def _pack(self, t: Tensor) -> Tensor:
         key = _storage(t)
@@ -207,6 +241,12 @@ class OpCounter(TorchDispatchMode):
             c.syncs[reason] += 1
             c.sync_sites[_caller()] += 1
         flops = _flops(func, args, kwargs, out)
+        if not _metadata_only(func):
+            c.kernels += 1
+            if not flops:
+                moved = _nbytes(args) + _nbytes(kwargs.get("out")) + _nbytes(out)
+                c.traffic_bytes += moved
+                c.traffic[func.overloadpacket.__name__] += moved
         if flops:
             first = next(_tensors(args), None)
             dtype = first.dtype if first is not None else torch.float32
@@ -221,6 +261,31 @@ class OpCounter(TorchDispatchMode):
         if func._overloadpacket is aten._to_copy and _storage(args[0]) in self._weights:
             self._weights.add(_storage(out))  # an autocast (or explicit) copy of a weight
         return out
+
+
+_METADATA = {
+    aten.detach,
+    aten.lift_fresh,
+    aten.alias,
+    aten._unsafe_view,
+    aten.view_as_complex,
+    aten.view_as_real,
+    aten._conj,
+    aten.split,
+    aten.unbind,
+    aten.chunk,
+    aten.empty,
+    aten.empty_like,
+}
+
+
+def _metadata_only(func) -> bool:
+    """Views and other ops that launch no kernel (a GPU's view of 'ops': kernel launches)."""
+    return (
+        func.is_view
+        or func._overloadpacket in _METADATA
+        or func.namespace in ("c10d", "_c10d_functional")
+    )
 
 
 def _storage(t: Tensor) -> int:
@@ -243,3 +308,15 @@ def _caller() -> str:
 def _tf32_on() -> bool:
     """Whether fp32 matrix products may use TF32 on CUDA (the process-wide switch)."""
     return torch.backends.cuda.matmul.allow_tf32
+
+
+def optimizer_host_tensors(optimizer) -> list[Tensor]:
+    """An optimizer's step counters that stay on the host in a GPU run too (torch.optim's when
+    not capturable or fused): reading them is no device sync (:class:`OpCounter`'s ``host``)."""
+    subs = getattr(optimizer, "optimizers", {"": optimizer}).values()
+    return [
+        s["step"]
+        for opt in subs
+        for s in opt.state.values()
+        if isinstance(s.get("step"), Tensor) and s["step"].device.type == "cpu"
+    ]

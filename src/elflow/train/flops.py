@@ -4,9 +4,10 @@ The count follows what the efficient procedure runs (ELF_SPEC §3, §9): the fro
 row (unless the latents are cached), the no-grad unconditional pass on the self-conditioned rows,
 the trained pass on every row (forward and backward), the decoder head on the decoder rows only;
 the reference procedure's extra passes when asked. Products only (2 FLOPs per multiply-add;
-elementwise work is not counted), as ``torch.utils.flop_counter`` counts them: the backward of a
-linear layer is twice its forward, except where its input needs no gradient (the first
-projection, the timestep embedders' first layers), and attention's backward is twice its forward.
+elementwise work is not counted): the backward of a linear layer is twice its forward, except
+where its input needs no gradient (the first projection, the timestep embedders' first layers);
+attention's backward is twice its forward in model FLOPs (MFU's convention), 2.5 times with the
+forward product that flash attention recomputes (``torch.utils.flop_counter``'s count).
 ``tests/test_flops.py`` checks these formulas against :class:`elflow.profiling.OpCounter`'s
 count of a real step.
 """
@@ -27,6 +28,11 @@ class PassFlops:
 
     body: float
     """Input projections, prefix embedders, blocks (attention included) and the flow head."""
+    attention: float
+    """The part of ``body`` in attention's two products (QK^T and the weighted sum of V)."""
+    blocks: float
+    """The part of ``body`` in the transformer blocks (bf16 under autocast; the rest of the body
+    and the head are what the spec keeps in fp32)."""
     first_layers: float
     """The part of ``body`` whose input needs no gradient (no input-gradient product)."""
     head: float
@@ -43,10 +49,11 @@ def pass_flops(cfg: ModelConfig, length: int) -> PassFlops:
     body = first + embedders * 2 * D * D
     body += 2 * (E * cfg.bottleneck_dim + cfg.bottleneck_dim * D) * L  # text_proj
     per_token = 2 * D * 3 * D + 2 * D * D + 2 * D * 2 * F + 2 * F * D  # qkv, proj, w12, w3
-    body += cfg.depth * (per_token * N + 4 * N * N * D)  # + attention
-    body += 2 * D * E * L  # flow head
+    attention = cfg.depth * 4 * N * N * D
+    blocks = cfg.depth * per_token * N + attention
+    body += blocks + 2 * D * E * L  # and the flow head
     head = 2 * (D * E + E * cfg.vocab_size) * L
-    return PassFlops(body=body, first_layers=first, head=head)
+    return PassFlops(body=body, attention=attention, blocks=blocks, first_layers=first, head=head)
 
 
 def train_row_flops(
@@ -57,13 +64,16 @@ def train_row_flops(
     encoder_per_token: float = 0.0,
     procedure: str = "efficient",
     deterministic: bool = True,
+    attention_backward: float = 2.0,
 ) -> float:
     """FLOPs per training row: expected when the shares are probabilities, exact when they are
-    a batch's fractions of decoder rows and of self-conditioned denoiser rows."""
+    a batch's fractions of decoder rows and of self-conditioned denoiser rows.
+    ``attention_backward``: 2 (model FLOPs) or 2.5 (flash attention's recomputation counted)."""
     p = pass_flops(cfg, length)
-    trained = 3 * p.body - p.first_layers + 3 * dec_share * p.head
-    if procedure == "reference":  # the head on every row, two no-grad passes with it
-        trained = 3 * p.body - p.first_layers + 3 * p.head
+    heads = 1.0 if procedure == "reference" else dec_share  # the reference's head on every row
+    trained = 3 * p.body + (attention_backward - 2) * p.attention - p.first_layers
+    trained += 3 * heads * p.head
+    if procedure == "reference":  # two no-grad passes with the head
         nograd = 2 * (p.body + p.head)
     else:
         nograd = sc_share * p.body * (1 if deterministic else 2)
