@@ -49,6 +49,7 @@ from pathlib import Path
 import torch
 
 from sample import autocast_for, sample_once  # benchmarks/sample.py
+from step_profile import build_assets as profile_assets  # benchmarks/step_profile.py
 
 SAMPLERS = ("ode", "sde", "heun", "pc")
 BF16 = ("bf16", "bf16-per-op")
@@ -62,25 +63,9 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def build_assets(root: Path, tiny: bool) -> dict[str, str]:
-    """A T5-small-shaped random encoder (tiny: 2 layers of 32) and the packaged tokenizer."""
-    from transformers import AutoTokenizer, T5Config, T5EncoderModel
-
-    import elflow
-
-    tok_dir = Path(elflow.__file__).resolve().parent / "demo_model" / "tokenizer"
-    tokenizer = AutoTokenizer.from_pretrained(str(tok_dir))
-    d, layers, heads = (32, 2, 2) if tiny else (512, 6, 8)
-    torch.manual_seed(0)
-    config = T5Config(
-        vocab_size=len(tokenizer),
-        d_model=d,
-        d_kv=d // heads,
-        d_ff=4 * d,
-        num_layers=layers,
-        num_heads=heads,
-    )
-    T5EncoderModel(config).save_pretrained(root / "encoder")
-    return {"encoder": str(root / "encoder"), "tokenizer": str(tok_dir)}
+    """A T5-small-shaped random encoder (tiny: two 32-wide layers) and the packaged tokenizer
+    (step_profile.py's)."""
+    return profile_assets(root, 32 if tiny else 512, 2 if tiny else 6, data=None)
 
 
 def run_config(args, assets: dict[str, str], name: str):

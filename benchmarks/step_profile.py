@@ -34,13 +34,16 @@ REDUCED = {"depth": 2, "hidden_size": 128, "num_heads": 4, "max_length": 64}
 """The default reduced size on a CPU (per-token counts scale; the op and sync counts do not)."""
 
 
-def build_assets(root: Path, encoder_dim: int, encoder_layers: int, conditional: bool) -> dict:
-    """A T5-shaped random encoder, the packaged tokenizer and Bible verses as training data."""
+def build_assets(root: Path, encoder_dim: int, encoder_layers: int, data: str | None) -> dict:
+    """A T5-shaped random encoder (64-wide heads) and the packaged tokenizer, saved in ``root``;
+    with ``data`` ('text' or 'pairs'), Bible verses as training data in ``root/train.jsonl``.
+    (gpu_check.py builds its encoder here too.)"""
     from transformers import AutoTokenizer, T5Config, T5EncoderModel
 
+    import elflow
     from elflow.examples import web_bible_texts
 
-    tok_dir = Path(__file__).resolve().parents[1] / "src/elflow/demo_model/tokenizer"
+    tok_dir = Path(elflow.__file__).resolve().parent / "demo_model" / "tokenizer"
     tokenizer = AutoTokenizer.from_pretrained(str(tok_dir))
     heads = max(1, encoder_dim // 64)
     torch.manual_seed(0)
@@ -55,15 +58,18 @@ def build_assets(root: Path, encoder_dim: int, encoder_layers: int, conditional:
         )
     )
     encoder.save_pretrained(root / "encoder")
+    assets = {"encoder": str(root / "encoder"), "tokenizer": str(tok_dir), "data": str(root)}
+    if data is None:
+        return assets
     verses = web_bible_texts("train")[:4096]
     with (root / "train.jsonl").open("w") as f:
-        if conditional:
+        if data == "pairs":
             for a, b in zip(verses[::2], verses[1::2], strict=False):
                 f.write(json.dumps({"source": a, "target": b}) + "\n")
         else:
             for v in verses:
                 f.write(json.dumps({"text": v}) + "\n")
-    return {"encoder": str(root / "encoder"), "tokenizer": str(tok_dir), "data": str(root)}
+    return assets
 
 
 def run_config(args, assets: dict):
@@ -142,7 +148,8 @@ def profile(args) -> dict:
     if args.as_cuda:
         torch.backends.cuda.matmul.allow_tf32 = True
     tmp = Path(tempfile.mkdtemp(prefix="elflow-profile-"))
-    assets = build_assets(tmp, args.encoder_dim, args.encoder_layers, args.preset in SEQ2SEQ)
+    data = "pairs" if args.preset in SEQ2SEQ else "text"
+    assets = build_assets(tmp, args.encoder_dim, args.encoder_layers, data)
     cfg = run_config(args, assets)
     run = prepare_run(cfg, tmp / "run", "never")
     step, grads, host_tensors, close = _stepper(run)

@@ -40,10 +40,11 @@ def load(name: str) -> ModuleType:
     try:
         spec = importlib.util.spec_from_file_location(f"benchmarks_{name}", BENCH / f"{name}.py")
         module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # a script's dataclasses look their module up there
         spec.loader.exec_module(module)
     finally:
         sys.path.remove(str(BENCH))
-        for helper in ("quality", "sample"):  # sibling scripts imported as helpers
+        for helper in ("quality", "sample", "step_profile"):  # siblings imported as helpers
             sys.modules.pop(helper, None)
     return module
 

@@ -23,6 +23,7 @@ from elflow.flow import euler_step, interpolate, logit_normal, velocity
 from elflow.keyed import host_normal
 from elflow.objective import (
     Batch,
+    Draws,
     Forward,
     RowPlan,
     host_index,
@@ -191,16 +192,13 @@ def sample_distill_draws(
     """
     d = sample_draws(batch, length, dim, cfg, generator, device)
     inner = torch.randn(batch, K - 1, generator=generator, device=device)
-    return DistillDraws(
-        u=d.t,
-        noise=d.noise,
-        decoder_active=d.decoder_active,
-        decoder_lambda=d.decoder_lambda,
-        decoder_noise=d.decoder_noise,
-        use_self_cond=d.use_self_cond,
-        w=d.w,
-        inner_u=logit_normal(inner, cfg.time_mean, cfg.time_std),
-    )
+    return _with_inner(d, logit_normal(inner, cfg.time_mean, cfg.time_std))
+
+
+def _with_inner(d: Draws, inner_u: Tensor) -> DistillDraws:
+    """The §3 draws ``d`` (its t as u) with the interior times."""
+    fields = {f: getattr(d, f) for f in Draws.__dataclass_fields__ if f != "t"}
+    return DistillDraws(u=d.t, inner_u=inner_u, **fields)
 
 
 def sample_distill_draws_keyed(
@@ -220,18 +218,8 @@ def sample_distill_draws_keyed(
     inner = np.zeros((len(pos), K - 1), dtype=np.float32)
     for k in range(K - 1):
         inner[:, k] = host_normal(pos, seed, f"inner/{k}")
-    inner_t = torch.from_numpy(inner)
-    return DistillDraws(
-        u=d.t,
-        noise=d.noise,
-        decoder_active=d.decoder_active,
-        decoder_lambda=d.decoder_lambda,
-        decoder_noise=d.decoder_noise,
-        use_self_cond=d.use_self_cond,
-        w=d.w,
-        inner_u=logit_normal(inner_t.to(device, non_blocking=True), cfg.time_mean, cfg.time_std),
-        plan=d.plan,
-    )
+    inner_u = torch.from_numpy(inner).to(device, non_blocking=True)
+    return _with_inner(d, logit_normal(inner_u, cfg.time_mean, cfg.time_std))
 
 
 @torch.no_grad()

@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tests.dist.launch import free_port
+from tests.dist.launch import spawn_gloo
 
 from elflow.config import elf_tiny
 from elflow.train.ema import EMA
@@ -133,14 +133,10 @@ def _direct(mesh) -> dict[str, object]:
     return out
 
 
-def _worker(rank: int, port: int, out: str) -> None:
+def _work(rank: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE
-    )
     mesh = init_device_mesh("cpu", (WORLD_SIZE,))
     results: dict[str, dict] = {"direct": _direct(mesh)}
     # "torch_muon" is the footgun of ELF_SPEC §10: torch.optim.Muon handed the sharded DTensors.
@@ -169,15 +165,11 @@ def _worker(rank: int, port: int, out: str) -> None:
             "ema_updates": ema2.num_updates,
             "local_shapes": {n: tuple(p.to_local().shape) for n, p in model.named_parameters()},
         }
-    if rank == 0:
-        torch.save(results, out)
-    dist.barrier()
-    dist.destroy_process_group()
+    return results
 
 
 def main(out: str) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torch.multiprocessing.spawn(_worker, args=(free_port(), out), nprocs=WORLD_SIZE, join=True)
+    spawn_gloo(_work, WORLD_SIZE, out)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Run ``elflow`` under ``torchrun`` (the few multi-process tests, marked ``slow``)."""
+"""Run ``elflow`` under ``torchrun``, or a function in N gloo processes (the few multi-process
+tests, marked ``slow``)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 
 
 def free_port() -> int:
@@ -26,3 +28,29 @@ def torchrun_elflow(
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
+
+
+def spawn_gloo(work: Callable[[int], object], world: int, out: str) -> None:
+    """``work(rank)`` in ``world`` processes of a gloo group on this machine; rank 0 saves what
+    it returns to ``out`` (``work`` must be a module-level function: it is pickled)."""
+    import torch
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    args = (world, free_port(), work, out)
+    torch.multiprocessing.spawn(_gloo_worker, args=args, nprocs=world, join=True)
+
+
+def _gloo_worker(rank: int, world: int, port: int, work, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    url = f"tcp://127.0.0.1:{port}"
+    dist.init_process_group("gloo", init_method=url, rank=rank, world_size=world)
+    try:
+        results = work(rank)
+        if rank == 0:
+            torch.save(results, out)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.utils.flop_counter import FlopCounterMode
 
 from tests.dist.fsdp_muon import make_model
-from tests.dist.launch import free_port
+from tests.dist.launch import spawn_gloo
 
 from elflow.train.muon import ShardedMuon
 
@@ -45,26 +45,18 @@ def run(ns_dtype: torch.dtype, distributed: bool) -> tuple[dict[str, torch.Tenso
     return weights, flops
 
 
-def _worker(rank: int, port: int, out: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE
-    )
+def _work(rank: int) -> dict:
     results = {}
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         weights, flops = run(dtype, distributed=True)
         every = [None] * WORLD_SIZE
         dist.all_gather_object(every, flops)
         results[name] = {"weights": weights, "flops": every}
-    if rank == 0:
-        torch.save(results, out)
-    dist.barrier()
-    dist.destroy_process_group()
+    return results
 
 
 def main(out: str) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torch.multiprocessing.spawn(_worker, args=(free_port(), out), nprocs=WORLD_SIZE, join=True)
+    spawn_gloo(_work, WORLD_SIZE, out)
 
 
 if __name__ == "__main__":
