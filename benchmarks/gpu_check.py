@@ -127,14 +127,13 @@ class SyncCounter:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 if k == counter.profile_step:
-                    stop = counter.profiled(original, trainer, k)
+                    counter.profiled(original, trainer, k)
                 else:
-                    stop = original(trainer, k)
+                    original(trainer, k)
             found = [w for w in caught if "synchroniz" in str(w.message)]
             counter.steps.append((k, trainer.report.due(k + 1), len(found)))
             if found and k >= 3 and not trainer.report.due(k + 1):
                 counter.sites.update(f"{w.filename}:{w.lineno}" for w in found)
-            return stop
 
         loop.Trainer.step = step
         if self.cuda:
@@ -153,7 +152,7 @@ class SyncCounter:
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
         t0 = time.perf_counter()
         with profile(activities=acts) as prof:
-            stop = original(trainer, k)
+            original(trainer, k)
             if self.cuda:
                 torch.cuda.synchronize()
         wall = time.perf_counter() - t0
@@ -170,7 +169,6 @@ class SyncCounter:
             )
         except Exception as e:  # the table's columns differ across torch versions
             self.profile["table"] = f"({type(e).__name__}: {e})"
-        return stop
 
     def steady(self, warmup: int = 3) -> list[int]:
         """Syncs of each step after ``warmup`` that neither logs nor saves."""

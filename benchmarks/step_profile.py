@@ -118,8 +118,8 @@ def run_config(args, assets: dict):
 
 def _stepper(run):
     """(take step k, the object whose ``accumulate`` makes a step's gradients, the host tensors,
-    close): through the trainer's Trainer, or an older elflow's loop function (the before
-    figures of the results page come from an older checkout)."""
+    close): through the trainer's Trainer, or, on purpose, an older elflow's loop function (the
+    'before' figures of the results page come from an older checkout with this file copied in)."""
     from elflow.profiling import optimizer_host_tensors
     from elflow.train import loop
     from elflow.train.step import ELFObjective
@@ -179,9 +179,29 @@ def profile(args) -> dict:
 
     grads.accumulate = counted_accumulate
     run.optimizer.step = counted_optimizer_step
+    # Inside the micro-batches: the frozen encoder, the network's forwards and the backward
+    # passes, each counted on its own; what is left is the objective's own work (draws, noising,
+    # targets, losses, row selection) and the batch's transfer.
+    parts = {name: OpCounter(weights, host=host) for name in ("encoder", "network", "backward")}
+    encoder_forward, network_forward = run.encoder.forward, run.model.forward
+    tensor_backward = torch.Tensor.backward
+
+    def counted(name, fn):
+        def call(*a, **kw):
+            with parts[name]:
+                return fn(*a, **kw)
+
+        return call
+
+    run.encoder.forward = counted("encoder", encoder_forward)
+    run.model.forward = counted("network", network_forward)
+    torch.Tensor.backward = counted("backward", tensor_backward)
     t0 = time.perf_counter()
-    with whole:
-        step(args.warmup)
+    try:
+        with whole:
+            step(args.warmup)
+    finally:
+        torch.Tensor.backward = tensor_backward
     seconds = time.perf_counter() - t0
     close()
     g = run.geometry
@@ -210,6 +230,10 @@ def profile(args) -> dict:
         "ops_per_micro_batch": m.num_ops / g.accum,
         "kernels_per_micro_batch": m.kernels / g.accum,
         "ops_per_step_outside": w.num_ops - m.num_ops,
+        "ops_per_micro_batch_by_part": {
+            **{k: c.counts.num_ops / g.accum for k, c in parts.items()},
+            "objective": (m.num_ops - sum(c.counts.num_ops for c in parts.values())) / g.accum,
+        },
         "kernels_per_step_outside": w.kernels - m.kernels,
         "flops_per_token": {k: v / tokens for k, v in m.flops.items()},
         "traffic_bytes_per_token": m.traffic_bytes / tokens,
@@ -278,6 +302,10 @@ def rows(report: dict) -> list[tuple[str, str]]:
         ("host syncs per step, outside micro-batches", f"{report['syncs_per_step_outside']:g}"),
         ("aten ops per micro-batch", f"{report['ops_per_micro_batch']:.0f}"),
         ("computing ops (kernels) per micro-batch", _int(report.get("kernels_per_micro_batch"))),
+        *(
+            (f"  ops in the {part}", f"{n:.0f}")
+            for part, n in report.get("ops_per_micro_batch_by_part", {}).items()
+        ),
         ("aten ops per step, outside micro-batches", f"{report['ops_per_step_outside']:.0f}"),
         ("computing ops per step, outside", _int(report.get("kernels_per_step_outside"))),
     ]

@@ -307,3 +307,24 @@ def test_fsdp2_computes_the_blocks_in_bf16_and_keeps_the_rest_fp32(monkeypatch):
         assert all(g is not None and g.dtype == torch.float32 for g in grads)  # reduced in fp32
     finally:
         dist.destroy_process_group()
+
+
+def test_non_finite_weights_are_never_checkpointed(tmp_path, assets, monkeypatch, capsys):  # noqa: F811
+    from elflow.train import loop
+
+    real = loop.Trainer.step
+
+    def poisoned(trainer, step):
+        real(trainer, step)
+        if step == 5:  # finite loss and gradients, then an optimizer that breaks the weights
+            with torch.no_grad():
+                next(trainer.run.model.parameters()).view(-1)[0] = float("nan")
+
+    monkeypatch.setattr(loop.Trainer, "step", poisoned)
+    # Step 6 (index 5) saves but does not log: the weights check before the save finds it.
+    cfg = run_config(assets, train={"log_every": 4, "max_steps": 8, "save_every": 3})
+    assert train_cli(tmp_path, tmp_path / "run", cfg) == 2
+    err = [x for x in capsys.readouterr().err.splitlines() if "elflow: error:" in x]
+    assert len(err) == 1 and "the weights hold NaN or inf values" in err[0], err
+    assert "checkpoint-3" in err[0]
+    assert sorted(p.name for p in (tmp_path / "run").glob("checkpoint-*")) == ["checkpoint-3"]

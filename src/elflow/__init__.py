@@ -8,7 +8,7 @@ a denoise function; :func:`sample_model` wires it for a network). Names load on 
 
 from elflow.lazy import lazy_exports
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 _EXPORTS = {
     "ELF": "elflow.model",

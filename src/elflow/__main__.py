@@ -109,7 +109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
         print(
             f"elflow: error: out of memory ({first}); lower train.micro_batch (accumulation keeps "
-            "the batch) or turn on train.activation_checkpointing to train, lower --batch-size "
+            "the batch) or set train.activation_checkpointing=blocks to train, lower --batch-size "
             "to sample or score (a sweep's judge: --score-batch-size; --resume keeps its scored "
             "cells); checkpoints already saved are kept",
             file=sys.stderr,

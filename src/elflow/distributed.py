@@ -100,7 +100,11 @@ def control_group():
     already; None for one process."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return None
-    return _CONTROL.get("group", dist.group.WORLD)  # made for NCCL runs; gloo's own otherwise
+    if dist.get_backend() == "gloo":
+        return dist.group.WORLD
+    if "group" not in _CONTROL:  # a group initialised before setup(): make it now (collective)
+        _CONTROL["group"] = dist.new_group(backend="gloo")
+    return _CONTROL["group"]
 
 
 @contextlib.contextmanager

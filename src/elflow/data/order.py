@@ -6,12 +6,11 @@ The order is a pure function of (seed, position), so resuming at a saved positio
 what an uninterrupted run would have seen. Global batch g covers positions [g*G, (g+1)*G); under N
 processes rank r takes a contiguous slice and gradient accumulation splits that slice further, so
 any (world size, accumulation) reproduces the one-process batch. Random draws tied to an example
-(label drop) are hashed from (seed, salt, position) with splitmix64, independent of batching.
+(label drop) are keyed by (seed, salt, position) (:mod:`elflow.keyed`), independent of batching.
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 
 import numpy as np
@@ -82,22 +81,12 @@ def rank_positions(
     return np.arange(start, start + micro_batch, dtype=np.int64)
 
 
-def _splitmix64(x: np.ndarray) -> np.ndarray:
-    # uint64 arithmetic wraps modulo 2^64, which is what splitmix64 wants.
-    with np.errstate(over="ignore"):
-        z = x + np.uint64(0x9E3779B97F4A7C15)
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        return z ^ (z >> np.uint64(31))
-
-
 def keyed_uniform(positions: np.ndarray, seed: int, salt: str) -> np.ndarray:
-    """A float64 in [0, 1) per position, a pure function of (seed, salt, position)."""
-    digest = hashlib.blake2b(f"{seed}:{salt}".encode(), digest_size=8).digest()
-    key = np.uint64(int.from_bytes(digest, "little"))
-    pos = np.asarray(positions, dtype=np.int64).astype(np.uint64)
-    h = _splitmix64(_splitmix64(pos ^ key) ^ key)
-    return (h >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+    """A float64 in (0, 1) per position, a pure function of (seed, salt, position)
+    (:func:`elflow.keyed.host_uniform`, the training draws' generator)."""
+    from elflow.keyed import host_uniform
+
+    return host_uniform(positions, seed, salt)
 
 
 def keyed_bernoulli(positions: np.ndarray, prob: float, seed: int, salt: str) -> np.ndarray:

@@ -150,13 +150,20 @@ class BatchLoader:
             )
         return out
 
-    def get(self, step: int, prefetch: bool = True) -> list[HostBatch]:
-        """The host batches of ``step``; starts making those of ``step + 1`` (``prefetch``)."""
-        if self._next is not None and self._next[0] == step:
-            batches = self._next[1].result()
-        else:
+    def get(self, step: int) -> list[HostBatch]:
+        """The host batches of ``step``; starts making those of ``step + 1`` unless ``step`` is
+        the run's last."""
+        batches = None
+        if self._next is not None:
+            ahead, future = self._next
+            if ahead == step:
+                batches = future.result()
+            elif not future.cancel():  # another step's: let it finish (the order's cache is
+                future.exception()  # not shared between threads), and drop it
+        if batches is None:
             batches = self.make(step)
-        self._next = (step + 1, self._pool.submit(self.make, step + 1)) if prefetch else None
+        more = step + 1 < self.geometry.total_steps
+        self._next = (step + 1, self._pool.submit(self.make, step + 1)) if more else None
         return batches
 
     def close(self) -> None:

@@ -79,10 +79,21 @@ class NonFiniteGuard:
         bad = torch.stack([~torch.isfinite(loss + grad_norm), bad_latents > 0])
         self.first = torch.minimum(self.first, torch.where(bad, float(step), math.inf))
 
-    def check(self, last_ckpt: Path | None) -> None:
-        """Raise the one-line error if any step so far, on any process, was not finite."""
-        loss_step, latents_step = all_reduce_min(self.first.clone()).tolist()
+    def check(self, last_ckpt: Path | None, weights: list[Tensor] | None = None) -> None:
+        """Raise the one-line error if any step so far, on any process, was not finite; with
+        ``weights`` (before a checkpoint), also if any of them is not finite (an optimizer can
+        turn finite gradients into non-finite weights)."""
+        first = self.first.clone()
+        if weights:
+            finite = torch.stack([torch.isfinite(w).all() for w in weights]).all()
+            first[0] = torch.where(finite, first[0], -1.0)  # -1: found in the weights
+        loss_step, latents_step = all_reduce_min(first).tolist()
         where = f"stopping (last good checkpoint: {last_ckpt or 'none'})"
+        if loss_step == -1:
+            raise ELFError(
+                f"the weights hold NaN or inf values; {where}; lower the learning rate or "
+                "check the data"
+            )
         if math.isfinite(latents_step):
             raise ELFError(
                 f"the batch's latents contain NaN or inf values at step {int(latents_step)}; "
@@ -100,6 +111,11 @@ class Trainer:
 
     def __init__(self, run: Run, objective: Objective) -> None:
         self.run = run
+        # What the spec's fp32 parts' products may use on CUDA; process-wide, so put back on close.
+        self._tf32 = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+        if run.info.device.type == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = run.cfg.train.tf32
+            torch.backends.cudnn.allow_tf32 = run.cfg.train.tf32
         autocast = bf16_autocast(run.bf16, run.info.device)
         self.grads = StepContext(run, objective, autocast)
         self.report = Reporter(run, objective, autocast)
@@ -110,8 +126,8 @@ class Trainer:
         self.max_grad_norm = run.optim.clip_grad_norm or math.inf
         self.last_ckpt, self.saved_step = run.resume_from, run.start_step
 
-    def step(self, step: int) -> bool:
-        """Optimizer step ``step`` (0-based) and its report; True when a stop was agreed."""
+    def step(self, step: int) -> None:
+        """Optimizer step ``step`` (0-based) and its report."""
         run, g = self.run, self.run.geometry
         lr = learning_rate(run.optim, step, g.total_steps, g.global_batch)
         set_lr(run.optimizer, lr)
@@ -127,7 +143,6 @@ class Trainer:
         if self.report.due(done):
             self.guard.check(self.last_ckpt)
         self.report.step(done, metrics, lr, grad_norm)
-        return self.stop.agreed(run.info)
 
     def fit(self) -> Path:
         """Every step from the run's start to its end, with checkpoints, evaluations, samples and
@@ -136,16 +151,18 @@ class Trainer:
         try:
             self.stop.install()
             for step in range(run.start_step, g.total_steps):
-                stopping = self.step(step)
+                self.step(step)
                 done = step + 1
-                t0 = time.perf_counter()
-                if done % cfg.train.save_every == 0 or done == g.total_steps:
-                    self.save(done)
-                self.report.evaluate(done)
-                self.report.pause(time.perf_counter() - t0)  # not training time
-                # After sampling too, so that a signal there is not held a step.
-                stopping = stopping or self.stop.agreed(run.info)
-                if stopping:
+                saving = done % cfg.train.save_every == 0 or done == g.total_steps
+                if saving or self.report.evaluating(done):
+                    synchronize(run.info.device)  # the steps queued so far are training time
+                    t0 = time.perf_counter()
+                    if saving:
+                        self.save(done)
+                    self.report.evaluate(done)
+                    self.report.pause(time.perf_counter() - t0)  # not training time
+                # Once a step, after sampling too, so that a signal there is not held a step.
+                if self.stop.agreed(run.info):
                     if self.saved_step != done:
                         self.save(done)
                     raise _stopped(self.stop, done, g.total_steps, self.last_ckpt)
@@ -154,13 +171,26 @@ class Trainer:
         return self.last_ckpt if self.last_ckpt is not None else run.out
 
     def save(self, done: int) -> None:
-        """Checkpoint step ``done``, after checking that every step so far was finite."""
-        self.guard.check(self.last_ckpt)
+        """Checkpoint step ``done``, after checking that every step so far, and the weights, are
+        finite."""
+        weights = [_local(p).detach() for p in self.run.model.parameters()]
+        self.guard.check(self.last_ckpt, weights)
         self.last_ckpt, self.saved_step = save(self.run, done), done
 
     def close(self) -> None:
         self.grads.close()
         self.report.close()
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = self._tf32
+
+
+def _local(t: Tensor) -> Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (a no-op on a CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _stopped(stop: StopSignal, done: int, total: int, last_ckpt: Path) -> Interrupted:

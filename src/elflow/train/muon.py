@@ -50,7 +50,7 @@ def _newton_schulz(
     matrix are recomputed every ``GRAM_RESTART`` steps, which keeps near-low-rank inputs about as
     close to the fp64 iteration as the direct one (tests/test_optim.py: within 1.5x; without the
     restart we measured up to 3.5x). With 5 steps, four products touch the long side instead of
-    ten. This is also the path of fp32 Newton–Schulz on GPUs (``muon_ns_dtype`` auto there), so
+    ten. This is the path of fp32 Newton–Schulz (``muon_ns_dtype=float32``) on any device, so
     updates differ from the direct iteration's by rounding.
     """
     a, b, c = ns_coefficients

@@ -292,10 +292,22 @@ class Reporter:
         """Leave ``seconds`` (a checkpoint, an evaluation, samples) out of the throughput."""
         self.meter.pause(seconds)
 
+    def _heldout_due(self, done: int) -> bool:
+        every, total = self.run.cfg.train.eval_every, self.run.geometry.total_steps
+        return bool(self.heldout) and (done % every == 0 or done == total)
+
+    def _samples_due(self, done: int) -> bool:
+        every = self.run.cfg.train.sample_every
+        return bool(every) and done % every == 0
+
+    def evaluating(self, done: int) -> bool:
+        """Whether step ``done`` is due for the held-out loss or samples."""
+        return self._heldout_due(done) or self._samples_due(done)
+
     def evaluate(self, done: int) -> None:
         """The held-out loss and the periodic samples, when step ``done`` is due for them."""
         run, cfg = self.run, self.run.cfg
-        if self.heldout and (done % cfg.train.eval_every == 0 or done == run.geometry.total_steps):
+        if self._heldout_due(done):
             t0 = time.perf_counter()
             scores = heldout_scores(
                 self.heldout, cfg.model, run.ema, self.objective, self.autocast, run.info
@@ -309,7 +321,7 @@ class Reporter:
                     if k.endswith("_loss")
                 )
                 self.progress.note(f"step {done}: held-out loss (EMA weights) {losses}")
-        if cfg.train.sample_every and done % cfg.train.sample_every == 0:
+        if self._samples_due(done):
             write_samples(
                 run.out,
                 done,

@@ -121,9 +121,6 @@ def prepare_run(
     if cfg.train.init and init_state is not None:
         raise ELFError("train.init cannot be combined with init_state; give one of them")
     info = setup(cfg.train.device)
-    if info.device.type == "cuda":  # process-wide: what the fp32 parts' products may use
-        torch.backends.cuda.matmul.allow_tf32 = cfg.train.tf32
-        torch.backends.cudnn.allow_tf32 = cfg.train.tf32
     cfg, init_state, init_source, resume_from, continues_out = _start(cfg, out, resume, init_state)
     torch.manual_seed(cfg.train.seed)
     tokenizer, dataset, valid, resume_state = _rows(cfg, info, init_source, resume_from)
