@@ -45,6 +45,61 @@ def test_paper_presets_have_the_released_settings():
     assert (xs.model.max_length, xs.max_input_length) == (1088, 1024)
 
 
+def _recipe_table() -> list[dict[str, str]]:
+    """The rows of docs/training.md's table "The paper's recipe, field by field"."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "training.md").read_text()
+    section = text.split("### The paper's recipe, field by field", 1)[1]
+    table = next(block for block in section.split("\n\n") if block.startswith("|"))
+    lines = table.splitlines()
+
+    def cells(line: str) -> list[str]:
+        return [c.strip() for c in line.strip("|").split("|")]
+
+    return [dict(zip(cells(lines[0]), cells(line), strict=True)) for line in lines[2:]]
+
+
+def test_paper_presets_equal_the_recipe_table_in_the_docs():
+    from elflow.config import MODEL_PRESETS
+
+    rows = _recipe_table()
+    assert [r["preset"] for r in rows] == ["`owt-b`", "`owt-m`", "`owt-l`", "`de-en-b`", "`xsum-b`"]
+    for row in rows:
+        cfg = preset(row["preset"].strip("`"))
+        dims = ("depth", "hidden_size", "num_heads", "mlp_ratio", "bottleneck_dim")
+        paper = MODEL_PRESETS[row["model"]]()
+        assert all(getattr(cfg.model, d) == getattr(paper, d) for d in dims), row["preset"]
+        for key in (
+            "model.max_length",
+            "max_input_length",
+            "train.global_batch",
+            "optim.blr",
+            "train.epochs",
+            "train.ema_decay",
+            "objective.decoder_noise_scale",
+            "objective.label_drop_prob",
+            "objective.pad_with_eos",
+            "data.packing",
+        ):
+            node = cfg
+            for part in key.split("."):
+                node = getattr(node, part)
+            want = json.loads(row[key])
+            assert node == want and type(node) is type(want), (row["preset"], key, node, want)
+        amount, unit = row["warm-up"].split()
+        if unit == "epochs":
+            assert (cfg.train.warmup_epochs, cfg.optim.warmup_steps) == (float(amount), 0)
+        else:
+            assert (cfg.train.warmup_epochs, cfg.optim.warmup_steps) == (0.0, int(amount))
+        kind, steps, _, gamma, _, w, _, guidance = row["sampler"].split()
+        sampler = cfg.sampler
+        assert (sampler.sampler, sampler.steps) == (kind, int(steps)), row["preset"]
+        assert (sampler.gamma, sampler.w, sampler.cfg) == (float(gamma), float(w), float(guidance))
+        assert cfg.encoder.name == "google-t5/t5-small" and cfg.encoder.latent_std == 0.2
+        assert cfg.train.max_steps == 0  # trained by epochs
+
+
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_presets_round_trip_through_dicts(name):
     cfg = preset(name)

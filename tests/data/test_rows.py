@@ -254,3 +254,38 @@ def test_prepare_measures_latent_std(tokenizer, tmp_path, tiny_encoder):
     raw.mkdir()
     (raw / "meta.json").write_text('{"source": "somewhere"}')
     assert prepared_latent_std(str(raw), name, 0, ds) == 0.0
+
+
+def test_packing_keeps_rows_that_are_already_chunked():
+    L, eos = 8, 2
+    chunks = [[5 + i] * L + [eos] for i in range(6)]  # pre-chunked rows, an EOS appended
+    ds = RowDataset(_table(chunks), max_length=L, pad_id=0, packing=True, eos_id=eos)
+    assert ds.prechunked and not ds.packing and len(ds) == 6 and ds.num_truncated == 0
+    assert ds.get_rows(np.arange(6))["input_ids"][3].tolist() == [8] * L  # one chunk, whole
+    # Documents longer than a row, or much shorter ones, are packed as asked.
+    for docs in ([[5] * 20 + [eos]] * 3, [[5, 6, eos]] * 12):
+        ds = RowDataset(_table(docs), max_length=L, pad_id=0, packing=True, eos_id=eos)
+        assert ds.packing and not ds.prechunked and len(ds) == sum(map(len, docs)) // L
+
+
+def test_start_up_reports_truncated_documents_and_warns_above_5_percent():
+    from elflow.train.presets import preset
+    from elflow.train.setup import data_notes
+
+    cfg = preset("owt-b")
+    L, eos = 8, 2
+
+    def notes(long: int, total: int, packing: bool = False) -> list[str]:
+        docs = [[5] * (L + 3) + [eos]] * long + [[5, eos]] * (total - long)
+        ds = RowDataset(_table(docs), max_length=L, pad_id=0, packing=packing, eos_id=eos)
+        return data_notes(ds, cfg)
+
+    assert notes(0, 40) == []
+    (line,) = notes(2, 40)  # 5%: said, no warning
+    assert "2 of 40 documents (5.0%) are longer than a row" in line and "warning" not in line
+    (line,) = notes(3, 40)
+    assert "warning" in line and "7.5%" in line and "data.packing=true" in line
+    assert notes(3, 40, packing=True) == []  # packed: nothing is cut off
+    chunked = RowDataset(_table([[5] * L] * 4), max_length=L, pad_id=0, packing=True, eos_id=eos)
+    (line,) = data_notes(chunked, cfg)
+    assert "already rows of 8 tokens" in line

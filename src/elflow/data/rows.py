@@ -47,8 +47,11 @@ class RowDataset:
             raise ELFError(f"max_length must be positive, got {max_length}")
         self.target, self.source = target, source
         self.max_length, self.max_input_length = max_length, max_input_length
-        self.pad_id, self.packing, self.eos_id = int(pad_id), packing, eos_id
+        self.pad_id, self.eos_id = int(pad_id), eos_id
         self.conditional = source is not None
+        self.prechunked = packing and not self.conditional and self._one_row_each()
+        """Packing was asked for, but the documents are rows already: kept one per row."""
+        self.packing = packing and not self.prechunked
         if self.conditional:
             if packing:
                 raise ELFError(
@@ -75,12 +78,33 @@ class RowDataset:
             raise ELFError(
                 f"document {i} has {what}; raise the length or set data.overlong to truncate"
             )
-        self._num_rows = target.num_tokens // max_length if packing else len(target)
+        self._num_rows = target.num_tokens // max_length if self.packing else len(target)
         if self._num_rows == 0:
             raise ELFError(
                 f"the data has {target.num_tokens} tokens, fewer than one packed row of "
                 f"{max_length}; add data or lower max_length"
             )
+
+    def _one_row_each(self) -> bool:
+        """Whether the documents are already rows of ``max_length`` tokens (the paper's
+        pre-chunked data): each fits one row, the final EOS a reader appends aside, and they
+        fill 90% of it on average."""
+        t, L = self.target.lengths, self.max_length
+        if not len(t):
+            return False
+        fits = self._fits_but_final_eos(t <= L)
+        return bool(fits.all()) and float(np.minimum(t, L).mean()) >= 0.9 * L
+
+    def _fits_but_final_eos(self, fits: np.ndarray) -> np.ndarray:
+        """``fits``, with the documents of ``max_length`` + 1 tokens whose last is EOS added."""
+        if self.eos_id is None:
+            return fits
+        L = self.max_length
+        edge = np.flatnonzero(self.target.lengths == L + 1)
+        last = self.target.tokens[self.target.offsets[edge] + L]
+        fits = fits.copy()
+        fits[edge[np.asarray(last) == self.eos_id]] = True
+        return fits
 
     def _overlong(self) -> np.ndarray:
         t = self.target.lengths
@@ -89,12 +113,7 @@ class RowDataset:
         if not self.conditional:
             # A document that only loses its final EOS keeps all its text: pre-chunked ids of
             # exactly max_length (the paper's pre-chunked data) fit, although an EOS was added.
-            over = t > self.max_length
-            if self.eos_id is not None:
-                edge = np.flatnonzero(t == self.max_length + 1)
-                last = self.target.tokens[self.target.offsets[edge] + self.max_length]
-                over[edge[np.asarray(last) == self.eos_id]] = False
-            return over
+            return ~self._fits_but_final_eos(t <= self.max_length)
         s = self.source.lengths
         return (s > self.max_input_length) | (
             np.minimum(s, self.max_input_length) + t > self.max_length

@@ -33,43 +33,48 @@ from elflow.train.config import EncoderConfig, RunConfig, TrainConfig
 from elflow.train.optim import OptimConfig
 
 
-def _paper(model: ModelConfig, steps: int = 32, gamma: float = 1.5) -> RunConfig:
-    """OpenWebText, T5-small, L 1024, batch 512, blr 1e-3 (lr 2e-3), warm-up half an epoch."""
+def _paper(model: ModelConfig, epochs: float, steps: int = 32, gamma: float = 1.5) -> RunConfig:
+    """OpenWebText, T5-small, L 1024, batch 512, blr 1e-3 (lr 2e-3), warm-up half an epoch,
+    ``epochs`` passes; raw documents packed into rows of exactly 1024 tokens (rows that are
+    already 1024 tokens long stay one per row: :class:`elflow.data.rows.RowDataset`)."""
     return RunConfig(
         model=replace(model, max_length=1024),
         objective=ObjectiveConfig(),
         sampler=SamplerConfig(steps=steps, sampler="sde", gamma=gamma, w=3.0),
-        data=DataConfig(packing=False),
+        data=DataConfig(packing=True),
         optim=OptimConfig(blr=1e-3),
-        train=TrainConfig(global_batch=512, warmup_epochs=0.5, ema_decay=0.9999),
+        train=TrainConfig(
+            global_batch=512, epochs=epochs, warmup_epochs=0.5, ema_decay=0.9999
+        ),
         encoder=EncoderConfig(name=T5_SMALL, latent_std=0.2),
     )
 
 
 def owt_b() -> RunConfig:
-    """ELF-B on OpenWebText (paper: 32-step SDE gamma 1.5, w 3)."""
-    return replace(_paper(elf_b()), preset="owt-b")
+    """ELF-B on OpenWebText, 5 epochs (paper: 32-step SDE gamma 1.5, w 3)."""
+    return replace(_paper(elf_b(), epochs=5), preset="owt-b")
 
 
 def owt_m() -> RunConfig:
-    """ELF-M on OpenWebText (64-step SDE gamma 1.0)."""
-    return replace(_paper(elf_m(), steps=64, gamma=1.0), preset="owt-m")
+    """ELF-M on OpenWebText, 4 epochs (64-step SDE gamma 1.0)."""
+    return replace(_paper(elf_m(), epochs=4, steps=64, gamma=1.0), preset="owt-m")
 
 
 def owt_l() -> RunConfig:
-    """ELF-L on OpenWebText (64-step SDE gamma 1.0); FSDP2 recommended."""
-    return replace(_paper(elf_l(), steps=64, gamma=1.0), preset="owt-l")
+    """ELF-L on OpenWebText, 3 epochs (64-step SDE gamma 1.0); FSDP2 recommended."""
+    return replace(_paper(elf_l(), epochs=3, steps=64, gamma=1.0), preset="owt-l")
 
 
 def _seq2seq(max_input_length: int, max_length: int, name: str) -> RunConfig:
-    """Translation/summarisation: pad with EOS, sigma_d 1, label drop 0.1, warm-up 5000 steps."""
+    """Translation/summarisation: pad with EOS, sigma_d 1, label drop 0.1, warm-up 5000 steps,
+    100 epochs."""
     return RunConfig(
         model=elf_b(max_length=max_length),
         objective=ObjectiveConfig(decoder_noise_scale=1.0, label_drop_prob=0.1, pad_with_eos=True),
         sampler=SamplerConfig(steps=64, sampler="ode", gamma=0.0, w=1.0, cfg=2.0),
         data=DataConfig(format="pairs"),
         optim=OptimConfig(blr=1e-3, warmup_steps=5000),
-        train=TrainConfig(global_batch=512, ema_decay=0.9999),
+        train=TrainConfig(global_batch=512, epochs=100, ema_decay=0.9999),
         encoder=EncoderConfig(name=T5_SMALL, latent_std=0.2),
         task="conditional",
         max_input_length=max_input_length,

@@ -386,3 +386,35 @@ def _announce(run: Run) -> None:
     warning = slow_bf16_warning(cfg.train.precision, cfg.optim.muon_ns_dtype, run.info.device)
     if warning:
         print(warning, file=sys.stderr, flush=True)
+    for line in data_notes(run.dataset, cfg):
+        print(line, file=sys.stderr if "warning" in line else sys.stdout, flush=True)
+
+
+TRUNCATION_WARNING = 0.05
+"""The share of truncated documents above which the trainer warns."""
+
+
+def data_notes(dataset: RowDataset, cfg: RunConfig) -> list[str]:
+    """What start-up says about how the documents became rows: documents kept one per row
+    although packing was asked for, and the share of documents truncated (a warning above
+    ``TRUNCATION_WARNING``)."""
+    notes = []
+    if dataset.prechunked:
+        notes.append(
+            f"elflow train: the documents are already rows of {dataset.max_length} tokens: "
+            "kept one per row (data.packing packs longer documents)"
+        )
+    n, docs = dataset.num_truncated, dataset.num_docs
+    if n:
+        share = n / max(docs, 1)
+        what = f"{n} of {docs} documents ({100 * share:.1f}%) are longer than a row"
+        if share <= TRUNCATION_WARNING:
+            notes.append(f"elflow train: {what} and lose their end")
+        else:
+            fix = (
+                "raise max_input_length or model.max_length"
+                if dataset.conditional
+                else "set data.packing=true or raise model.max_length"
+            )
+            notes.append(f"elflow train: warning: {what} and lose their end; {fix}")
+    return notes
