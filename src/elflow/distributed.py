@@ -9,7 +9,9 @@ process group (NCCL on GPU, gloo on CPU) when there is more than one process, an
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
@@ -36,10 +38,17 @@ class DistInfo:
         return self.world_size > 1
 
 
-def setup(device: str = "auto", option: str = "train.device") -> DistInfo:
+DEFAULT_TIMEOUT_MINUTES = 30.0
+"""How long a collective may wait for the other processes (``train.dist_timeout``)."""
+
+
+def setup(
+    device: str = "auto", option: str = "train.device", timeout: float = DEFAULT_TIMEOUT_MINUTES
+) -> DistInfo:
     """Initialise (once) from the torchrun environment; a single process needs no launcher.
 
-    ``device`` is 'auto', 'cpu' or 'cuda'; ``option`` names where it came from in errors.
+    ``device`` is 'auto', 'cpu' or 'cuda'; ``option`` names where it came from in errors;
+    ``timeout``: minutes a collective may wait for the others before it fails.
     """
     if device not in ("auto", "cpu", "cuda"):
         raise ELFError(f"{option} is {device!r}; use auto, cpu or cuda")
@@ -55,10 +64,73 @@ def setup(device: str = "auto", option: str = "train.device") -> DistInfo:
     # Under torchrun the group is made for one process too: the same wrappers and collectives
     # run as for N (a launch without torchrun skips them).
     if (world > 1 or launched_by_torchrun()) and not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if use_cuda else "gloo")
+        wait = datetime.timedelta(minutes=timeout)
+        # device_id binds the process to its GPU and creates NCCL's communicator at once.
+        dist.init_process_group(
+            backend="nccl" if use_cuda else "gloo",
+            timeout=wait,
+            device_id=dev if use_cuda else None,
+        )
         if use_cuda:  # collective on every rank, once
-            _CONTROL["group"] = dist.new_group(backend="gloo")
+            _CONTROL["group"] = dist.new_group(backend="gloo", timeout=wait)
     return DistInfo(rank, world, local, dev)
+
+
+ALIVE_WAIT_S = 5.0
+"""How long a process that saw a collective fail waits for the others to say they are alive."""
+
+
+def is_collective_failure(error: BaseException) -> bool:
+    """Whether ``error`` says a collective failed because another process is gone."""
+    if isinstance(error, dist.DistError):
+        return True
+    text = str(error)
+    return isinstance(error, RuntimeError) and any(
+        mark in text for mark in ("Connection closed by peer", "gloo/transport", "NCCL")
+    )
+
+
+def unresponsive_ranks(wait_s: float = ALIVE_WAIT_S) -> list[int] | None:
+    """The ranks that do not say they are alive within ``wait_s`` (each process that calls this
+    says so first, through the rendezvous store); None when the store itself is gone (it lives
+    with torchrun's agent, or with rank 0's process)."""
+    if not dist.is_initialized():
+        return []
+    world, me = dist.get_world_size(), dist.get_rank()
+
+    def answered(rank: int, since: float) -> bool:
+        key = f"elflow/alive/{rank}"
+        # Said within this wait (a process that answered an earlier one may have exited since).
+        return store.check([key]) and float(store.get(key)) >= since
+
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        since = time.time() - wait_s  # clocks of other nodes may differ by about as much
+        store.set(f"elflow/alive/{me}", repr(time.time()))
+        deadline = time.monotonic() + wait_s
+        missing = list(range(world))
+        while missing and time.monotonic() < deadline:
+            missing = [r for r in missing if not answered(r, since)]
+            if missing:
+                time.sleep(0.1)
+        return missing
+    except Exception:  # the store's host is gone too
+        return None
+
+
+def failure_line(rank: int, what: str, last_ckpt) -> str:
+    """The one line a process ends with when another one failed (ranks named when known)."""
+    missing = unresponsive_ranks()
+    if missing is None:
+        who = "the process holding the rendezvous store (rank 0 or torchrun's agent) is gone"
+    elif missing:
+        who = f"process(es) {', '.join(map(str, missing))} stopped answering"
+    else:
+        who = "every process still answers (a network or timeout fault?)"
+    return (
+        f"process {rank}: {what}: {who}; the run cannot go on (last good checkpoint: "
+        f"{last_ckpt or 'none'}); re-run the same command on every node to resume from it"
+    )
 
 
 def launched_by_torchrun() -> bool:

@@ -94,6 +94,13 @@ class TrainConfig:
     common GPUs (no MFU on a CPU or an unknown GPU)."""
     parallel: str = "ddp"
     """'ddp' or 'fsdp2' (shards each block; for ELF-L-sized models)."""
+    dist_timeout: float = 30.0
+    """Minutes a collective waits for the other processes before it fails (the process group's
+    timeout); a process that sees one fail ends with a line naming the processes gone."""
+    stop_timeout: float = 300.0
+    """Seconds a process waits, after SIGINT/SIGTERM, for its step and save to finish when
+    other processes take part; past it (a collective blocked on a process that is gone) it
+    exits with one line, the last checkpoint kept. 0: wait for ever."""
     procedure: str = "efficient"
     """Objective procedure: 'efficient' or 'reference' (same loss and gradients)."""
     seed: int = 0
@@ -148,6 +155,8 @@ class TrainConfig:
         )
         require(self.precision in ("auto", "fp32", "bf16"), "train.precision: auto, fp32 or bf16")
         require(self.peak_tflops >= 0, f"train.peak_tflops must be >= 0, got {self.peak_tflops}")
+        require(self.dist_timeout > 0, f"train.dist_timeout must be > 0, got {self.dist_timeout}")
+        require(self.stop_timeout >= 0, f"train.stop_timeout must be >= 0, got {self.stop_timeout}")
         require(
             self.activation_checkpointing in ("none", "blocks"),
             "train.activation_checkpointing must be 'none' or 'blocks', got "

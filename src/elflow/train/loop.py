@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from elflow.distributed import DistInfo, all_reduce_min
+from elflow.distributed import DistInfo, all_reduce_min, failure_line, is_collective_failure
 from elflow.errors import ELFError, Interrupted
 from elflow.hardware import bf16_autocast
 from elflow.io import checkpoint as ckpt_io
@@ -149,7 +149,7 @@ class Trainer:
         a clean stop on SIGINT/SIGTERM; returns the last checkpoint folder."""
         run, cfg, g = self.run, self.run.cfg, self.run.geometry
         try:
-            self.stop.install()
+            self.stop.install(run.info, cfg.train.stop_timeout, self._stuck_line)
             for step in range(run.start_step, g.total_steps):
                 self.step(step)
                 done = step + 1
@@ -166,9 +166,22 @@ class Trainer:
                     if self.saved_step != done:
                         self.save(done)
                     raise _stopped(self.stop, done, g.total_steps, self.last_ckpt)
+        except Exception as e:
+            if run.info.world_size > 1 and is_collective_failure(e):
+                line = failure_line(run.info.rank, "a collective failed", self.last_ckpt)
+                raise ELFError(line) from e
+            raise
         finally:
             self.stop.restore()
         return self.last_ckpt if self.last_ckpt is not None else run.out
+
+    def _stuck_line(self, wait_s: float) -> str:
+        """What a process says when a stop signal's step did not end within ``wait_s``."""
+        what = (
+            f"stopped by {self.stop.name}, but its step did not finish within {wait_s:.0f} s "
+            "(train.stop_timeout)"
+        )
+        return "elflow: error: " + failure_line(self.run.info.rank, what, self.last_ckpt)
 
     def save(self, done: int) -> None:
         """Checkpoint step ``done``, after checking that every step so far, and the weights, are

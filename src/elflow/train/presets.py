@@ -43,9 +43,7 @@ def _paper(model: ModelConfig, epochs: float, steps: int = 32, gamma: float = 1.
         sampler=SamplerConfig(steps=steps, sampler="sde", gamma=gamma, w=3.0),
         data=DataConfig(packing=True),
         optim=OptimConfig(blr=1e-3),
-        train=TrainConfig(
-            global_batch=512, epochs=epochs, warmup_epochs=0.5, ema_decay=0.9999
-        ),
+        train=TrainConfig(global_batch=512, epochs=epochs, warmup_epochs=0.5, ema_decay=0.9999),
         encoder=EncoderConfig(name=T5_SMALL, latent_std=0.2),
     )
 

@@ -120,7 +120,7 @@ def prepare_run(
     check_projection(cfg)
     if cfg.train.init and init_state is not None:
         raise ELFError("train.init cannot be combined with init_state; give one of them")
-    info = setup(cfg.train.device)
+    info = setup(cfg.train.device, timeout=cfg.train.dist_timeout)
     cfg, init_state, init_source, resume_from, continues_out = _start(cfg, out, resume, init_state)
     torch.manual_seed(cfg.train.seed)
     tokenizer, dataset, valid, resume_state = _rows(cfg, info, init_source, resume_from)

@@ -1,0 +1,64 @@
+"""When one process of a multi-process run fails, the others end with one line naming it and
+the last good checkpoint: a crashed process (its collective fails at once) and a hung one (the
+others, sent SIGTERM, give up after train.stop_timeout)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.dist.launch import free_port
+
+from .test_train import assets, run_config  # noqa: F401
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def torchrun_failing(tmp: Path, out: Path, cfg: dict, rank: int, step: int, mode: str):
+    """``elflow train`` on 2 gloo processes where ``rank`` fails at ``step`` (tests/dist)."""
+    path = tmp / "cfg.json"
+    path.write_text(json.dumps(cfg))
+    argv = ["train", "--preset", "bible-tiny", "--out", str(out), "--config", str(path)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2"]
+    cmd += [f"--master_port={free_port()}", str(ROOT / "tests" / "dist" / "failing_rank.py")]
+    cmd += [str(rank), str(step), mode, *argv]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+
+
+def _lines(proc) -> list[str]:
+    text = (proc.stdout + proc.stderr).replace("\r", "\n")
+    return [x for x in text.splitlines() if "elflow: error: process" in x]
+
+
+@pytest.mark.slow
+def test_a_crashed_process_ends_the_others_with_one_line(tmp_path, assets):  # noqa: F811
+    cfg = run_config(assets, train={"max_steps": 8, "save_every": 3})
+    proc = torchrun_failing(tmp_path, tmp_path / "run", cfg, rank=1, step=4, mode="die")
+    assert proc.returncode != 0
+    lines = _lines(proc)
+    assert len(lines) == 1, (proc.stdout + proc.stderr)[-3000:]
+    line = lines[0]
+    assert "process 0: a collective failed: process(es) 1 stopped answering" in line
+    assert f"last good checkpoint: {tmp_path / 'run' / 'checkpoint-3'}" in line
+    assert sorted(p.name for p in (tmp_path / "run").glob("checkpoint-*")) == ["checkpoint-3"]
+
+
+@pytest.mark.slow
+def test_a_hung_process_ends_the_others_after_the_stop_timeout(tmp_path, assets):  # noqa: F811
+    train = {"max_steps": 8, "save_every": 3, "stop_timeout": 2.0}
+    proc = torchrun_failing(
+        tmp_path, tmp_path / "run", run_config(assets, train=train), 1, 4, "hang"
+    )
+    assert proc.returncode != 0
+    # (torchrun then sends the hung process SIGTERM too: it says so in a line of its own.)
+    lines = [x for x in _lines(proc) if "process 0:" in x]
+    assert len(lines) == 1, (proc.stdout + proc.stderr)[-3000:]
+    line = lines[0]
+    assert "process 0: stopped by SIGTERM, but its step did not finish within 2 s" in line
+    assert "process(es) 1 stopped answering" in line and "checkpoint-3" in line
