@@ -205,10 +205,14 @@ def test_bf16_runs_and_agreement_is_reported(uncond_dir, tmp_path, monkeypatch, 
     monkeypatch.setattr(errors, "_NOTED", set())
     hardware.cpu_has_native_bf16.cache_clear()
     capsys.readouterr()
-    bf16 = sample(uncond_dir, tmp_path / "bf16.jsonl", *args, "--bf16")
+    bf16 = sample(uncond_dir, tmp_path / "bf16.jsonl", *args, "--dtype", "bf16")
     hardware.cpu_has_native_bf16.cache_clear()
-    assert "--bf16 on a CPU that emulates bf16" in capsys.readouterr().err
+    assert "--dtype bf16 on a CPU that emulates bf16" in capsys.readouterr().err
     assert all(r["dtype"] == "bf16" for r in bf16)
+    # The old spelling still works, with a note; the default on a CPU is fp32.
+    old = sample(uncond_dir, tmp_path / "old.jsonl", *args, "--bf16")
+    assert "--bf16 is now --dtype bf16" in capsys.readouterr().err
+    assert old == bf16 and all(r["dtype"] == "fp32" for r in fp32)
     agree = token_agreement(fp32, bf16)
     print(f"bf16 vs fp32 token agreement (tiny random model): {100 * agree:.1f}%")
     assert 0.0 <= agree <= 1.0
@@ -277,3 +281,33 @@ def test_two_processes_write_the_one_process_file(uncond_dir, tmp_path):
     torchrun_elflow(["sample", *args, "--out", str(tmp_path / "two.jsonl")])
     assert time.perf_counter() - t0 < 60
     assert read(tmp_path / "two.jsonl") == one
+
+
+def test_an_interrupted_out_resumes_to_the_uninterrupted_file(uncond_dir, tmp_path, monkeypatch):
+    from elflow.generation import records as records_mod
+
+    args = ["--model", str(uncond_dir), "--num-samples", "7", "--steps", "3", "--batch-size", "2"]
+    args += ["--seeds", "0,1"]
+    assert main([*args, "--out", str(tmp_path / "straight.jsonl")]) == 0
+    out = tmp_path / "resumed.jsonl"
+    real, calls = records_mod._batch, {"n": 0}
+
+    def killed(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 3:  # the third batch: two are on disk
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(records_mod, "_batch", killed)
+    assert main([*args, "--out", str(out)]) == 130
+    partials = list(tmp_path.glob(".resumed.jsonl.partial-*"))
+    assert not out.exists() and len(partials) == 1
+    assert len(partials[0].read_text().splitlines()) == 1 + 4  # the header, two batches of 2
+    # Another command's samples are never mixed in: refused in one line, the file kept.
+    assert main([*args, "--steps", "4", "--out", str(out)]) == 2
+    assert partials[0].exists() and not out.exists()
+    monkeypatch.setattr(records_mod, "_batch", real)
+    calls["n"] = 0
+    assert main([*args, "--out", str(out)]) == 0
+    assert out.read_bytes() == (tmp_path / "straight.jsonl").read_bytes()
+    assert not list(tmp_path.glob(".resumed.jsonl.partial-*"))

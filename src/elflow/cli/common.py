@@ -129,6 +129,26 @@ def add_device_argument(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_dtype_argument(p: argparse.ArgumentParser) -> None:
+    """``--dtype`` of sampling (and, hidden, the ``--bf16`` it replaces)."""
+    p.add_argument(
+        "--dtype",
+        choices=("auto", "fp32", "bf16"),
+        default="auto",
+        help="the network's compute dtype: auto (bf16 autocast on CUDA, fp32 elsewhere), fp32 "
+        "or bf16",
+    )
+    p.add_argument("--bf16", action="store_true", help=argparse.SUPPRESS)
+
+
+def sampling_bf16(args: argparse.Namespace, device) -> bool:
+    """Whether to sample under bf16 autocast: ``--dtype`` on ``device`` (``--bf16``: bf16)."""
+    if args.bf16:
+        deprecated("--bf16", "--dtype bf16")
+        return True
+    return args.dtype == "bf16" or (args.dtype == "auto" and device.type == "cuda")
+
+
 def add_sampler_arguments(
     p: argparse.ArgumentParser,
     *,

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from elflow.cli.common import (
     add_device_argument,
+    add_dtype_argument,
     add_model_argument,
     add_num_samples,
     add_sampler_arguments,
@@ -28,6 +29,7 @@ from elflow.cli.common import (
     load_pipeline,
     model_from_args,
     num_samples,
+    sampling_bf16,
     seeds_from_args,
     sources_from_args,
 )
@@ -53,7 +55,7 @@ def add_arguments(p: argparse.ArgumentParser, old_positional: bool = False) -> N
     add_seed_arguments(p)
     p.add_argument("--batch-size", type=int, default=32, help="samples per forward (per process)")
     add_device_argument(p)
-    p.add_argument("--bf16", action="store_true", help="bf16 autocast around sampling")
+    add_dtype_argument(p)
     p.add_argument("--no-ema", action="store_true", help="sample with the training weights")
     p.add_argument(
         "--trajectory", metavar="OUT.html|-", help="HTML page of every step, or '-' to animate"
@@ -106,6 +108,54 @@ def _infill_requests(args: argparse.Namespace, sources: list[dict] | None):
     return requests_from_records(rows), [r.get("text") for r in rows]
 
 
+def _partial(args, info, sampler, n, seeds, sources, infill):
+    """The partial files of ``--out`` and the records they hold, or (None, []) without
+    ``--out`` or with ``--trajectory`` (a page needs every sample's steps in one run)."""
+    from dataclasses import asdict
+
+    from elflow import __version__
+    from elflow.distributed import barrier
+    from elflow.generation.partial import PartialSamples, fingerprint
+
+    if args.out is None or args.trajectory is not None:
+        return None, []
+    key = fingerprint(
+        {
+            "elflow": __version__,
+            "model": model_from_args(args),
+            "task": args.task,
+            "ema": not args.no_ema,
+            "n": n,
+            "seeds": seeds,
+            "sampler": asdict(sampler),
+            "sources": sources,
+            "infill": [asdict(r) for r in infill] if infill is not None else None,
+            "dtype": "bf16" if args.bf16 else "fp32",
+            # bf16's rounding depends on the batch's shape; fp32's does not
+            "batch_size": args.batch_size if args.bf16 else None,
+            "save_tokens": args.save_tokens,
+            "source_field": args.source_field,
+        }
+    )
+    partial = PartialSamples(args.out, key, info.rank)
+    if args.overwrite and info.is_main:
+        partial.remove()
+    barrier()
+    earlier = partial.load()
+    if earlier and info.is_main:
+        print(f"elflow sample: resuming: {len(earlier)} samples made earlier", file=sys.stderr)
+    return partial, earlier
+
+
+def _in_order(records: list[dict], seeds: list[int]) -> list[dict]:
+    """``records`` in seed then id order, each (seed, id) once."""
+    seen: dict[tuple, dict] = {}
+    for rec in records:
+        seen.setdefault((rec["seed"], rec["id"]), rec)
+    order = {seed: k for k, seed in enumerate(seeds)}
+    return sorted(seen.values(), key=lambda r: (order[r["seed"]], r["id"]))
+
+
 def run(args: argparse.Namespace) -> int:
     """``elflow sample``; one process or under ``torchrun``."""
     from elflow.distributed import resolve_device, teardown
@@ -116,6 +166,7 @@ def run(args: argparse.Namespace) -> int:
     model = model_from_args(args)
     _check_outputs(args)
     info = resolve_device(args.device)
+    args.bf16 = sampling_bf16(args, info.device)  # --dtype, resolved once
     try:
         sources = sources_from_args(args)
         n = num_samples(args, with_sources=sources is not None)
@@ -124,11 +175,24 @@ def run(args: argparse.Namespace) -> int:
         if len(seeds) > 1 and args.trajectory is not None:
             raise ELFError("--trajectory shows one run: give one --seed, not --seeds")
         pipe = load_pipeline(model, info.device, use_ema=not args.no_ema, task=args.task)
+        sampler = checked_sampler(args, pipe)
+
+        def with_template(record: dict) -> dict:
+            if templates is not None:
+                record["template"] = templates[record["id"]]
+            return record
+
+        partial, earlier = _partial(args, info, sampler, n, seeds, sources, infill)
+        done = {seed: {r["id"] for r in earlier if r["seed"] == seed} for seed in seeds}
+
+        def sink(records: list[dict]) -> None:
+            partial.write([with_template(r) for r in records])
+
         result = sample_seeds(
             seeds,
             lambda seed: sample_records(
                 pipe,
-                checked_sampler(args, pipe),
+                sampler,
                 n=None if sources is not None or infill is not None else n,
                 sources=sources,
                 source_field="text" if args.source else args.source_field,
@@ -142,28 +206,34 @@ def run(args: argparse.Namespace) -> int:
                 info=info,
                 progress=args.out is not None,
                 infill=infill,
+                skip=done[seed],
+                sink=None if partial is None else sink,
             ),
         )
         if not info.is_main:
+            if partial is not None:
+                partial.close()
             return 0
-        warning = degenerate([r["text"] for r in result.records])
+        records = _in_order([*earlier, *map(with_template, result.records)], seeds)
+        warning = degenerate([r["text"] for r in records])
         if warning:  # one line: the file is still written, as asked
             print(f"elflow: warning: {warning}", file=sys.stderr)
-        for record, template in zip(result.records, (templates or []) * len(seeds), strict=False):
-            record["template"] = template
         if args.out is None:
-            for record in result.records:
+            for record in records:
                 print(record["text"])
         else:
-            write_jsonl(args.out, result.records)
+            write_jsonl(args.out, records)
+            if partial is not None:
+                partial.remove()
         if result.frames is not None:
-            kept = [r["kept"] for r in result.records] if infill is not None else None
-            write_trajectory(args.trajectory, result.frames, result.records[0], kept)
+            kept = [r["kept"] for r in records] if infill is not None else None
+            write_trajectory(args.trajectory, result.frames, records[0], kept)
         if args.out is not None:
             rate = len(result.records) / max(result.seconds, 1e-9)
+            resumed = f"; {len(earlier)} made earlier" if earlier else ""
             print(
-                f"wrote {len(result.records)} samples to {args.out} "
-                f"({result.seconds:.1f} s, {rate:.2f} samples/s per rank)",
+                f"wrote {len(records)} samples to {args.out} ({result.seconds:.1f} s, "
+                f"{rate:.2f} samples/s per rank{resumed})",
                 file=sys.stderr,
             )
     finally:

@@ -20,6 +20,7 @@ from typing import Any
 
 from elflow.cli.common import (
     add_device_argument,
+    add_dtype_argument,
     add_model_argument,
     add_num_samples,
     add_sampler_arguments,
@@ -32,6 +33,7 @@ from elflow.cli.common import (
     num_samples,
     sampler_flag_names,
     sampler_from_args,
+    sampling_bf16,
     seeds_from_args,
     sources_from_args,
 )
@@ -53,7 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_seed_arguments(p)
     p.add_argument("--batch-size", type=int, default=32, help="samples per forward (per process)")
     add_device_argument(p)
-    p.add_argument("--bf16", action="store_true", help="bf16 autocast around sampling")
+    add_dtype_argument(p)
     p.add_argument("--no-ema", action="store_true", help="sample with the training weights")
     p.add_argument(
         "--reference",
@@ -104,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
     settings = sw.sweep_settings(shared, cells)
     previous = sw.check_previous(out, args.overwrite, args.resume, settings)
     info = resolve_device(args.device)
+    args.bf16 = sampling_bf16(args, info.device)  # --dtype, resolved once
     try:
         sources = sources_from_args(args)
         reference = read_jsonl(args.reference, "text") if args.reference else None

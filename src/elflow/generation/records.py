@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -130,10 +130,14 @@ def sample_records(
     info: DistInfo | None = None,
     progress: bool = False,
     infill: Sequence[InfillRequest] | None = None,
+    skip: Collection[int] = (),
+    sink: Callable[[list[dict]], None] | None = None,
 ) -> SampleResult:
     """Generate samples ``0..n-1`` (or one per source) across the ranks; records on rank 0.
     With ``infill``, one per request: the filled text, its ``fills``, ``kept`` text and whether
-    that kept text survived whole (``kept_survived``)."""
+    that kept text survived whole (``kept_survived``). Samples whose ids are in ``skip`` (made
+    earlier) are not drawn; ``sink`` gets each batch's records as the batch finishes, on every
+    rank (resumable output, :mod:`elflow.generation.partial`)."""
     info = info or DistInfo(0, 1, 0, pipe.device)
     check_batch_size(batch_size)
     texts = None if sources is None else [s[source_field] for s in sources]
@@ -141,50 +145,65 @@ def sample_records(
         if scfg.length_range:
             raise ELFError("--length-range sets a whole text's length; an infill's gaps set theirs")
         n = len(infill)
+    if trajectory and skip:
+        raise ELFError(
+            "a trajectory shows every sample's steps: it cannot skip samples made earlier"
+        )
     scfg, total, projection = pipe.prepare(scfg, n, texts)
     if infill is not None:
         pipe.frozen_encoder("infilling")
     if bf16 and pipe.device.type == "cpu" and not fast_bf16(pipe.device) and info.is_main:
         note_once(  # once: a sweep samples once per cell
-            "elflow: warning: --bf16 on a CPU that emulates bf16 (no AVX-512 BF16/AMX/Arm "
-            "BF16) is many times slower than fp32 here; drop --bf16"
+            "elflow: warning: --dtype bf16 on a CPU that emulates bf16 (no AVX-512 BF16/AMX/Arm "
+            "BF16) is many times slower than fp32 here; use --dtype fp32 (a CPU's default)"
         )
     settings = settings_record(pipe, scfg, seed=seed, bf16=bf16, model=model, ema=ema)
-    mine = shard(total, info)
-    rows: list[tuple[int, str, list[int], list[str], dict]] = []
-    bar = _progress(total, progress and info.is_main)
+    todo = [i for i in shard(total, info) if i not in set(skip)]
+    mine: list[tuple[dict, list[str]]] = []
+    bar = _progress(total, progress and info.is_main, initial=total - len(todo) * info.world_size)
     t0 = time.perf_counter()
-    for start in range(mine.start, mine.stop, batch_size):
-        stop = min(mine.stop, start + batch_size)
+    for run in _runs(todo, batch_size):
         with bf16_autocast(bf16, pipe.device):
-            gen, extras = _batch(
-                pipe, scfg, range(start, stop), texts, infill, seed, trajectory, projection
-            )
-        for j, i in enumerate(range(start, stop)):
+            gen, extras = _batch(pipe, scfg, run, texts, infill, seed, trajectory, projection)
+        batch = []
+        for j, i in enumerate(run):
+            rec: dict[str, Any] = {"id": i, "text": gen.texts[j], **extras[j]}
+            if sources is not None:
+                rec.update(source_fields(sources[i], source_field))
+            rec.update(settings)
+            if save_tokens:
+                rec["tokens"] = gen.tokens[j].tolist()
             steps = [frame[j] for frame in gen.trajectory] if trajectory else []
-            rows.append((i, gen.texts[j], gen.tokens[j].tolist(), steps, extras[j]))
+            batch.append((rec, steps))
+        if sink is not None:
+            sink([rec for rec, _ in batch])
+        mine.extend(batch)
         # Other ranks progress at the same rate; scale so the bar shows the whole run.
-        bar.update((stop - start) * info.world_size)
+        bar.update(len(run) * info.world_size)
     seconds = time.perf_counter() - t0
     bar.close()
-    gathered = [row for part in _gather(rows, info) for row in part]
+    gathered = [row for part in _gather(mine, info) for row in part]
     if not info.is_main:
         return SampleResult([], None, seconds)
-    gathered.sort(key=lambda r: r[0])
-    records = []
-    for i, text, tokens, _, extra in gathered:
-        rec: dict[str, Any] = {"id": i, "text": text, **extra}
-        if sources is not None:
-            rec.update(source_fields(sources[i], source_field))
-        rec.update(settings)
-        if save_tokens:
-            rec["tokens"] = tokens
-        records.append(rec)
+    gathered.sort(key=lambda r: r[0]["id"])
+    records = [rec for rec, _ in gathered]
     frames = None
     if trajectory:
-        frames = [[r[3][k] for r in gathered] for k in range(scfg.steps)]
-        frames.append([r[1] for r in gathered])
+        frames = [[steps[k] for _, steps in gathered] for k in range(scfg.steps)]
+        frames.append([rec["text"] for rec in records])
     return SampleResult(records, frames, seconds)
+
+
+def _runs(ids: Sequence[int], size: int) -> list[range]:
+    """``ids`` (ascending) as ranges of consecutive ids, each at most ``size`` long: batches."""
+    runs: list[range] = []
+    for i in ids:
+        last = runs[-1] if runs else None
+        if last is not None and i == last.stop and len(last) < size:
+            runs[-1] = range(last.start, i + 1)
+        else:
+            runs.append(range(i, i + 1))
+    return runs
 
 
 def _batch(
@@ -231,12 +250,19 @@ def sample_seeds(seeds: Sequence[int], draw: Callable[[int], SampleResult]) -> S
     )
 
 
-def _progress(total: int, enabled: bool):
+def _progress(total: int, enabled: bool, initial: int = 0):
     from tqdm.auto import tqdm
 
     # A bar only on an interactive stderr: in logs and tests it would be noise.
     live = enabled and sys.stderr.isatty()
-    return tqdm(total=total, unit="sample", disable=not live, file=sys.stderr, leave=False)
+    return tqdm(
+        total=total,
+        initial=max(0, initial),
+        unit="sample",
+        disable=not live,
+        file=sys.stderr,
+        leave=False,
+    )
 
 
 def token_agreement(a: Sequence[dict], b: Sequence[dict]) -> float:
