@@ -62,3 +62,33 @@ def test_a_hung_process_ends_the_others_after_the_stop_timeout(tmp_path, assets)
     line = lines[0]
     assert "process 0: stopped by SIGTERM, but its step did not finish within 2 s" in line
     assert "process(es) 1 stopped answering" in line and "checkpoint-3" in line
+
+
+@pytest.mark.slow
+def test_a_run_folder_some_process_cannot_see_is_refused_at_start(tmp_path, assets):  # noqa: F811
+    cfg = run_config(assets, train={"max_steps": 4})
+    proc = torchrun_failing(tmp_path, tmp_path / "run", cfg, rank=1, step=99, mode="blind")
+    assert proc.returncode != 0
+    text = (proc.stdout + proc.stderr).replace("\r", "\n")
+    lines = [x for x in text.splitlines() if "elflow: error:" in x]
+    assert len(lines) == 2, text[-3000:]  # one from each process, the same
+    assert all("process(es) 1 (on " in x and "cannot see --out" in x for x in lines)
+    assert "a file system every node shares" in lines[0]
+    assert not list((tmp_path / "run").glob("checkpoint-*"))
+    assert not list((tmp_path / "run").glob(".elflow-shared-*"))
+
+
+@pytest.mark.slow
+def test_kills_during_saves_lose_nothing(monkeypatch, capsys):
+    """A couple of SIGKILLs while checkpoints are written (benchmarks/kill_saves.py does 20)."""
+    import importlib.util
+
+    bench = ROOT / "benchmarks"
+    monkeypatch.syspath_prepend(str(bench))
+    spec = importlib.util.spec_from_file_location("kill_saves", bench / "kill_saves.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main(["--trials", "2", "--seed", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "2 kills, 2 during a save: every checkpoint intact and kept: True" in out
+    assert "uninterrupted run: 0" in out

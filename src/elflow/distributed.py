@@ -73,7 +73,7 @@ def setup(
             device_id=dev if use_cuda else None,
         )
         if use_cuda:  # collective on every rank, once
-            _CONTROL["group"] = dist.new_group(backend="gloo", timeout=wait)
+            _CONTROL["control"] = dist.new_group(backend="gloo", timeout=wait)
     return DistInfo(rank, world, local, dev)
 
 
@@ -175,9 +175,15 @@ def control_group():
         return None
     if dist.get_backend() == "gloo":
         return dist.group.WORLD
-    if "group" not in _CONTROL:  # a group initialised before setup(): make it now (collective)
-        _CONTROL["group"] = dist.new_group(backend="gloo")
-    return _CONTROL["group"]
+    return gloo_group("control")  # made by setup(), or now for a group made before it
+
+
+def gloo_group(name: str):
+    """A gloo group of every process for a side task (stop agreement, background checkpoint
+    writes), made once per name: collective on first use, so every process must ask together."""
+    if name not in _CONTROL:
+        _CONTROL[name] = dist.new_group(backend="gloo")
+    return _CONTROL[name]
 
 
 @contextlib.contextmanager

@@ -4,7 +4,8 @@ Run as ``python -m torch.distributed.run ... tests/dist/failing_rank.py RANK STE
 at optimizer step STEP, process RANK either dies (``die``: exits at once, as a crash would) or
 hangs (``hang``: sleeps, as a process stuck in I/O would) while the others go on; with ``hang``
 the other processes send themselves SIGTERM two seconds later (as torchrun's agent or a
-scheduler would).
+scheduler would). ``blind``: process RANK cannot see the run folder (as on a node without the
+shared file system).
 """
 
 from __future__ import annotations
@@ -33,6 +34,10 @@ def main() -> int:
         return real(trainer, k)
 
     loop.Trainer.step = failing
+    if mode == "blind" and int(os.environ["RANK"]) == rank:
+        from elflow.train import setup
+
+        setup.folder_sees = lambda marker: False
     return elflow(argv)
 
 

@@ -1,11 +1,13 @@
 """Training checkpoints: one folder per step, written atomically, resumable exactly.
 
-``OUT/checkpoint-<step>/`` holds ``model.safetensors`` (training weights), ``ema.safetensors``,
-``config.json`` (the model artifact config plus the full run config under ``"run"``), ``state.json``
-(step, epoch, data position, world size) and ``rank<r>.pt`` per process (the optimizer and EMA
-state of that rank's parameters or FSDP2 shards, and its RNG states). Everything is first written
-to a hidden temporary folder that is renamed into place, so an interrupted save leaves the
-previous checkpoints loadable; the last ``keep_last`` are kept. Any checkpoint folder is also a
+``OUT/checkpoint-<step>/`` holds ``model.safetensors`` (training weights) and ``ema.safetensors``
+(both gathered to and written by rank 0), ``config.json`` (the model artifact config plus the full
+run config under ``"run"``), ``state.json`` (step, epoch, data position, world size, EMA
+updates), ``train-state/`` (the optimizer buffers and EMA shadows, sharded,
+:mod:`elflow.io.train_state`) and ``rng-<rank>.pt`` per process. Everything is first written to
+a hidden temporary folder that is renamed into place, so an interrupted save leaves the previous
+checkpoints loadable; the last ``keep_last`` are kept. Checkpoints of elflow < 0.3 hold
+``rank<r>.pt`` per process instead (:func:`load_rank_state`). Any checkpoint folder is also a
 model folder for ``load_model``.
 """
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,31 +38,27 @@ def rank_file(rank: int) -> str:
     return f"rank{rank}.pt"
 
 
-def full_state(state: dict[str, Tensor]) -> dict[str, Tensor]:
-    """Plain CPU tensors of a (possibly FSDP2-sharded) state dict; collective under FSDP2."""
+def full_state(state: dict[str, Tensor], info: DistInfo | None = None) -> dict[str, Tensor]:
+    """Plain CPU tensors of a (possibly FSDP2-sharded) state dict on rank 0, an empty dict on the
+    others (with ``info``; without, on every process). Collective under FSDP2: each shard goes to
+    rank 0 only, so no other process holds a full copy."""
+    import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
+    if info is not None and info.distributed and dist.is_initialized():
+        if any(isinstance(v, DTensor) for v in state.values()):
+            from torch.distributed._state_dict_utils import _gather_state_dict
+
+            gathered = _gather_state_dict(state, cpu_offload=True, ranks_only=(0,))
+            return {k: v.contiguous() for k, v in gathered.items()} if info.is_main else {}
+        if not info.is_main:
+            return {}
     out = {}
     for key, value in state.items():
         if isinstance(value, DTensor):
             value = value.full_tensor()
         out[key] = value.detach().to("cpu").contiguous()
     return out
-
-
-def _to_local(obj: Any) -> Any:
-    """Optimizer state with DTensors replaced by their local shards (weights-only loadable)."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(obj, DTensor):
-        return obj.to_local().detach().cpu().clone()
-    if isinstance(obj, Tensor):
-        return obj.detach().cpu().clone()
-    if isinstance(obj, dict):
-        return {k: _to_local(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_local(v) for v in obj)
-    return obj
 
 
 def rng_state() -> dict[str, Any]:
@@ -98,24 +97,41 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def save_checkpoint(
+@dataclass
+class PendingSave:
+    """A checkpoint being written: complete once :func:`finish_checkpoint` renames it."""
+
+    final: Path
+    tmp: Path
+    step: int
+    keep_last: int
+    future: Any = None
+    """The asynchronous training-state write to wait for (``train.async_save``), or None."""
+    error: str | None = None
+
+
+def begin_checkpoint(
     out_dir: Path,
     step: int,
     *,
     model_state: dict[str, Tensor],
     ema_state: dict[str, Tensor],
-    rank_state: dict[str, Any],
+    write_state: Any,
     artifact: ArtifactConfig,
     run_config: dict[str, Any],
     state: dict[str, Any],
     info: DistInfo,
     keep_last: int,
-) -> Path:
-    """Write ``checkpoint-<step>`` atomically (call on every rank; full states on rank 0).
+) -> PendingSave:
+    """Start writing ``checkpoint-<step>`` into a temporary folder (every rank calls it).
 
-    A failure (e.g. a full disk) removes the temporary folder, leaves earlier checkpoints as they
-    were, and raises the same one-line :class:`ELFError` on every rank.
+    Rank 0 writes the full weights (``model_state``, ``ema_state``: rank 0's; empty elsewhere),
+    the config and ``state.json``; every rank its RNG state; ``write_state(folder)`` writes the
+    sharded training state (:mod:`elflow.io.train_state`), returning a future when it writes in
+    the background.
     """
+    from elflow.io import train_state
+
     final = out_dir / f"checkpoint-{step}"
     tmp = out_dir / f".tmp-checkpoint-{step}"
     error = None
@@ -126,40 +142,69 @@ def save_checkpoint(
                 shutil.rmtree(tmp)
             tmp.mkdir()
         except Exception as e:
-            error = str(e).splitlines()[0] if str(e) else type(e).__name__
+            error = _first_line(e)
     error = broadcast_object(error)
-    if error is None:
-        try:
-            payload = {**_to_local(rank_state), "rng": rng_state()}
-            torch.save(payload, tmp / rank_file(info.rank))
-        except Exception as e:  # OSError, or torch's RuntimeError on a full disk
-            error = str(e).splitlines()[0] if str(e) else type(e).__name__
-    barrier()
-    errors = _gather_errors(error)
-    if not errors and info.is_main:
-        try:
+    pending = PendingSave(final, tmp, step, keep_last, error=error)
+    if error is not None:
+        return pending
+    try:
+        torch.save(rng_state(), tmp / train_state.rng_file(info.rank))
+        pending.future = write_state(tmp / train_state.FOLDER)
+        if info.is_main:
             save_safetensors(model_state, tmp / WEIGHTS, {"format": "elflow-model"})
             save_safetensors(ema_state, tmp / EMA_WEIGHTS, {"format": "elflow-model"})
             config = {**artifact.to_json(), "run": run_config}
             (tmp / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
-            (tmp / STATE).write_text(json.dumps({**state, "world_size": info.world_size}) + "\n")
-            if final.exists():
-                shutil.rmtree(final)
-            tmp.rename(final)
-            _prune(out_dir, keep_last, step)
-        except Exception as e:  # OSError, or safetensors' own error type
-            errors = [str(e).splitlines()[0] if str(e) else type(e).__name__]
+            saved = {**state, "world_size": info.world_size, "format": "dcp"}
+            (tmp / STATE).write_text(json.dumps(saved) + "\n")
+    except Exception as e:  # OSError, or torch's RuntimeError on a full disk
+        pending.error = _first_line(e)
+    return pending
+
+
+def finish_checkpoint(pending: PendingSave, info: DistInfo) -> Path:
+    """Wait for ``pending``'s writes on every rank, then move it into place and prune (rank 0).
+
+    A failure (e.g. a full disk) removes the temporary folder, leaves earlier checkpoints as they
+    were, and raises the same one-line :class:`ELFError` on every rank.
+    """
+    error = pending.error
+    if pending.future is not None:
+        try:
+            pending.future.result()
+        except Exception as e:
+            error = error or _first_line(e)
+    barrier()
+    errors = _gather_errors(error)
+    if not errors and info.is_main:
+        try:
+            if pending.final.exists():
+                shutil.rmtree(pending.final)
+            pending.tmp.rename(pending.final)
+            _prune(pending.final.parent, pending.keep_last, pending.step)
+        except Exception as e:
+            errors = [_first_line(e)]
     errors = broadcast_object(errors if info.is_main else None)
     if errors:
         if info.is_main:
-            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.rmtree(pending.tmp, ignore_errors=True)
         barrier()
         raise ELFError(
-            f"cannot write checkpoint {final} ({errors[0]}); earlier checkpoints are untouched — "
-            "free disk space or choose another --out, then resume"
+            f"cannot write checkpoint {pending.final} ({errors[0]}); earlier checkpoints are "
+            "untouched — free disk space or choose another --out, then resume"
         )
     barrier()
-    return final
+    return pending.final
+
+
+def save_checkpoint(out_dir: Path, step: int, *, info: DistInfo, **parts: Any) -> Path:
+    """:func:`begin_checkpoint` then :func:`finish_checkpoint`: ``checkpoint-<step>``
+    written atomically."""
+    return finish_checkpoint(begin_checkpoint(out_dir, step, info=info, **parts), info)
+
+
+def _first_line(e: BaseException) -> str:
+    return str(e).splitlines()[0] if str(e) else type(e).__name__
 
 
 def _gather_errors(error: str | None) -> list[str]:
@@ -263,6 +308,14 @@ def load_rank_state(
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
         raise ELFError(f"cannot resume: {path} is missing or corrupt ({e})") from None
+
+
+def load_rng(path: Path) -> dict[str, Any]:
+    """A process's saved RNG state (weights-only)."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise ELFError(f"cannot resume: {path} is missing or corrupt ({_first_line(e)})") from None
 
 
 def restore_optimizer(optimizer, state: dict[str, Any]) -> None:

@@ -113,6 +113,9 @@ class TrainConfig:
     """Steps between checkpoints (a final one is always written)."""
     keep_last: int = 3
     """Checkpoints kept on disk (older ones are deleted)."""
+    async_save: bool = False
+    """Write each checkpoint's training state in the background while training goes on (it is
+    complete, and becomes the latest, by the next checkpoint or the run's end)."""
     sample_every: int = 0
     """Steps between sample generations (0 = never)."""
     num_samples: int = 4

@@ -125,6 +125,7 @@ class Trainer:
         # to 0 itself would zero every gradient.
         self.max_grad_norm = run.optim.clip_grad_norm or math.inf
         self.last_ckpt, self.saved_step = run.resume_from, run.start_step
+        self.pending: ckpt_io.PendingSave | None = None
 
     def step(self, step: int) -> None:
         """Optimizer step ``step`` (0-based) and its report."""
@@ -165,7 +166,9 @@ class Trainer:
                 if self.stop.agreed(run.info):
                     if self.saved_step != done:
                         self.save(done)
+                    self.settle()
                     raise _stopped(self.stop, done, g.total_steps, self.last_ckpt)
+            self.settle()
         except Exception as e:
             if run.info.world_size > 1 and is_collective_failure(e):
                 line = failure_line(run.info.rank, "a collective failed", self.last_ckpt)
@@ -185,10 +188,21 @@ class Trainer:
 
     def save(self, done: int) -> None:
         """Checkpoint step ``done``, after checking that every step so far, and the weights, are
-        finite."""
+        finite; with ``train.async_save`` it completes in the background (by the next save or
+        the run's end)."""
         weights = [_local(p).detach() for p in self.run.model.parameters()]
         self.guard.check(self.last_ckpt, weights)
-        self.last_ckpt, self.saved_step = save(self.run, done), done
+        self.settle()
+        self.pending = begin_save(self.run, done)
+        self.saved_step = done
+        if not self.run.cfg.train.async_save:
+            self.settle()
+
+    def settle(self) -> None:
+        """Wait for the checkpoint being written, if any, and make it the last good one."""
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            self.last_ckpt = ckpt_io.finish_checkpoint(pending, self.run.info)
 
     def close(self) -> None:
         self.grads.close()
@@ -220,24 +234,38 @@ def _stopped(stop: StopSignal, done: int, total: int, last_ckpt: Path) -> Interr
     )
 
 
-def save(run: Run, step: int) -> Path:
-    """Checkpoint ``step`` of ``run`` (every rank takes part; rank 0 writes the shared files)."""
+def begin_save(run: Run, step: int) -> ckpt_io.PendingSave:
+    """Start checkpointing ``step`` of ``run``: every rank takes part; rank 0 gathers and writes
+    the full weights, each rank writes its shards of the training state (in the background with
+    ``train.async_save``)."""
+    from elflow.io import train_state
+
     g = run.geometry
     state = {
         "step": step,
         "epoch": step * g.global_batch / g.rows,
         "examples_seen": step * g.global_batch,
         "rows": g.rows,
+        "ema_updates": run.ema.num_updates,
     }
-    return ckpt_io.save_checkpoint(
+
+    def write_state(folder: Path):
+        return train_state.save(folder, run.optimizer, run.model, run.ema, run.cfg.train.async_save)
+
+    return ckpt_io.begin_checkpoint(
         run.out,
         step,
-        model_state=ckpt_io.full_state(run.model.state_dict()),
-        ema_state=run.ema.state_dict_for_save(),
-        rank_state={"optimizer": run.optimizer.state_dict(), "ema": run.ema.state_dict()},
+        model_state=ckpt_io.full_state(run.model.state_dict(), run.info),
+        ema_state=ckpt_io.full_state(run.ema.shadow, run.info),
+        write_state=write_state,
         artifact=run.artifact,
         run_config=run_config_to_dict(run.cfg),
         state=state,
         info=run.info,
         keep_last=run.cfg.train.keep_last,
     )
+
+
+def save(run: Run, step: int) -> Path:
+    """Checkpoint ``step`` of ``run`` and wait until it is complete."""
+    return ckpt_io.finish_checkpoint(begin_save(run, step), run.info)

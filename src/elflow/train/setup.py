@@ -10,6 +10,8 @@ check that can fail runs before any long work (encoding), so a mistake costs sec
 from __future__ import annotations
 
 import math
+import secrets
+import socket
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -18,17 +20,26 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from elflow.data.latent_cache import LatentCache, run_latent_cache
 from elflow.data.order import StreamOrder
 from elflow.data.preparation import measure_first_rows_latent_std, prepared_latent_std
 from elflow.data.rows import RowDataset, build_dataset
-from elflow.distributed import DistInfo, broadcast_object, group_up, parallelize, setup
+from elflow.distributed import (
+    DistInfo,
+    barrier,
+    broadcast_object,
+    group_up,
+    parallelize,
+    setup,
+)
 from elflow.encoder import FrozenEncoder
 from elflow.errors import ELFError
 from elflow.hardware import slow_bf16_warning, use_bf16
 from elflow.io import checkpoint as ckpt_io
+from elflow.io import train_state
 from elflow.io.artifact import ArtifactConfig
 from elflow.io.official import load_state_dict_strict
 from elflow.io.tokenizer import load_tokenizer
@@ -121,6 +132,7 @@ def prepare_run(
     if cfg.train.init and init_state is not None:
         raise ELFError("train.init cannot be combined with init_state; give one of them")
     info = setup(cfg.train.device, timeout=cfg.train.dist_timeout)
+    check_shared_folder(out, info)
     cfg, init_state, init_source, resume_from, continues_out = _start(cfg, out, resume, init_state)
     torch.manual_seed(cfg.train.seed)
     tokenizer, dataset, valid, resume_state = _rows(cfg, info, init_source, resume_from)
@@ -250,11 +262,13 @@ def _network(
         load_state_dict_strict(model, {k: v.to(info.device) for k, v in init_state.items()})
     sharded = cfg.train.parallel == "fsdp2"
     start_step, rank_state, saved_world = 0, None, 1
+    sharded_state = resume_state is not None and resume_state.get("format") == "dcp"
     if resume_from is not None:
         load_state_dict_strict(model, ckpt_io.load_weights(resume_from, "model.safetensors"))
         start_step = resume_state["step"]
         saved_world = resume_state.get("world_size", 1)
-        rank_state = ckpt_io.load_rank_state(resume_from, info, saved_world, sharded)
+        if not sharded_state:  # a checkpoint of elflow < 0.3: one file of state per rank
+            rank_state = ckpt_io.load_rank_state(resume_from, info, saved_world, sharded)
     model.activation_checkpointing = cfg.train.activation_checkpointing == "blocks"
     forward = TrainForward(model)
     # Each block compiled, then sharded (torchtitan's order): FSDP2's hooks stay outside the
@@ -268,7 +282,16 @@ def _network(
     )
     # The global RNG only draws dropout masks (every other draw is keyed by example): each rank
     # gets its own stream, as data parallelism needs; rank 0 (and one process) keeps the seed's.
-    if rank_state is not None:
+    if sharded_state:
+        train_state.load(resume_from / train_state.FOLDER, optimizer, model, ema)
+        ema.num_updates = int(resume_state["ema_updates"])
+        own = resume_from / train_state.rng_file(info.rank)
+        same = saved_world == info.world_size and own.is_file()
+        rng = ckpt_io.load_rng(own if same else resume_from / train_state.rng_file(0))
+        ckpt_io.set_rng_state(rng)
+        if info.rank and not same:  # every rank restored rank 0's stream
+            torch.manual_seed(rank_seed(cfg.train.seed, info.rank, start_step))
+    elif rank_state is not None:
         ema.load_state_dict(rank_state["ema"])
         ckpt_io.restore_optimizer(optimizer, rank_state["optimizer"])
         ckpt_io.set_rng_state(rank_state["rng"])
@@ -297,6 +320,37 @@ def _encoder(cfg: RunConfig, dataset: RowDataset, info: DistInfo) -> FrozenEncod
     )
     encoder.latent_std = broadcast_object(latent_std)  # CPUs may differ in the last bits
     return encoder
+
+
+def check_shared_folder(out: Path, info: DistInfo) -> None:
+    """Refuse, at start, a run folder that some process cannot see: every process writes its part
+    of each checkpoint into it, so a folder that is only local to each node would fail at the
+    first save, hours in. Process 0 writes a marker there and every process looks for it."""
+    if not info.distributed:
+        return
+    token = broadcast_object(secrets.token_hex(8) if info.is_main else None)
+    marker = out / f".elflow-shared-{token}"
+    if info.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        marker.write_text("written by process 0\n")
+    barrier()
+    sees = [None] * info.world_size
+    dist.all_gather_object(sees, (folder_sees(marker), socket.gethostname()))
+    barrier()
+    if info.is_main:
+        marker.unlink(missing_ok=True)
+    blind = [f"{r} (on {host})" for r, (seen, host) in enumerate(sees) if not seen]
+    if blind:
+        raise ELFError(
+            f"process(es) {', '.join(blind)} cannot see --out {out}, where process 0 writes: "
+            "every process writes its part of each checkpoint there; give a folder on a file "
+            "system every node shares"
+        )
+
+
+def folder_sees(marker: Path) -> bool:
+    """Whether this process sees ``marker`` (a function of its own, for the tests)."""
+    return marker.exists()
 
 
 def encoder_dtype(precision: str, device: torch.device) -> torch.dtype:

@@ -1,0 +1,109 @@
+"""Sharded checkpoints (torch.distributed.checkpoint) resume on another number of processes,
+DDP and FSDP2, continuing within 1e-5 of the uninterrupted run; checkpoints of elflow < 0.3
+(one file of state per process) still resume; async saves complete."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from .test_train import (  # noqa: F401
+    assert_same_checkpoint,
+    assets,
+    run_config,
+    torchrun,
+    train_cli,
+)
+
+TRAIN = {"max_steps": 6, "save_every": 3, "global_batch": 4}
+
+
+def _resume(tmp: Path, source: Path, name: str, cfg: dict, nproc: int | None) -> Path:
+    """``source`` (a checkpoint folder) resumed to the end in a new run folder ``name``, on
+    ``nproc`` processes under torchrun (None: one process without it)."""
+    run = tmp / name
+    run.mkdir()
+    shutil.copytree(source, run / source.name)
+    if nproc is None:
+        assert train_cli(tmp, run, cfg) == 0
+    else:
+        torchrun(tmp, run, cfg, nproc)
+    return run / "checkpoint-6"
+
+
+@pytest.mark.slow
+def test_fsdp2_resumes_on_one_two_and_four_processes(tmp_path, assets):  # noqa: F811
+    straight = tmp_path / "single"
+    assert train_cli(tmp_path, straight, run_config(assets, train=TRAIN)) == 0
+    fsdp = run_config(assets, train={**TRAIN, "parallel": "fsdp2"})
+    torchrun(tmp_path, tmp_path / "two", fsdp, 2)
+    assert_same_checkpoint(straight / "checkpoint-6", tmp_path / "two" / "checkpoint-6", 1e-5)
+    middle = tmp_path / "two" / "checkpoint-3"
+    for name, nproc in (("two-to-one", 1), ("two-to-four", 4)):
+        end = _resume(tmp_path, middle, name, fsdp, nproc)
+        assert_same_checkpoint(straight / "checkpoint-6", end, atol=1e-5)
+    # One process (FSDP2 over a mesh of one) to two.
+    torchrun(tmp_path, tmp_path / "one", {**fsdp, "train": {**fsdp["train"], "max_steps": 3}}, 1)
+    end = _resume(tmp_path, tmp_path / "one" / "checkpoint-3", "one-to-two", fsdp, 2)
+    assert_same_checkpoint(straight / "checkpoint-6", end, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_ddp_resumes_on_four_processes(tmp_path, assets):  # noqa: F811
+    cfg = run_config(assets, train=TRAIN)
+    assert train_cli(tmp_path, tmp_path / "single", cfg) == 0
+    # Two processes saving in the background (train.async_save): complete, and the same run.
+    torchrun(tmp_path, tmp_path / "two", run_config(assets, train={**TRAIN, "async_save": True}), 2)
+    assert not list((tmp_path / "two").glob(".tmp-*"))
+    assert_same_checkpoint(
+        tmp_path / "single" / "checkpoint-6", tmp_path / "two" / "checkpoint-6", 1e-5
+    )
+    end = _resume(tmp_path, tmp_path / "two" / "checkpoint-3", "two-to-four", cfg, 4)
+    assert_same_checkpoint(tmp_path / "single" / "checkpoint-6", end, atol=1e-5)
+
+
+def test_a_checkpoint_of_the_older_layout_still_resumes_bitwise(tmp_path, assets):  # noqa: F811
+    """elflow < 0.3 wrote rank<r>.pt (optimizer state_dict, EMA state, RNG) per process."""
+    from elflow.io.checkpoint import load_rng
+    from elflow.train.config import apply_overrides
+    from elflow.train.presets import preset
+    from elflow.train.setup import prepare_run
+
+    cfg = run_config(assets, train=TRAIN)
+    assert train_cli(tmp_path, tmp_path / "straight", cfg) == 0
+    old = tmp_path / "old"
+    old.mkdir()
+    ckpt = old / "checkpoint-3"
+    shutil.copytree(tmp_path / "straight" / "checkpoint-3", ckpt)
+    # The older layout, made from the restored state of this checkpoint.
+    (tmp_path / "cfg.json").write_text(json.dumps(cfg))
+    run = prepare_run(apply_overrides(preset("bible-tiny"), tmp_path / "cfg.json"), old, "auto")
+    payload = {
+        "optimizer": run.optimizer.state_dict(),
+        "ema": run.ema.state_dict(),
+        "rng": load_rng(ckpt / "rng-0.pt"),
+    }
+    torch.save(payload, ckpt / "rank0.pt")
+    shutil.rmtree(ckpt / "train-state")
+    (ckpt / "rng-0.pt").unlink()
+    state = json.loads((ckpt / "state.json").read_text())
+    del state["format"], state["ema_updates"]
+    (ckpt / "state.json").write_text(json.dumps(state))
+    assert train_cli(tmp_path, old, cfg) == 0
+    assert_same_checkpoint(tmp_path / "straight" / "checkpoint-6", old / "checkpoint-6")
+
+
+def test_async_saves_complete_and_resume_bitwise(tmp_path, assets):  # noqa: F811
+    cfg = run_config(assets, train=TRAIN)
+    assert train_cli(tmp_path, tmp_path / "sync", cfg) == 0
+    asynchronous = run_config(assets, train={**TRAIN, "async_save": True, "max_steps": 3})
+    assert train_cli(tmp_path, tmp_path / "async", asynchronous) == 0
+    assert not list((tmp_path / "async").glob(".tmp-*"))
+    assert_same_checkpoint(tmp_path / "sync" / "checkpoint-3", tmp_path / "async" / "checkpoint-3")
+    more = run_config(assets, train={**TRAIN, "async_save": True})
+    assert train_cli(tmp_path, tmp_path / "async", more) == 0
+    assert_same_checkpoint(tmp_path / "sync" / "checkpoint-6", tmp_path / "async" / "checkpoint-6")
