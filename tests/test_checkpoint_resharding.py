@@ -87,6 +87,7 @@ def test_a_checkpoint_of_the_older_layout_still_resumes_bitwise(tmp_path, assets
         "ema": run.ema.state_dict(),
         "rng": load_rng(ckpt / "rng-0.pt"),
     }
+    run.lock.release()
     torch.save(payload, ckpt / "rank0.pt")
     shutil.rmtree(ckpt / "train-state")
     (ckpt / "rng-0.pt").unlink()

@@ -92,3 +92,47 @@ def test_kills_during_saves_lose_nothing(monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "2 kills, 2 during a save: every checkpoint intact and kept: True" in out
     assert "uninterrupted run: 0" in out
+
+
+def test_a_second_run_on_a_run_folder_in_use_is_refused(tmp_path, assets, capsys):  # noqa: F811
+    from elflow.io.run_lock import HOLDER, RunLock
+
+    from .test_train import error_lines, train_cli
+
+    out = tmp_path / "run"
+    cfg = run_config(assets, train={"max_steps": 2, "save_every": 2})
+    holder = RunLock(out)  # another run (a lock taken through another file descriptor)
+    holder.acquire()
+    try:
+        assert train_cli(tmp_path, out, cfg) == 2
+        lines = error_lines(capsys.readouterr().err)
+        assert len(lines) == 1
+        assert f"--out {out} is in use by another run (process {os.getpid()} on " in lines[0]
+        assert "wait for it to end or give another --out" in lines[0]
+        assert not list(out.glob("checkpoint-*")) and not (out / "metrics.jsonl").exists()
+    finally:
+        holder.release()
+    # A holder that died leaves its name behind but not its lock: the next run goes ahead.
+    (out / HOLDER).write_text('{"pid": 1, "host": "gone", "since": "", "command": ""}\n')
+    assert train_cli(tmp_path, out, cfg) == 0
+    assert (out / "checkpoint-2").is_dir() and not (out / HOLDER).exists()
+    # and the lock is free again once a run ends: a resume runs.
+    assert train_cli(tmp_path, out, {**cfg, "train": {**cfg["train"], "max_steps": 3}}) == 0
+
+
+def test_a_rerun_after_a_crash_before_the_first_checkpoint_logs_each_step_once(
+    tmp_path,
+    assets,  # noqa: F811
+):
+    from .test_train import train_cli
+
+    out = tmp_path / "run"
+    out.mkdir()
+    # What a run killed at step 3, before its first save, leaves (a line cut short at the end).
+    (out / "metrics.jsonl").write_text(
+        "".join(json.dumps({"step": k, "loss": 9.0}) + "\n" for k in (1, 2)) + '{"step": 3, "l'
+    )
+    cfg = run_config(assets, train={"max_steps": 3, "save_every": 3})
+    assert train_cli(tmp_path, out, cfg) == 0
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [1, 2, 3] and all(x["loss"] != 9.0 for x in lines)

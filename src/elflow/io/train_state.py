@@ -10,7 +10,10 @@ state is a small file of its own, ``rng-<rank>.pt``, read weights-only.
 
 from __future__ import annotations
 
+import contextlib
 import io
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -82,18 +85,27 @@ def _single() -> bool:
     return not (dist.is_available() and dist.is_initialized())
 
 
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """DCP warns on every single-process call that it assumes a single process: it is one."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable")
+        yield
+
+
 def save(folder: Path, optimizer, model: nn.Module, ema, asynchronous: bool = False):
     """Write the state into ``folder`` (every process calls it); with ``asynchronous`` the
     tensors are copied to host memory now and written by a background thread: returns the
     future to wait on before the folder is complete (else None)."""
     state = state_tensors(optimizer, model, ema)
-    if asynchronous:
-        # Its writer thread runs collectives while training runs its own: a group of its own.
-        group = None if _single() else gloo_group("checkpoint writes")
-        return dcp.async_save(
-            state, checkpoint_id=str(folder), process_group=group, no_dist=_single()
-        )
-    dcp.save(state, checkpoint_id=str(folder), no_dist=_single())
+    with _quiet():
+        if asynchronous:
+            # Its writer thread runs collectives while training runs its own: a group of its own.
+            group = None if _single() else gloo_group("checkpoint writes")
+            return dcp.async_save(
+                state, checkpoint_id=str(folder), process_group=group, no_dist=_single()
+            )
+        dcp.save(state, checkpoint_id=str(folder), no_dist=_single())
     return None
 
 
@@ -103,7 +115,8 @@ def load(folder: Path, optimizer, model: nn.Module, ema) -> None:
     make_optimizer_state(optimizer)
     state = state_tensors(optimizer, model, ema)
     try:
-        dcp.load(state, checkpoint_id=str(folder), planner=TensorsOnly(), no_dist=_single())
+        with _quiet():
+            dcp.load(state, checkpoint_id=str(folder), planner=TensorsOnly(), no_dist=_single())
     except ELFError:
         raise
     except Exception as e:

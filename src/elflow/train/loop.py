@@ -207,6 +207,7 @@ class Trainer:
     def close(self) -> None:
         self.grads.close()
         self.report.close()
+        self.run.lock.release()
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = self._tf32
 
 

@@ -51,14 +51,15 @@ class MetricsLogger:
         start_step: int = 0,
         set_aside: Path | None = None,
     ) -> None:
-        """A resume from ``start_step`` drops the lines of later steps (those steps run again),
-        keeping them in ``set_aside/metrics.jsonl`` when an abandoned branch went there."""
+        """A run from ``start_step`` (a resume, or 0) drops the lines of later steps (those steps
+        run again), keeping them in ``set_aside/metrics.jsonl`` when an abandoned branch went
+        there."""
         self.enabled = enabled
         self.tb = self.wandb = None
         if not enabled:
             return
         path = out / "metrics.jsonl"
-        if start_step and path.is_file():
+        if path.is_file():  # (a run stopped before its first checkpoint, too)
             later = truncate_metrics(path, start_step)
             if later and set_aside is not None:
                 (set_aside / "metrics.jsonl").write_text("".join(later))
@@ -67,8 +68,8 @@ class MetricsLogger:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
-                purge = start_step + 1 if start_step else None  # later events are dropped
-                self.tb = SummaryWriter(str(out / "tensorboard"), purge_step=purge)
+                # Events of later steps are dropped.
+                self.tb = SummaryWriter(str(out / "tensorboard"), purge_step=start_step + 1)
             except ImportError:
                 self.tb = None
         if cfg.train.wandb:

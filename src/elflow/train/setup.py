@@ -42,6 +42,7 @@ from elflow.io import checkpoint as ckpt_io
 from elflow.io import train_state
 from elflow.io.artifact import ArtifactConfig
 from elflow.io.official import load_state_dict_strict
+from elflow.io.run_lock import RunLock
 from elflow.io.tokenizer import load_tokenizer
 from elflow.model import ELF, build_model, count_parameters
 from elflow.network import TrainForward
@@ -113,6 +114,8 @@ class Run:
     cache: LatentCache | None
     order: StreamOrder
     setup_seconds: float
+    lock: RunLock
+    """The run folder's lock (held by process 0 until the run ends)."""
 
 
 def prepare_run(
@@ -133,6 +136,25 @@ def prepare_run(
         raise ELFError("train.init cannot be combined with init_state; give one of them")
     info = setup(cfg.train.device, timeout=cfg.train.dist_timeout)
     check_shared_folder(out, info)
+    lock = RunLock(out)
+    error = None
+    if info.is_main:
+        try:
+            lock.acquire()
+        except ELFError as e:
+            error = str(e)
+    error = broadcast_object(error)
+    if error is not None:
+        raise ELFError(error)
+    try:
+        return _prepare(cfg, out, resume, init_state, latent_cache_dir, info, lock, t0)
+    except BaseException:
+        lock.release(failed_start=True)
+        raise
+
+
+def _prepare(cfg, out, resume, init_state, latent_cache_dir, info, lock, t0) -> Run:
+    """:func:`prepare_run` once the run folder is this run's."""
     cfg, init_state, init_source, resume_from, continues_out = _start(cfg, out, resume, init_state)
     torch.manual_seed(cfg.train.seed)
     tokenizer, dataset, valid, resume_state = _rows(cfg, info, init_source, resume_from)
@@ -191,6 +213,7 @@ def prepare_run(
         cache=cache,
         order=StreamOrder(len(dataset), cfg.train.seed),
         setup_seconds=time.perf_counter() - t0,
+        lock=lock,
     )
     if info.is_main:
         _announce(run)
