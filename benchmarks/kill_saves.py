@@ -7,10 +7,10 @@ Usage:
 A tiny run (the T5-shaped random encoder and Bible verses of ``step_profile.py``) checkpoints
 every 2 steps. Each trial starts ``elflow train`` (resuming the same run folder), waits until a
 save has begun (its ``.tmp-checkpoint-*`` folder appears; 0 to 2 saves are let through first),
-waits a random 0-50 ms more and kills the process (SIGKILL: no handler runs). After each kill every ``checkpoint-*`` folder must
-be complete and load as a model, and the latest must be at least the one before the kill. At the
-end the run is finished without kills and its final weights are compared with an uninterrupted
-run's (bitwise on one process: the resume is exact).
+waits a random 0-50 ms more and kills the process (SIGKILL: no handler runs). After each kill
+every ``checkpoint-*`` folder must be complete and load as a model, and the latest must be at
+least the one before the kill. At the end the run is finished without kills and its final
+weights are compared with an uninterrupted run's (bitwise on one process: the resume is exact).
 """
 
 from __future__ import annotations

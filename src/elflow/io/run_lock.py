@@ -8,6 +8,7 @@ refused at start in one line naming the holder.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -65,7 +66,5 @@ class RunLock:
             self._lock.release()
             if failed_start and self.created and [p.name for p in self.out.iterdir()] == [LOCK]:
                 (self.out / LOCK).unlink(missing_ok=True)
-                try:
+                with contextlib.suppress(OSError):  # something arrived meanwhile: keep it
                     self.out.rmdir()
-                except OSError:  # something arrived meanwhile: keep it
-                    pass
