@@ -178,6 +178,7 @@ def test_student_settings_the_teacher_fixes_are_checked(
     config = json.loads((other / "config.json").read_text())
     config["tokenizer_hash"] = "0" * 64
     (other / "config.json").write_text(json.dumps(config))
+    (other / "manifest.json").unlink()  # an edit on purpose, not damage
     assert distill_cli(tmp_path, tmp_path / "b", assets, other, "2/2") == 2
     assert "another vocabulary" in error_lines(capsys.readouterr().err)[0]
 
@@ -281,6 +282,7 @@ def test_another_teacher_is_refused(tmp_path, assets, teacher, capsys):  # noqa:
     shutil.copytree(teacher, other)
     ema = weights(other, "ema.safetensors")
     save_file({k: v + 0.01 for k, v in ema.items()}, str(other / "ema.safetensors"))
+    (other / "manifest.json").unlink()  # another model, not a damaged copy
     out = tmp_path / "pd"
     assert distill_cli(tmp_path, out, assets, teacher, "2/2", max_steps=1) == 0
     record = json.loads((out / "teacher.json").read_text())

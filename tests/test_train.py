@@ -627,6 +627,7 @@ def test_resume_on_other_data_is_refused(tmp_path, assets, capsys, old_checkpoin
     rows = state["rows"]
     if old_checkpoint:  # written before "rows" was: the count follows from epoch and examples
         state_path.write_text(json.dumps({k: v for k, v in state.items() if k != "rows"}))
+        (state_path.parent / "manifest.json").unlink()  # (written before manifests were)
     fewer = tmp_path / "fewer.jsonl"
     fewer.write_text("".join((assets / "train.jsonl").read_text().splitlines(True)[:-1]))
     other = run_config(assets, data={"path": str(fewer)})
@@ -726,6 +727,7 @@ def test_init_errors_are_one_line(tmp_path, assets, capsys):
     shutil.copytree(tmp_path / "base" / "checkpoint-1", other)
     meta = json.loads((other / "config.json").read_text())
     (other / "config.json").write_text(json.dumps({**meta, "tokenizer_hash": "0" * 64}))
+    (other / "manifest.json").unlink()  # an edit on purpose, not damage
     assert train_cli(tmp_path, tmp_path / "c", cfg, "--init", str(other)) == 2
     assert "another vocabulary" in error_lines(capsys.readouterr().err)[0]
     assert not (tmp_path / "c").exists()
@@ -754,6 +756,7 @@ def test_init_uses_the_model_folders_own_tokenizer(tmp_path, assets):
     shutil.copytree(tmp_path / "base" / "checkpoint-1", model)
     meta = json.loads((model / "config.json").read_text())
     (model / "config.json").write_text(json.dumps({**meta, "tokenizer": "no-such/tokenizer"}))
+    (model / "manifest.json").unlink()  # an edit on purpose, not damage
     load_tokenizer("minilm").save_pretrained(model / "tokenizer")
     cfg = ft_config(assets, train={"max_steps": 1})
     assert train_cli(tmp_path, tmp_path / "ft", cfg, "--init", str(model)) == 0

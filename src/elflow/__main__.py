@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from elflow import __version__
-from elflow.errors import ELFError
+from elflow.errors import ELFError, first_line
 
 _DEFAULT = ("add_arguments", "run")
 COMMANDS: dict[str, tuple[str, str, tuple[str, str]]] = {
@@ -106,7 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (MemoryError, RuntimeError) as e:
         if not _out_of_memory(e):
             raise
-        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        first = first_line(e)
         print(
             f"elflow: error: out of memory ({first}); lower train.micro_batch (accumulation keeps "
             "the batch) or set train.activation_checkpointing=blocks to train, lower --batch-size "

@@ -100,6 +100,28 @@ class ModelConfig:
     def num_prefix_tokens(self) -> int:
         return self.num_time_tokens + self.num_scale_tokens + self.num_mode_tokens
 
+    @property
+    def num_parameters(self) -> int:
+        """The network's parameter count, worked out from the shapes alone (no allocation)."""
+        D, E, F, B, hd = (
+            self.hidden_size,
+            self.encoder_dim,
+            self.mlp_hidden,
+            self.bottleneck_dim,
+            self.head_dim,
+        )
+        embedder = 256 * D + D + D * D + D  # a timestep embedder's two layers
+        n = E * B + B * D + D + embedder + (self.num_time_tokens + self.num_mode_tokens) * D
+        if self.self_condition:
+            n += 2 * E * E + E
+        if self.num_scale_tokens:
+            n += embedder + self.num_scale_tokens * D
+        block = 2 * D + 3 * D * D + 3 * D + 2 * hd + D * D + D + 2 * D * F + 2 * F + F * D + D
+        n += self.depth * block
+        n += D + D * E + E  # the flow head
+        n += D * E + E + E * self.vocab_size + self.vocab_size  # the decoder head
+        return n
+
 
 @dataclass(frozen=True)
 class ObjectiveConfig:

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping
 import torch
 from torch import Tensor, nn
 
-from elflow.errors import ELFError
+from elflow.errors import ELFError, first_line
 from elflow.hardware import full_precision
 
 _T5_TYPES = {"t5", "mt5", "umt5"}
@@ -186,10 +186,9 @@ class FrozenEncoder(nn.Module):
                     f"encoder '{name_or_path}' not found locally and HF_HUB_OFFLINE is set; "
                     "download it or pass a local folder"
                 ) from e
-            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise ELFError(
-                f"cannot load encoder '{name_or_path}' ({reason}); pass a local model folder or a "
-                "Hub model id"
+                f"cannot load encoder '{name_or_path}' ({first_line(e)}); pass a local model "
+                "folder or a Hub model id"
             ) from e
         is_t5 = config.model_type in _T5_TYPES
         if not is_t5 and getattr(config, "is_encoder_decoder", False):
@@ -207,11 +206,11 @@ class FrozenEncoder(nn.Module):
             model = model_cls.from_pretrained(
                 source, config=config, trust_remote_code=False, **kwargs
             )
-        except (OSError, ValueError) as e:
-            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        except Exception as e:  # OSError, a refused pickle, a damaged safetensors file, ...
+            reason = first_line(e)
+            hint = "" if "pickle holding" in reason else "; check the folder has the model weights"
             raise ELFError(
-                f"cannot load encoder weights from '{name_or_path}' ({reason}); "
-                "check the folder has the model weights"
+                f"cannot load encoder weights from '{name_or_path}' ({reason}){hint}"
             ) from e
         encoder = cls(model, latent_mean=latent_mean, latent_std=latent_std, layer=layer)
         encoder.name = original_name  # recorded next to measured statistics (e.g. latent_std)

@@ -8,6 +8,7 @@ and how to fix it. The CLI prints these messages without a traceback.
 from __future__ import annotations
 
 import os
+import re
 import sys
 from typing import TYPE_CHECKING
 
@@ -37,6 +38,27 @@ def check_finite(tensor: Tensor, what: str) -> None:
     """Raise :class:`ELFError` if ``tensor`` holds NaN or inf (one host sync: use at API edges)."""
     if not bool(tensor.isfinite().all()):
         raise ELFError(f"{what} contains NaN or inf values; check the inputs that produced it")
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+_UNPICKLER_GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
+
+
+def first_line(e: BaseException, limit: int = 200) -> str:
+    """The first line of ``e``'s message for a one-line error: terminal escape codes removed,
+    and a refused pickle said plainly, without the loader's advice to allow it."""
+    text = _ANSI.sub("", str(e)).strip()
+    if "Weights only load failed" in text or "WeightsUnpickler" in text:
+        found = _UNPICKLER_GLOBAL.search(text)
+        what = f" ({found.group(1)})" if found else ""
+        return (
+            f"a pickle holding objects other than tensors{what}, which elflow never unpickles "
+            "(it could run code); use a safetensors copy from a source you trust"
+        )
+    line = text.splitlines()[0] if text else type(e).__name__
+    if isinstance(e, KeyError):  # its message is the key alone
+        line = f"no {line} entry"
+    return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
 _NOTED: set[str] = set()

@@ -122,6 +122,20 @@ def peak_tflops(device: torch.device) -> float | None:
     return next((v for k, v in GPU_BF16_TFLOPS.items() if k in name), None)
 
 
+def memory_bytes(device: torch.device | str) -> int | None:
+    """The memory of ``device`` in bytes (a GPU's, or the host's RAM for the CPU), or None when
+    it cannot be told."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    if device.type == "cpu":
+        try:
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):  # not a POSIX system
+            return None
+    return None
+
+
 def full_precision(device: torch.device) -> torch.autocast:
     """Autocast off inside a caller's bf16 autocast: what spec §3 keeps in the parameters' dtype
     (fp32) runs there (the network's projections, embedders and heads; the frozen encoder)."""

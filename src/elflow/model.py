@@ -23,7 +23,7 @@ from torch.utils.checkpoint import checkpoint
 
 from elflow.config import ModelConfig
 from elflow.errors import ELFError
-from elflow.hardware import LowpLinear, full_precision
+from elflow.hardware import LowpLinear, full_precision, memory_bytes
 
 
 class RMSNorm(nn.Module):
@@ -434,8 +434,26 @@ def _per_row(value: Tensor | float, batch: int, device: torch.device) -> Tensor:
     return torch.full((batch,), float(value), device=device)
 
 
+def check_fits(
+    cfg: ModelConfig, device: torch.device | str, bytes_per_parameter: float, purpose: str
+) -> None:
+    """A one-line error, before anything is allocated, when ``cfg``'s network needs more than
+    ``device`` has: ``bytes_per_parameter`` times its parameter count (4: fp32 weights)."""
+    n = cfg.num_parameters
+    need, have = n * bytes_per_parameter, memory_bytes(device)
+    if have is not None and need > have:
+        raise ELFError(
+            f"the model config (hidden_size {cfg.hidden_size}, depth {cfg.depth}, vocab_size "
+            f"{cfg.vocab_size}, encoder_dim {cfg.encoder_dim}) gives a network of {n:.3g} "
+            f"parameters, which needs about {need / 1e9:.3g} GB {purpose}, more than the "
+            f"{have / 1e9:.3g} GB of {torch.device(device).type}; check the config's model "
+            "section"
+        )
+
+
 def build_model(cfg: ModelConfig, device: torch.device | str | None = None) -> ELF:
     """Construct and initialise a model (three steps: shapes, placement, init)."""
+    check_fits(cfg, device or "cpu", 4, "for its weights")
     with torch.device("meta"):
         model = ELF(cfg)
     model.to_empty(device=device or "cpu")

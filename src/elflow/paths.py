@@ -74,8 +74,19 @@ def output_file(path: str | Path, flag: str, *, overwrite: bool = True) -> Path:
     return p
 
 
+def check_no_loop(path: str | Path, flag: str) -> None:
+    """A one-line error when ``path`` goes through a symbolic link that loops."""
+    try:
+        Path(path).expanduser().resolve()
+    except (RuntimeError, OSError) as e:  # Python < 3.13 raises RuntimeError, later OSError
+        raise ELFError(
+            f"{flag} {path} goes through a symbolic link that loops ({e}); fix or remove the link"
+        ) from None
+
+
 def output_dir(path: str | Path, flag: str) -> Path:
     """``path`` as a folder that can be written: a folder already, or creatable."""
+    check_no_loop(path, flag)
     p = Path(path)
     if p.exists() and not p.is_dir():
         raise ELFError(f"{flag} {p} is a file; give a folder")

@@ -15,7 +15,7 @@ import sys
 from dataclasses import replace
 
 from elflow.cli.common import MODEL_SOURCES, deprecated
-from elflow.errors import ELFError
+from elflow.errors import ELFError, first_line
 
 
 def add_run_config_arguments(p: argparse.ArgumentParser, preset_default: str | None) -> None:
@@ -79,7 +79,7 @@ def _with_model_dims(cfg):
     except (OSError, ValueError, ELFError) as e:  # offline, a missing folder: training says so
         print(
             "elflow: note: model.encoder_dim and model.vocab_size are set from the encoder and "
-            f"tokenizer when training starts (not readable here: {str(e).splitlines()[0][:120]})",
+            f"tokenizer when training starts (not readable here: {first_line(e, 120)})",
             file=sys.stderr,
         )
         return cfg

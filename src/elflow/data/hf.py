@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 
 from elflow.data.config import DataConfig
-from elflow.errors import ELFError
+from elflow.errors import ELFError, first_line
 
 
 def load_hf(location: str, split: str):
@@ -28,10 +28,9 @@ def load_hf(location: str, split: str):
         else:
             ds = datasets.load_dataset(location, split=split)
     except Exception as e:  # datasets raises many types; all mean "cannot load this"
-        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise ELFError(
-            f"cannot load Hugging Face dataset '{location}' ({reason}); pass a saved dataset "
-            "folder or a Hub name"
+            f"cannot load Hugging Face dataset '{location}' ({first_line(e)}); pass a saved "
+            "dataset folder or a Hub name"
         ) from None
     if isinstance(ds, datasets.DatasetDict):
         if split not in ds:

@@ -36,7 +36,7 @@ from torch import Tensor
 from elflow.data.config import DataConfig
 from elflow.data.rows import RowDataset
 from elflow.encoder import FrozenEncoder
-from elflow.errors import ELFError
+from elflow.errors import ELFError, first_line
 from elflow.paths import cache_root, save_safetensors
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -262,7 +262,7 @@ def run_latent_cache(
         path.parent.mkdir(parents=True, exist_ok=True)
         lock = _acquire(path, is_main)
     except OSError as e:  # a read-only cache folder: build, and say why nothing is saved
-        return _build(dataset, encoder, dtype, is_main, note=f"not saved ({_first_line(e)})")
+        return _build(dataset, encoder, dtype, is_main, note=f"not saved ({first_line(e)})")
     try:
         cache = LatentCache.load(path, key)  # saved by the process this one waited for
         if cache is None and is_main:
@@ -312,7 +312,7 @@ def _build(
             cache.save(path, key)
             note = f"saved to {path} ({path.stat().st_size / 2**30:.2f} GiB)"
         except (OSError, SafetensorError) as e:
-            note = f"not saved ({_first_line(e)})"
+            note = f"not saved ({first_line(e)})"
     if is_main:
         seconds = time.perf_counter() - t0
         note = f"; {note}" if note else ""
@@ -321,7 +321,3 @@ def _build(
             flush=True,
         )
     return cache
-
-
-def _first_line(e: BaseException) -> str:
-    return str(e).splitlines()[0] if str(e) else type(e).__name__

@@ -260,18 +260,29 @@ def build_dataset(
     )
     src = resolve_source(cfg, location, hf_split, key)
     if src.container == "prepared":
-        rows = RowDataset.from_prepared(
+        _check_kind(key, location, read_meta(Path(location))["conditional"], conditional)
+        return RowDataset.from_prepared(
             location, tokenizer=tokenizer, max_rows=cfg.max_rows, **kwargs
         )
-    else:
-        target, source = tokenize_source(src, cfg, tokenizer)
-        rows = RowDataset(target, source=source, eos_id=spec.eos_id, **kwargs)
-    if conditional is not None and rows.conditional != conditional:
-        held, task = ("source/target pairs", "unconditional")
-        if conditional:
-            held, task = ("plain text (no sources)", "conditional")
+    target, source = tokenize_source(src, cfg, tokenizer)
+    _check_kind(key, location, source is not None, conditional)
+    return RowDataset(target, source=source, eos_id=spec.eos_id, **kwargs)
+
+
+def _check_kind(key: str, location: str, pairs: bool, conditional: bool | None) -> None:
+    """Data of the task's kind (checked before the rows are built, whose own checks would
+    otherwise ask for the other task's settings)."""
+    if conditional is None or pairs == conditional:
+        return
+    if pairs:
         raise ELFError(
-            f"{key} {location!r} holds {held} but the run's task is {task}; "
-            "give data of the task's kind, or change task (a preset of the other kind)"
+            f"{key} {location!r} holds source/target pairs but the run's task is unconditional; "
+            "for a conditional run start from a conditional preset (de-en-tiny, summ-tiny) or "
+            "set task=conditional and max_input_length (the source's share of each row), or give "
+            "plain text"
         )
-    return rows
+    raise ELFError(
+        f"{key} {location!r} holds plain text (no sources) but the run's task is conditional; "
+        "give source/target pairs (data.source_field, data.target_field), or start from an "
+        "unconditional preset (bible-tiny)"
+    )

@@ -271,6 +271,11 @@ def _iter_record_examples(src: Source, cfg: DataConfig) -> Iterator[Example]:
     conditional = None
     for where, record in _iter_records(src):
         if src.kind == "text":
+            if cfg.text_field not in record and {cfg.source_field, cfg.target_field} <= set(record):
+                raise ELFError(
+                    f"{where}: a source/target pair, but data.format {cfg.format} reads plain "
+                    f"text ('{cfg.text_field}'); set data.format=auto (or pairs) for pairs"
+                )
             yield None, _field(record, cfg.text_field, where, str, "data.text_field")
         elif src.kind == "pairs":
             yield (

@@ -23,7 +23,7 @@ import torch
 from filelock import FileLock
 
 from elflow import paths
-from elflow.errors import ELFError
+from elflow.errors import ELFError, first_line
 from elflow.evaluation.protocol import DEFAULT_JUDGE, KNOWN_JUDGES, SMOLLM2
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -184,10 +184,6 @@ def _offline() -> bool:
     return bool(constants.HF_HUB_OFFLINE)
 
 
-def _first_line(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
-
-
 def _unknown_name(name: str) -> str:
     import difflib
 
@@ -220,13 +216,14 @@ def _hub_problem(name: str) -> str | None:
     except EntryNotFoundError:
         return f"judge '{name}' on the Hub has no config.json; give a causal LM"
     except HfHubHTTPError as e:
-        return f"cannot load judge '{name}': the Hub answered {_first_line(e)}; try again later"
+        return f"cannot load judge '{name}': the Hub answered {first_line(e, 160)}; try again later"
     except ValueError as e:  # an id the Hub cannot have (spaces, too many slashes)
-        return f"judge '{name}' is not a folder here nor a valid Hub id ({_first_line(e)})"
+        return f"judge '{name}' is not a folder here nor a valid Hub id ({first_line(e, 160)})"
     except Exception as e:  # DNS, refused connection, timeout, proxy: the network is down
         return (
             f"judge '{name}' is not in the local Hugging Face cache and the Hub cannot be reached "
-            f"({_first_line(e)}); connect once, pass a local folder, or use --judge smollm2-135m"
+            f"({first_line(e, 160)}); connect once, pass a local folder, or use --judge "
+            "smollm2-135m"
         )
     return None
 
@@ -259,7 +256,7 @@ def load_judge(name: str = DEFAULT_JUDGE) -> Judge:
         try:
             model, tokenizer = _from_pretrained(name, local_only=True)
         except Exception as e:  # a damaged folder raises safetensors' or a validator's own
-            raise ELFError(f"cannot load judge folder '{name}' ({_first_line(e)})") from None
+            raise ELFError(f"cannot load judge folder '{name}' ({first_line(e, 160)})") from None
         weights = sorted(path.glob("*.safetensors")) or sorted(path.glob("*.bin"))
         return from_model(model, tokenizer, name, file_sha256(weights) if weights else None)
     if name.startswith((".", "/", "~")) or name.count("/") > 1:  # a path, not a Hub id
@@ -280,7 +277,9 @@ def load_judge(name: str = DEFAULT_JUDGE) -> Judge:
         try:
             model, tokenizer = _from_pretrained(name, local_only=False)
         except (OSError, ValueError) as e:
-            raise ELFError(f"cannot load judge '{name}' from the Hub ({_first_line(e)})") from None
+            raise ELFError(
+                f"cannot load judge '{name}' from the Hub ({first_line(e, 160)})"
+            ) from None
     return from_model(model, tokenizer, name, hub_revision(name))
 
 

@@ -22,7 +22,8 @@ import torch
 from safetensors.torch import load_file
 
 from elflow.config import PAPER_TASKS, T5_SMALL, ModelConfig, SamplerConfig, from_dict, to_dict
-from elflow.errors import ELFError, note_once
+from elflow.errors import ELFError, first_line, note_once
+from elflow.io.manifest import intact
 from elflow.io.official import (
     infer_model_config,
     load_state_dict_strict,
@@ -38,7 +39,7 @@ from elflow.io.sources import (
     resolve_source,
     run_checkpoints,
 )
-from elflow.model import ELF
+from elflow.model import ELF, check_fits
 from elflow.paths import save_safetensors
 
 FORMAT = "elflow-model"
@@ -356,29 +357,47 @@ def load_resolved(
                 f"--task (task=) applies to authors' checkpoints; {resolved.name} is an elflow "
                 "model, whose config.json gives its task"
             )
-        config = read_config(resolved.path)
-        ema = resolved.path / EMA_WEIGHTS
-        training = (resolved.path / "state.json").is_file()  # checkpoint.STATE (it imports us)
+        folder = resolved.path
+        ema = folder / EMA_WEIGHTS
+        training = (folder / "state.json").is_file()  # checkpoint.STATE (it imports us)
         if use_ema and not ema.is_file() and training:
             raise ELFError(
-                f"{resolved.path} is a training checkpoint without its {EMA_WEIGHTS}; restore "
+                f"{folder} is a training checkpoint without its {EMA_WEIGHTS}; restore "
                 "the file, or sample its training weights with --no-ema (use_ema=False)"
             )
-        weights = ema if use_ema and ema.is_file() else resolved.path / WEIGHTS
+        name = EMA_WEIGHTS if use_ema and ema.is_file() else WEIGHTS
+        # A run folder's latest checkpoint, if damaged, gives way to the newest intact one.
+        in_run = Path(resolved.name).expanduser().resolve() == folder.parent.resolve()
+        folder = intact(folder, fallback=in_run, doing="loading", only=[CONFIG, name])
+        config = read_config(folder)
+        check_fits(config.model, device, 4, "for its weights")
+        weights = folder / name
         try:
             state = load_file(str(weights))
         except OSError:
             raise  # missing or unreadable: the CLI says which file
         except Exception as e:  # safetensors raises its own error types
-            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise ELFError(
-                f"cannot read {weights}: {reason}; the file is truncated or corrupt"
+                f"cannot read {weights}: {first_line(e)}; the file is truncated or corrupt"
             ) from None
+    check_finite_weights(state, resolved.path if resolved.kind == "official" else folder)
     with torch.device("meta"):
         model = ELF(config.model)
     model.to_empty(device=device)
     load_state_dict_strict(model, {k: v.to(device) for k, v in state.items()})
     return model.eval(), config
+
+
+def check_finite_weights(state: dict[str, torch.Tensor], where: Path) -> None:
+    """A one-line error when a weight of ``state`` is NaN or infinite (a diverged run's, or a
+    damaged file's), rather than a model that samples nothing."""
+    bad = [k for k, v in state.items() if v.is_floating_point() and not bool(v.isfinite().all())]
+    if bad:
+        more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
+        raise ELFError(
+            f"{where} holds NaN or infinite weights ({bad[0]}{more}); the run diverged before it "
+            "was saved or the file is damaged: load an earlier checkpoint"
+        )
 
 
 def read_config(folder: Path) -> ArtifactConfig:

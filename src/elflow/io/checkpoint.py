@@ -7,13 +7,17 @@ updates), ``train-state/`` (the optimizer buffers and EMA shadows, sharded,
 :mod:`elflow.io.train_state`) and ``rng-<rank>.pt`` per process. Everything is first written to
 a hidden temporary folder that is renamed into place, so an interrupted save leaves the previous
 checkpoints loadable; the last ``keep_last`` are kept. Checkpoints of elflow < 0.3 hold
-``rank<r>.pt`` per process instead (:func:`load_rank_state`). Any checkpoint folder is also a
-model folder for ``load_model``.
+``rank<r>.pt`` per process instead (:func:`load_rank_state`). ``manifest.json`` lists every
+file's size and SHA-256 (:mod:`elflow.io.manifest`): a damaged checkpoint is found before it is
+used. Each file is flushed to the disk before the folder is renamed into place, and a pruned
+checkpoint is renamed out of sight before it is deleted. Any checkpoint folder is also a model
+folder for ``load_model``.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 from dataclasses import dataclass
@@ -26,8 +30,9 @@ from safetensors.torch import load_file
 from torch import Tensor
 
 from elflow.distributed import DistInfo, barrier, broadcast_object
-from elflow.errors import ELFError
+from elflow.errors import ELFError, first_line
 from elflow.io.artifact import ArtifactConfig
+from elflow.io.manifest import fsync_dir, write_manifest
 from elflow.io.sources import CONFIG, EMA_WEIGHTS, WEIGHTS, latest_run_checkpoint, run_checkpoints
 from elflow.paths import save_safetensors
 
@@ -142,13 +147,16 @@ def begin_checkpoint(
                 shutil.rmtree(tmp)
             tmp.mkdir()
         except Exception as e:
-            error = _first_line(e)
+            error = first_line(e)
     error = broadcast_object(error)
     pending = PendingSave(final, tmp, step, keep_last, error=error)
     if error is not None:
         return pending
     try:
-        torch.save(rng_state(), tmp / train_state.rng_file(info.rank))
+        rng_path = tmp / train_state.rng_file(info.rank)
+        torch.save(rng_state(), rng_path)
+        with open(rng_path, "rb") as f:  # each process flushes what it wrote (DCP does too)
+            os.fsync(f.fileno())
         pending.future = write_state(tmp / train_state.FOLDER)
         if info.is_main:
             save_safetensors(model_state, tmp / WEIGHTS, {"format": "elflow-model"})
@@ -158,7 +166,7 @@ def begin_checkpoint(
             saved = {**state, "world_size": info.world_size, "format": "dcp"}
             (tmp / STATE).write_text(json.dumps(saved) + "\n")
     except Exception as e:  # OSError, or torch's RuntimeError on a full disk
-        pending.error = _first_line(e)
+        pending.error = first_line(e)
     return pending
 
 
@@ -173,17 +181,19 @@ def finish_checkpoint(pending: PendingSave, info: DistInfo) -> Path:
         try:
             pending.future.result()
         except Exception as e:
-            error = error or _first_line(e)
+            error = error or first_line(e)
     barrier()
     errors = _gather_errors(error)
     if not errors and info.is_main:
         try:
+            write_manifest(pending.tmp)  # and every file flushed to the disk
             if pending.final.exists():
-                shutil.rmtree(pending.final)
+                _remove(pending.final)
             pending.tmp.rename(pending.final)
+            fsync_dir(pending.final.parent)
             _prune(pending.final.parent, pending.keep_last, pending.step)
         except Exception as e:
-            errors = [_first_line(e)]
+            errors = [first_line(e)]
     errors = broadcast_object(errors if info.is_main else None)
     if errors:
         if info.is_main:
@@ -203,10 +213,6 @@ def save_checkpoint(out_dir: Path, step: int, *, info: DistInfo, **parts: Any) -
     return finish_checkpoint(begin_checkpoint(out_dir, step, info=info, **parts), info)
 
 
-def _first_line(e: BaseException) -> str:
-    return str(e).splitlines()[0] if str(e) else type(e).__name__
-
-
 def _gather_errors(error: str | None) -> list[str]:
     import torch.distributed as dist
 
@@ -217,13 +223,26 @@ def _gather_errors(error: str | None) -> list[str]:
     return [e for e in box if e]
 
 
+def _remove(path: Path) -> None:
+    """Delete a checkpoint folder atomically: renamed out of sight first, so a kill midway leaves
+    a hidden ``.trash-*`` folder (deleted by the next prune), never half a checkpoint."""
+    trash = path.with_name(f".trash-{path.name}")
+    if trash.exists():
+        shutil.rmtree(trash, ignore_errors=True)
+    path.rename(trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
 def _prune(out_dir: Path, keep_last: int, current: int) -> None:
     """Keep the ``keep_last`` newest checkpoints up to ``current``; never touch later ones.
 
-    Temporary folders of saves up to ``current`` that a killed process left behind go too.
+    Temporary folders of saves up to ``current`` that a killed process left behind go too, and
+    what a killed prune left.
     """
     older = [path for step, path in run_checkpoints(out_dir) if step <= current]
     for path in older[:-keep_last]:
+        _remove(path)
+    for path in out_dir.glob(".trash-checkpoint-*"):
         shutil.rmtree(path, ignore_errors=True)
     for path in out_dir.glob(".tmp-checkpoint-*"):
         step = path.name.removeprefix(".tmp-checkpoint-")
@@ -315,7 +334,7 @@ def load_rng(path: Path) -> dict[str, Any]:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
-        raise ELFError(f"cannot resume: {path} is missing or corrupt ({_first_line(e)})") from None
+        raise ELFError(f"cannot resume: {path} is missing or corrupt ({first_line(e)})") from None
 
 
 def restore_optimizer(optimizer, state: dict[str, Any]) -> None:

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from elflow.config import ModelConfig
-from elflow.errors import ELFError, note_once
+from elflow.errors import ELFError, first_line, note_once
 
 Transform = Callable[[Tensor], Tensor]
 
@@ -191,15 +191,11 @@ def read_official_checkpoint(path: str | Path, use_ema: bool = True) -> dict[str
 
 def _unreadable(path: Path, e: Exception) -> ELFError:
     """One line for a file ``torch.load(weights_only=True)`` refuses (its own text runs to many
-    lines and suggests ``weights_only=False``, which elflow never uses)."""
-    text = str(e)
-    if "Weights only load failed" in text:
-        m = re.search(r"WeightsUnpickler error:(.+?)(Check the documentation|$)", text, re.S)
-        detail = " ".join(m.group(1).split()) if m else "not tensors only"
-        reason = f"{detail} (not a torch file, or one that needs full unpickling, never done here)"
-    else:
-        first = text.strip().splitlines()[0] if text.strip() else "empty?"
-        reason = f"not a torch file, or a truncated one ({type(e).__name__}: {first})"
+    lines and suggests allowing what it refused, which elflow never does)."""
+    reason = first_line(e)
+    if "pickle holding" not in reason:
+        detail = reason if str(e).strip() else "empty?"
+        reason = f"not a torch file, or a truncated one ({type(e).__name__}: {detail})"
     return ELFError(f"cannot read {path} as a weights-only torch checkpoint: {reason}")
 
 

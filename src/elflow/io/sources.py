@@ -14,6 +14,7 @@ from pathlib import Path
 
 from elflow.errors import ELFError
 from elflow.io.official import latest_official_checkpoint
+from elflow.paths import check_no_loop
 
 WEIGHTS, EMA_WEIGHTS, CONFIG = "model.safetensors", "ema.safetensors", "config.json"
 DEMO_MODEL = Path(__file__).resolve().parents[1] / "demo_model"
@@ -50,6 +51,7 @@ def resolve_source(source: str | Path) -> ResolvedSource:
     """Find the weights behind any model source: a local folder or file, a Hub id, or ``demo``
     (the shipped demo model, unless a local ``demo`` exists)."""
     name = str(source)
+    check_no_loop(source, "model source")
     path = Path(source).expanduser()
     if name == "demo" and not path.exists():
         if not (DEMO_MODEL / CONFIG).is_file() or not (DEMO_MODEL / WEIGHTS).is_file():

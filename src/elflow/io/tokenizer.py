@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from elflow.encoder import resolve_pretrained
-from elflow.errors import ELFError
+from elflow.errors import ELFError, first_line
 from elflow.io.artifact import ArtifactConfig, read_config
 from elflow.io.sources import resolve_source
 from elflow.tokens import vocab_hash
@@ -40,10 +40,15 @@ def load_tokenizer(name_or_path: str | Path):
         name = _model_tokenizer(folder)
     try:
         return AutoTokenizer.from_pretrained(name, use_fast=True, trust_remote_code=False)
-    except (OSError, ValueError) as e:
-        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    except Exception as e:  # OSError, or a parser's KeyError/TypeError on a damaged file
+        if Path(name).is_dir():
+            raise ELFError(
+                f"cannot load tokenizer {str(name_or_path)!r} ({first_line(e)}); its files are "
+                "damaged or not a Hugging Face tokenizer: use the files tokenizer.save_pretrained "
+                "writes"
+            ) from None
         raise ELFError(
-            f"cannot load tokenizer {str(name_or_path)!r} ({reason}); it must be a local "
+            f"cannot load tokenizer {str(name_or_path)!r} ({first_line(e)}); it must be a local "
             "folder or a Hub id reachable from here (unset HF_HUB_OFFLINE to download)"
         ) from None
 

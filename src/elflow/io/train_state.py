@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from elflow.distributed import gloo_group
-from elflow.errors import ELFError
+from elflow.errors import ELFError, first_line
 
 FOLDER = "train-state"
 """The DCP folder inside a checkpoint folder."""
@@ -120,8 +120,8 @@ def load(folder: Path, optimizer, model: nn.Module, ema) -> None:
     except ELFError:
         raise
     except Exception as e:
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ELFError(
-            f"cannot resume: the training state in {folder} does not fit this run ({reason}); "
+            f"cannot resume: the training state in {folder} does not fit this run "
+            f"({first_line(e)}); "
             "it was saved with other optimizer settings or is damaged"
         ) from None

@@ -24,7 +24,7 @@ from elflow.config import (
     to_dict,
 )
 from elflow.data.config import DataConfig
-from elflow.errors import ELFError, note_once, require
+from elflow.errors import ELFError, first_line, note_once, require
 from elflow.train.optim import OptimConfig
 
 
@@ -201,7 +201,8 @@ class RunConfig:
         if self.task == "conditional" and not 0 < self.max_input_length < self.model.max_length:
             raise ELFError(
                 f"conditional runs need 0 < max_input_length ({self.max_input_length}) < "
-                f"model.max_length ({self.model.max_length})"
+                f"model.max_length ({self.model.max_length}); set max_input_length, the source's "
+                f"share of each row (e.g. {self.model.max_length // 2})"
             )
 
 
@@ -330,7 +331,8 @@ def check_user_config(cfg: RunConfig, base: RunConfig) -> RunConfig:
     if cfg.task == "unconditional" and cfg.max_input_length:
         raise ELFError(
             f"max_input_length {cfg.max_input_length} applies to conditional tasks only "
-            "(the source's share of each row); leave it at 0"
+            "(the source's share of each row); leave it at 0, or set task=conditional for "
+            "source/target data"
         )
     if (
         cfg.train.eval_every
@@ -411,7 +413,7 @@ def _read_config_file(path: Path) -> dict[str, Any]:
         try:
             loaded = yaml.safe_load(text)
         except yaml.YAMLError as e:
-            raise ELFError(f"{path}: invalid YAML ({str(e).splitlines()[0]})") from None
+            raise ELFError(f"{path}: invalid YAML ({first_line(e)})") from None
     if not isinstance(loaded, dict):
         raise ELFError(f"{path} must hold a mapping of config sections")
     return loaded

@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from elflow.config import ModelConfig
 from elflow.errors import ELFError
-from elflow.model import ELF
+from elflow.model import ELF, check_fits
 
 
 def decay_at(decay: float, warmup: bool, k: int) -> float:
@@ -136,6 +136,7 @@ class EMA:
 def ema_network(model_cfg: ModelConfig, ema_state: dict, device: torch.device) -> ELF:
     """A network in eval mode holding ``ema_state``, built on the meta device: no initialisation,
     so no time, no host copy and no draws from the global RNG (dropout's, so resume is exact)."""
+    check_fits(model_cfg, device, 4, "for its weights")
     with torch.device("meta"):
         net = ELF(model_cfg)
     net = net.to_empty(device=device)

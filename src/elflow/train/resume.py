@@ -12,12 +12,15 @@ from __future__ import annotations
 from dataclasses import fields, replace
 from pathlib import Path
 
+import torch.distributed as dist
 from torch import Tensor
 
+from elflow.distributed import broadcast_object
 from elflow.encoder import PACKAGED_MODELS
 from elflow.errors import ELFError
 from elflow.io import checkpoint as ckpt_io
 from elflow.io.artifact import ArtifactConfig, load_resolved, read_config
+from elflow.io.manifest import intact
 from elflow.io.sources import resolve_source
 from elflow.io.tokenizer import load_tokenizer
 from elflow.tokens import vocab_hash
@@ -25,15 +28,34 @@ from elflow.train.config import EncoderConfig, RunConfig, run_config_from_dict
 
 
 def resolve_resume(out: Path, resume: str | None) -> Path | None:
-    """``resume``: None/'auto' (latest checkpoint in ``out`` if any), 'never', or a path."""
+    """``resume``: None/'auto' (latest checkpoint in ``out`` if any), 'never', or a path.
+
+    The checkpoint's files are checked against its manifest (by process 0, which tells the
+    others): a damaged latest checkpoint of ``out`` gives way to the newest intact one (said in
+    one line); a damaged checkpoint named by ``--resume`` is an error naming that one.
+    """
     if resume in (None, "auto"):
-        return ckpt_io.find_checkpoint(out) if out.exists() else None
-    if resume == "never":
+        found = ckpt_io.find_checkpoint(out) if out.exists() else None
+        explicit = False
+    elif resume == "never":
         return None
-    found = ckpt_io.find_checkpoint(Path(resume))
+    else:
+        found = ckpt_io.find_checkpoint(Path(resume))
+        if found is None:
+            raise ELFError(f"--resume {resume}: no checkpoint-<step> with state.json there")
+        explicit = (Path(resume) / ckpt_io.STATE).is_file()  # a checkpoint, not a run folder
     if found is None:
-        raise ELFError(f"--resume {resume}: no checkpoint-<step> with state.json there")
-    return found
+        return None
+    answer: tuple[str, str] | None = None
+    if not (dist.is_initialized() and dist.get_rank() > 0):
+        try:
+            answer = ("ok", str(intact(found, fallback=not explicit, doing="resuming from")))
+        except ELFError as e:
+            answer = ("error", str(e))
+    kind, text = broadcast_object(answer)
+    if kind == "error":
+        raise ELFError(f"cannot resume: {text}")
+    return Path(text)
 
 
 def model_encoder_config(model: ArtifactConfig, tokenizer: str | None = None) -> EncoderConfig:

@@ -44,7 +44,7 @@ from elflow.io.artifact import ArtifactConfig
 from elflow.io.official import load_state_dict_strict
 from elflow.io.run_lock import RunLock
 from elflow.io.tokenizer import load_tokenizer
-from elflow.model import ELF, build_model, count_parameters
+from elflow.model import ELF, build_model, check_fits, count_parameters
 from elflow.network import TrainForward
 from elflow.paths import output_dir
 from elflow.tokens import TokenSpec, special_token_count, token_spec, vocab_hash
@@ -156,6 +156,9 @@ def prepare_run(
 def _prepare(cfg, out, resume, init_state, latent_cache_dir, info, lock, t0) -> Run:
     """:func:`prepare_run` once the run folder is this run's."""
     cfg, init_state, init_source, resume_from, continues_out = _start(cfg, out, resume, init_state)
+    # Weights, gradients, EMA and optimizer state (at least one buffer); FSDP2 shards the last 3.
+    shards = info.world_size if cfg.train.parallel == "fsdp2" else 1
+    check_fits(cfg.model, info.device, 4 + 12 / shards, "to train")
     torch.manual_seed(cfg.train.seed)
     tokenizer, dataset, valid, resume_state = _rows(cfg, info, init_source, resume_from)
     lengths = text_lengths(dataset, tokenizer)
