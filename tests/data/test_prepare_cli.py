@@ -18,9 +18,11 @@ def _prepare(tokenizer, data, out, *extra) -> int:
 
 
 def _error(capsys) -> str:
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("elflow: error: "), err
-    return err[0]
+    """The one error line (stderr also carries the progress bar)."""
+    err = capsys.readouterr().err.replace("\r", "\n").splitlines()
+    lines = [x for x in err if "error" in x]
+    assert len(lines) == 1 and lines[0].startswith("elflow: error: "), err
+    return lines[0]
 
 
 def test_overwrite_replaces_only_a_prepared_folder(tokenizer, tmp_path, capsys, monkeypatch):

@@ -2,6 +2,7 @@
 prepared (memory-mapped) folder reproducing the in-memory path."""
 
 import argparse
+import dataclasses
 import json
 from typing import ClassVar
 
@@ -273,6 +274,8 @@ def test_start_up_reports_truncated_documents_and_warns_above_5_percent():
     from elflow.train.setup import data_notes
 
     cfg = preset("owt-b")
+    # fewer rows than a batch is warned about separately
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, global_batch=4))
     L, eos = 8, 2
 
     def notes(long: int, total: int, packing: bool = False) -> list[str]:
@@ -289,3 +292,31 @@ def test_start_up_reports_truncated_documents_and_warns_above_5_percent():
     chunked = RowDataset(_table([[5] * L] * 4), max_length=L, pad_id=0, packing=True, eos_id=eos)
     (line,) = data_notes(chunked, cfg)
     assert "already rows of 8 tokens" in line
+
+
+def test_a_memory_mapped_table_reads_single_tokens_from_its_file(tmp_path, monkeypatch):
+    """``TokenTable.at`` reads a handful of tokens with pread (no pages of the map touched) and
+    gives what indexing gives, through ``head`` too; more go through the map; the over-long
+    count of a memory-mapped table equals the in-memory one's."""
+    from elflow.data import tables
+    from elflow.data.tables import TableWriter
+
+    rng = np.random.default_rng(0)
+    L, eos = 8, 2
+    docs = [[*rng.integers(3, 60000, size=int(n)).tolist(), eos] for n in rng.integers(1, 12, 300)]
+    docs[7] = [5] * L + [eos]  # L + 1 tokens, the last EOS: fits
+    docs[9] = [5] * (L + 1)  # L + 1 tokens, no EOS: truncated
+    writer = TableWriter(np.dtype(np.uint16), tmp_path, "tokens")
+    writer.append(docs)
+    mapped, memory = writer.finish(), _table(docs)
+    assert isinstance(mapped.tokens, np.memmap) and mapped.file == tmp_path / "tokens.bin"
+    where = rng.integers(0, memory.num_tokens, size=50)
+    np.testing.assert_array_equal(mapped.at(where), memory.tokens[where])
+    np.testing.assert_array_equal(mapped.head(10).at(where % 20), memory.tokens[where % 20])
+    monkeypatch.setattr(tables, "PREAD_LIMIT", 4)  # through the map
+    np.testing.assert_array_equal(mapped.at(where), memory.tokens[where])
+    counts = [
+        RowDataset(t, max_length=L, pad_id=0, eos_id=eos).num_truncated for t in (mapped, memory)
+    ]
+    fits = [len(d) <= L or (len(d) == L + 1 and d[-1] == eos) for d in docs]
+    assert counts[0] == counts[1] == fits.count(False) > 1

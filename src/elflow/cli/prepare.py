@@ -76,6 +76,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-rows", type=int, default=0, help=docs["max_rows"])
     p.add_argument("--batch-size", type=int, default=1024, help=docs["tokenize_batch_size"])
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=0,
+        help="processes that tokenise (default 0: one per CPU core, up to 8; 1 for an input "
+        "smaller than one shard)",
+    )
+    p.add_argument(
+        "--shard-mb",
+        type=float,
+        default=16.0,
+        help="text per shard, in MB: the unit of parallel work and of resuming a killed run",
+    )
     p.add_argument("--encoder", help="encoder name or folder: measure latent_std (spec §10)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out folder")
 
@@ -122,8 +135,12 @@ def _run(args: argparse.Namespace) -> int:
         args.max_input_length,
         encoder,
         overwrite=args.overwrite,
+        workers=args.workers,
+        progress=True,
+        shard_bytes=max(1, int(args.shard_mb * 2**20)),
     )
     meta = json.loads((out / "meta.json").read_text())
     keys = ("num_docs", "num_tokens", "num_source_tokens", "num_truncated", "dtype", "latent_std")
+    keys += ("workers", "docs_per_second", "shards_kept")
     print(f"wrote {out}: " + ", ".join(f"{k}={meta[k]}" for k in keys if k in meta))
     return 0

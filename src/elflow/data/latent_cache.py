@@ -123,6 +123,8 @@ class LatentCache:
         assert latents.dim() == 3, latents.shape
         assert dropped is None or dropped.shape == latents.shape, (dropped.shape, latents.shape)
         self.latents, self.dropped = latents, dropped
+        self.path: Path | None = None
+        """The file it was loaded from or saved to (None: held in memory only)."""
 
     @classmethod
     @torch.no_grad()
@@ -277,6 +279,7 @@ def run_latent_cache(
 
 
 def _loaded(cache: LatentCache, path: Path, is_main: bool) -> LatentCache:
+    cache.path = path
     if is_main:
         print(f"elflow train: latent cache loaded from {path}", flush=True)
     return cache
@@ -310,6 +313,7 @@ def _build(
     if path is not None:
         try:
             cache.save(path, key)
+            cache.path = path
             note = f"saved to {path} ({path.stat().st_size / 2**30:.2f} GiB)"
         except (OSError, SafetensorError) as e:
             note = f"not saved ({first_line(e)})"
@@ -320,4 +324,63 @@ def _build(
             f"elflow train: latent cache of {len(cache)} rows built in {seconds:.0f} s{note}",
             flush=True,
         )
+    return cache
+
+
+READY = "elflow/latent-cache"
+"""The rendezvous-store key under which process 0 says where the cache is (or why not)."""
+WAIT_HOURS = 48
+"""How long the other processes wait for process 0 to build the cache."""
+
+
+def shared_latent_cache(
+    cfg: DataConfig, dataset: RowDataset, encoder: FrozenEncoder, out: Path, info
+) -> LatentCache:
+    """The run's latent cache, built once: by process 0, which saves it (as
+    :func:`run_latent_cache`) while the others wait, then load that file. Refused in one line
+    when it cannot be shared: a cache not saved (``data.latent_cache_save=false``, a read-only
+    folder) or saved where another process cannot read it (a node-local folder)."""
+    if info.world_size == 1:
+        return run_latent_cache(cfg, dataset, encoder, out, True)
+    import socket
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    store = dist.distributed_c10d._get_default_store()
+    share = (
+        "set data.latent_cache_dir to a folder every node can read (e.g. data.latent_cache_dir="
+        "run, the run folder), or turn data.latent_cache off"
+    )
+    if info.is_main:
+        if not cfg.latent_cache_save:
+            problem = (
+                f"data.latent_cache_save=false would make each of the {info.world_size} "
+                f"processes encode every row; save the cache ({share})"
+            )
+            store.set(READY, "!" + problem)
+            raise ELFError(problem)
+        try:
+            cache = run_latent_cache(cfg, dataset, encoder, out, True)
+        except BaseException as e:
+            store.set(READY, "!process 0 could not build the latent cache: " + first_line(e))
+            raise
+        if cache.path is None:
+            problem = f"process 0 could not save the latent cache, which the others load; {share}"
+            store.set(READY, "!" + problem)
+            raise ELFError(problem)
+        store.set(READY, str(cache.path))
+        return cache
+    store.wait([READY], timedelta(hours=WAIT_HOURS))
+    said = store.get(READY).decode()
+    if said.startswith("!"):
+        raise ELFError(said[1:])
+    key = cache_key(dataset, encoder, cfg.latent_cache_dtype)
+    cache = LatentCache.load(said, key)
+    if cache is None:
+        raise ELFError(
+            f"process {info.rank} (on {socket.gethostname()}) cannot read the latent cache "
+            f"process 0 saved at {said}; {share}"
+        )
+    cache.path = Path(said)
     return cache

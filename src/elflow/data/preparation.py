@@ -4,8 +4,9 @@ The folder holds flat token files plus int64 document offsets (`tokens.*` for un
 `source.*` and `target.*` for pairs; see :mod:`elflow.data.tables`) and `meta.json`: tokenizer name
 and vocabulary hash, dtype, document/token/truncation counts, and — when an encoder is given —
 `latent_std`, the RMS of its raw outputs over a fixed sample of rows (spec §10: measured at
-preparation for non-T5 encoders). Tokens are appended batch by batch, so memory stays bounded;
-the folder is built under a temporary name and renamed into place only when complete.
+preparation for non-T5 encoders). The documents are tokenised in shards by N worker processes
+(:mod:`elflow.data.shards`), so memory stays bounded and a killed run resumes; the folder is
+built under a temporary name and renamed into place only when complete.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import time
 from pathlib import Path
 
 import numpy as np
@@ -21,8 +21,9 @@ import torch
 
 from elflow.data.config import DataConfig
 from elflow.data.rows import RowDataset, read_meta
-from elflow.data.sources import PREPARED_MARKER, is_prepared, resolve_source
-from elflow.data.tables import token_dtype, tokenize_source
+from elflow.data.shards import SHARD_BYTES, remove_shards, tokenize_to_folder
+from elflow.data.sources import PREPARED_MARKER, Source, is_prepared, resolve_source
+from elflow.data.tables import token_dtype
 from elflow.encoder import FrozenEncoder, measure_latent_std
 from elflow.errors import ELFError
 from elflow.tokens import token_spec, vocab_hash
@@ -41,14 +42,19 @@ def prepare(
     *,
     overwrite: bool = False,
     pad_id: int | None = None,
+    workers: int = 1,
+    progress: bool = False,
+    shard_bytes: int = SHARD_BYTES,
 ) -> Path:
-    """Tokenise `cfg.path` into `out_dir`; returns the folder.
+    """Tokenise `cfg.path` into `out_dir` with `workers` processes; returns the folder.
 
     `max_length`/`max_input_length` only decide the truncation count in meta.json (and the rows
     latent_std is measured on): the stored documents are complete, so the folder can be read at
     other lengths later. `overwrite` replaces an existing `out_dir` only when it is an earlier
     prepared folder that does not hold the input, and only once the new folder is complete (a
-    failure keeps the old one).
+    failure keeps the old one). The work is done in `.<out>.partial` beside `out_dir`: a run that
+    is killed or interrupted keeps its finished shards there, and the same call resumes from them
+    (:mod:`elflow.data.shards`); a data error removes it. Hugging Face Hub datasets are streamed.
     """
     out = Path(out_dir)
     if out.exists() and not overwrite:
@@ -57,18 +63,26 @@ def prepare(
         )
     if out.exists():
         _check_replaceable(out, cfg.path)
-    src = resolve_source(cfg, cfg.path)
+    src = resolve_source(cfg, cfg.path, streaming=True)
     if src.container == "prepared":
         raise ELFError(f"'{cfg.path}' is already a prepared folder; nothing to do")
     spec = token_spec(tokenizer)
     pad_id = spec.pad_id if pad_id is None else pad_id
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    start = time.perf_counter()
+    tmp = out.parent / f".{out.name}.partial"
+    tmp.mkdir(exist_ok=True)
+    plan = _plan(cfg, src, tokenizer)
     try:
-        target, source = tokenize_source(src, cfg, tokenizer, folder=tmp)
+        target, source, work = tokenize_to_folder(
+            src,
+            cfg,
+            tokenizer,
+            tmp,
+            plan,
+            workers=workers,
+            shard_bytes=shard_bytes,
+            progress=progress,
+        )
         rows = RowDataset(
             target,
             source=source,
@@ -98,11 +112,12 @@ def prepare(
             "packing": cfg.packing,
             "num_rows": len(rows),
             "num_truncated": rows.num_truncated,
-            "seconds": round(time.perf_counter() - start, 3),
+            **work,
         }
         if encoder is not None:
             meta["latent_std"] = measure_rows_latent_std(rows, encoder)
             meta["latent_std_encoder"] = getattr(encoder, "name", None)
+        remove_shards(tmp)
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
         del rows, target, source  # release the memmaps before the rename
         if out.exists():
@@ -112,10 +127,29 @@ def prepare(
             shutil.rmtree(old, ignore_errors=True)
         else:
             tmp.rename(out)
-    except BaseException:
+    except ELFError:  # the data must change first, and with it the plan: nothing to resume
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    except KeyboardInterrupt:
+        raise ELFError(
+            f"interrupted; the finished shards are kept in {tmp}: run the same command to go on "
+            "from them"
+        ) from None
     return out
+
+
+def _plan(cfg: DataConfig, src: Source, tokenizer) -> dict:
+    """What the shards of a preparation depend on: a later run with the same plan reuses them."""
+    files = [[str(p), p.stat().st_size, p.stat().st_mtime_ns] for p in src.files]
+    reading = ("format", "text_field", "source_field", "target_field", "hf_split", "doc_per")
+    return {
+        "source": str(cfg.path),
+        "files": files,
+        "kind": f"{src.container}/{src.kind}",
+        **{k: getattr(cfg, k) for k in reading},
+        "max_rows": cfg.max_rows,
+        "vocab_hash": vocab_hash(tokenizer),
+    }
 
 
 def _check_replaceable(out: Path, data: str) -> None:

@@ -90,7 +90,7 @@ class RowDataset:
         pre-chunked data): each fits one row, the final EOS a reader appends aside, and they
         fill 90% of it on average."""
         t, L = self.target.lengths, self.max_length
-        if not len(t):
+        if not len(t) or (t > L + 1).any():
             return False
         fits = self._fits_but_final_eos(t <= L)
         return bool(fits.all()) and float(np.minimum(t, L).mean()) >= 0.9 * L
@@ -101,9 +101,9 @@ class RowDataset:
             return fits
         L = self.max_length
         edge = np.flatnonzero(self.target.lengths == L + 1)
-        last = self.target.tokens[self.target.offsets[edge] + L]
+        last = self.target.at(self.target.offsets[edge] + L)
         fits = fits.copy()
-        fits[edge[np.asarray(last) == self.eos_id]] = True
+        fits[edge[last == self.eos_id]] = True
         return fits
 
     def _overlong(self) -> np.ndarray:

@@ -21,8 +21,9 @@ from typing import Any
 
 from elflow.data.config import DataConfig
 from elflow.data.hf import hf_kind as _hf_kind
+from elflow.data.hf import is_saved_dataset
 from elflow.data.hf import load_hf as _load_hf
-from elflow.errors import ELFError
+from elflow.errors import ELFError, note_once
 from elflow.jsonl import iter_json_objects, iter_lines, open_binary
 
 Example = tuple[Any, Any]  # (source or None, target): str, or list[int] when pre-tokenised
@@ -45,6 +46,9 @@ class Source:
     """The files to read, in order (text / jsonl)."""
     hf_split: str = "train"
     """Split to read from a Hugging Face dataset."""
+    streaming: bool = False
+    """A Hugging Face dataset that is not a saved folder is streamed, not downloaded whole
+    (``elflow prepare``)."""
 
     @property
     def conditional(self) -> bool:
@@ -70,17 +74,17 @@ def _looks_like_hub_name(location: str) -> bool:
     )
 
 
-def _is_hf_folder(path: Path) -> bool:
-    names = ("dataset_info.json", "state.json", "dataset_dict.json")
-    return any((path / n).is_file() for n in names)
-
-
 def resolve_source(
-    cfg: DataConfig, location: str, hf_split: str | None = None, key: str = "data.path"
+    cfg: DataConfig,
+    location: str,
+    hf_split: str | None = None,
+    key: str = "data.path",
+    streaming: bool = False,
 ) -> Source:
     """Find out what `location` is (per ``cfg.format``) without reading more than one record.
 
     `key` is the setting `location` came from, named in the errors (e.g. ``data.valid_path``).
+    `streaming`: read a Hugging Face dataset other than a saved folder as a stream.
     """
     if not location:
         raise ELFError(f"no data path given; set {key} to a file, folder or dataset")
@@ -89,21 +93,24 @@ def resolve_source(
     path = Path(os.path.expanduser(location))
     if not path.exists():
         if fmt in ("auto", "hf") and _looks_like_hub_name(location):
-            return Source(location, "hf", _hf_kind(cfg, location, split), (), split)
+            kind = _hf_kind(cfg, location, split, streaming)
+            return Source(location, "hf", kind, (), split, streaming)
         raise ELFError(f"{key} '{location}' does not exist; fix the path")
     if path.is_dir():
         if is_prepared(path):  # whatever data.format says (the presets name their raw format)
             return Source(location, "prepared", "pretokenized")
         if fmt == "prepared":
             raise ELFError(f"'{location}' is not a folder written by elflow prepare (no meta.json)")
-        if fmt == "hf" or (fmt in ("auto", "pairs", "pretokenized") and _is_hf_folder(path)):
-            return Source(location, "hf", _hf_kind(cfg, location, split), (), split)
+        if fmt == "hf" or (fmt in ("auto", "pairs", "pretokenized") and is_saved_dataset(path)):
+            kind = _hf_kind(cfg, location, split, streaming)
+            return Source(location, "hf", kind, (), split, streaming)
         files = _data_files(path)
         texts = tuple(p for p in files if _has_suffix(p, TEXT_SUFFIXES))
         jsonls = tuple(p for p in files if _has_suffix(p, JSONL_SUFFIXES))
         if fmt == "text" or (fmt == "auto" and texts and not jsonls):
             if not texts:
                 raise ELFError(f"folder '{location}' has no *.txt or *.txt.gz files; add text")
+            _check_text(texts[:1], fmt)
             return Source(location, "text", "text", texts)
         if fmt == "auto" and texts and jsonls:
             raise ELFError(
@@ -126,6 +133,7 @@ def resolve_source(
         # an unknown suffix (.ndjson, none) holding JSON objects is JSONL
         and (_has_suffix(path, TEXT_SUFFIXES) or not _first_line_is_json(path))
     ):
+        _check_text((path,), fmt)
         return Source(location, "text", "text", (path,))
     if _has_suffix(path, TEXT_SUFFIXES) and not _first_line_is_json(path):
         raise ELFError(
@@ -133,6 +141,31 @@ def resolve_source(
             "text; set data.format=text (or auto)"
         )
     return Source(location, "jsonl", _jsonl_kind(cfg, (path,), key), (path,))
+
+
+def _check_text(files: tuple[Path, ...], fmt: str) -> None:
+    """What plain text read line by line would silently get wrong, found in the first 64 KB of
+    ``files``: NUL bytes (a binary or UTF-16 file) are an error; a CSV file, or JSON lines in a
+    file named .txt (when the format was not given), get a warning."""
+    for path in files:
+        with open_binary(path) as f:
+            head = f.read(1 << 16)
+        if b"\x00" in head:
+            raise ELFError(
+                f"{path} holds NUL bytes: a binary (or UTF-16) file, not UTF-8 text; give text, "
+                "JSONL or a folder written by elflow prepare"
+            )
+        if path.name.lower().endswith((".csv", ".tsv", ".csv.gz", ".tsv.gz")):
+            note_once(
+                f"elflow: warning: {path} is read as plain text, one document a line, its header "
+                "line and separators included; give the text column as plain text or JSONL "
+                '({"text": ...} a line)'
+            )
+        elif fmt == "auto" and _first_line_is_json(path):
+            note_once(
+                f"elflow: warning: {path} holds JSON lines but its name says plain text, so each "
+                "line, braces and all, is one document; rename it .jsonl or set data.format=jsonl"
+            )
 
 
 def _first_line_is_json(path: Path) -> bool:
@@ -220,7 +253,7 @@ def _iter_records(src: Source) -> Iterator[tuple[str, dict]]:
             for lineno, record in iter_json_objects(path):
                 yield f"{path}:{lineno}", record
     else:
-        for i, record in enumerate(_load_hf(src.location, src.hf_split)):
+        for i, record in enumerate(_load_hf(src.location, src.hf_split, src.streaming)):
             yield f"{src.location}[{src.hf_split}] row {i}", record
 
 

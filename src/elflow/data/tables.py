@@ -11,7 +11,8 @@ concatenate documents as they are stored.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+import os
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +20,9 @@ import numpy as np
 from elflow.data.config import DataConfig
 from elflow.data.sources import Example, Source, iter_examples
 from elflow.errors import ELFError
-from elflow.tokens import token_spec, tokenize
+
+# (elflow.tokens, which imports torch, is imported where it is used: the tokenising workers of
+# elflow.data.shards import this module and stay light.)
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -27,13 +30,18 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16 if vocab_size < 65536 else np.uint32)
 
 
+PREAD_LIMIT = 1 << 16
+"""Up to this many tokens of a memory-mapped table are read by :meth:`TokenTable.at` one by one."""
+
+
 class TokenTable:
     """Documents stored as flat `tokens` and `offsets` (num_docs + 1 entries, offsets[0] == 0)."""
 
-    def __init__(self, tokens: np.ndarray, offsets: np.ndarray):
+    def __init__(self, tokens: np.ndarray, offsets: np.ndarray, file: Path | None = None):
+        """``file``: the file ``tokens`` maps from its first byte, if any."""
         assert offsets.ndim == 1 and len(offsets) >= 1 and offsets[0] == 0, offsets[:2]
         assert int(offsets[-1]) == len(tokens), (int(offsets[-1]), len(tokens))
-        self.tokens = tokens
+        self.tokens, self.file = tokens, file
         self.offsets = offsets.astype(np.int64, copy=False)
         self.lengths = np.diff(self.offsets)
 
@@ -48,10 +56,28 @@ class TokenTable:
         """The first ``n`` documents (a view: nothing is copied from a memory-mapped table)."""
         n = min(n, len(self))
         offsets = self.offsets[: n + 1]
-        return TokenTable(self.tokens[: int(offsets[-1])], offsets)
+        return TokenTable(self.tokens[: int(offsets[-1])], offsets, self.file)
 
     def doc(self, i: int) -> np.ndarray:
         return np.asarray(self.tokens[self.offsets[i] : self.offsets[i + 1]])
+
+    def at(self, positions: np.ndarray) -> np.ndarray:
+        """The tokens at ``positions`` (flat indices). A few positions of a memory-mapped table
+        are read from its file one by one: indexing the map would bring the pages around each
+        into memory (the kernel maps 64 KB around a fault), most of the file for a spread-out
+        handful."""
+        positions = np.asarray(positions, dtype=np.int64)
+        if self.file is None or len(positions) > PREAD_LIMIT:
+            return np.asarray(self.tokens[positions])
+        size = self.tokens.dtype.itemsize
+        out = bytearray(len(positions) * size)
+        fd = os.open(self.file, os.O_RDONLY)
+        try:
+            for k, i in enumerate(positions.tolist()):
+                out[k * size : (k + 1) * size] = os.pread(fd, size, i * size)
+        finally:
+            os.close(fd)
+        return np.frombuffer(bytes(out), dtype=self.tokens.dtype)
 
     @classmethod
     def open(cls, folder: Path, name: str, dtype: str) -> TokenTable:
@@ -71,7 +97,7 @@ class TokenTable:
         if size == 0:
             return cls(np.zeros(0, dtype=dtype), offsets)
         tokens = np.memmap(folder / f"{name}.bin", dtype=dtype, mode="r", shape=(size,))
-        return cls(tokens, offsets)
+        return cls(tokens, offsets, folder / f"{name}.bin")
 
 
 class TableWriter:
@@ -115,9 +141,12 @@ def _batches(examples: Iterator[Example], size: int) -> Iterator[list[Example]]:
         yield batch
 
 
-def _to_ids(tokenizer, items: list, vocab_size: int, where: str) -> list[list[int]]:
+def to_ids(
+    encode: Callable[[list[str]], list[list[int]]], items: list, vocab_size: int, where: str
+) -> list[list[int]]:
+    """Token ids of ``items``: texts through ``encode``, pre-tokenised id lists checked."""
     if all(isinstance(x, str) for x in items):
-        return tokenize(tokenizer, items)
+        return encode(items)
     ids = [list(x) for x in items]
     top = max((max(d) for d in ids if d), default=0)
     low = min((min(d) for d in ids if d), default=0)
@@ -137,8 +166,14 @@ def tokenize_source(
 
     With `folder`, tables are written there as they grow (bounded memory); else held in memory.
     """
+    from elflow.tokens import token_spec, tokenize
+
     spec = token_spec(tokenizer)
     dtype = token_dtype(spec.vocab_size)
+
+    def encode(texts: list[str]) -> list[list[int]]:
+        return tokenize(tokenizer, texts)
+
     examples = iter_examples(src, cfg)
     first = next(examples)
     conditional = first[0] is not None
@@ -147,9 +182,9 @@ def tokenize_source(
     done = 0
     for batch in _batches(itertools.chain([first], examples), cfg.tokenize_batch_size):
         where = f"{src.location} (examples {done}..{done + len(batch) - 1})"
-        tgt = _to_ids(tokenizer, [t for _, t in batch], spec.vocab_size, where)
+        tgt = to_ids(encode, [t for _, t in batch], spec.vocab_size, where)
         if source is not None:
-            source.append(_to_ids(tokenizer, [s for s, _ in batch], spec.vocab_size, where))
+            source.append(to_ids(encode, [s for s, _ in batch], spec.vocab_size, where))
         else:
             # Packing concatenates stored documents, so each must end with its EOS separator.
             tgt = [d if d and d[-1] == spec.eos_id else [*d, spec.eos_id] for d in tgt]

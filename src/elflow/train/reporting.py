@@ -135,6 +135,11 @@ class Progress:
     def __init__(self, bar) -> None:
         self.bar = bar
 
+    def tick(self, done: int) -> None:
+        """Step ``done`` finished (the bar moves every step; its figures at logging steps)."""
+        if self.bar is not None:
+            self.bar.update(done - self.bar.n)
+
     def update(self, done: int, line: dict[str, Any]) -> None:
         if self.bar is None:
             return
@@ -244,12 +249,13 @@ class Reporter:
                 if aside is not None:
                     set_aside_samples(out, run.start_step, aside)
         self.logger = MetricsLogger(out, cfg, info.is_main, run.start_step, aside)
-        self.progress = progress_bar(info, run.start_step, run.geometry.total_steps)
         self.heldout = None
         if cfg.train.eval_every:
             self.heldout = heldout_splits(
                 cfg, run.valid, run.dataset, run.encoder, info, run.geometry.micro
             )
+        # Made last, so that its clock starts with the first step, not with the set-up.
+        self.progress = progress_bar(info, run.start_step, run.geometry.total_steps)
         if aside is not None:
             print(
                 f"elflow train: resuming from {run.resume_from.name}; the later checkpoints and "
@@ -274,6 +280,7 @@ class Reporter:
         self.window[-1] += metrics.text_tokens
         self.steps += 1
         if not self.due(done):
+            self.progress.tick(done)
             return
         sums = all_reduce_sum(torch.cat([self.window, grad_norm.double().reshape(1)]))
         loss, l2_sum, ce_sum, l2_n, ce_n, _, tokens, gnorm = sums.tolist()

@@ -24,7 +24,7 @@ from elflow.io.manifest import intact
 from elflow.io.sources import resolve_source
 from elflow.io.tokenizer import load_tokenizer
 from elflow.tokens import vocab_hash
-from elflow.train.config import EncoderConfig, RunConfig, run_config_from_dict
+from elflow.train.config import EncoderConfig, RunConfig, run_config_from_dict, run_config_to_dict
 
 
 def resolve_resume(out: Path, resume: str | None) -> Path | None:
@@ -167,6 +167,31 @@ def resumed_settings(cfg: RunConfig, saved: RunConfig) -> RunConfig:
     if not cfg.encoder.latent_std and saved.encoder.latent_std:
         return replace(cfg, encoder=replace(cfg.encoder, latent_std=saved.encoder.latent_std))
     return cfg  # a different init is refused by check_resumable
+
+
+_SET_AT_START = {"model.encoder_dim", "model.vocab_size", "encoder.latent_std", "preset"}
+"""Settings a run fills in when it starts (from the encoder, the tokenizer, a measurement): a
+resume's config holds the preset's value until then."""
+
+
+def changed_settings(cfg: RunConfig, saved: RunConfig) -> list[str]:
+    """The settings ``cfg`` gives other values than the ``saved`` run's, as ``key old -> new``."""
+
+    def flat(d: dict, prefix: str = "") -> dict:
+        out = {}
+        for k, v in d.items():
+            if isinstance(v, dict):
+                out |= flat(v, f"{prefix}{k}.")
+            else:
+                out[f"{prefix}{k}"] = v
+        return out
+
+    new, old = flat(run_config_to_dict(cfg)), flat(run_config_to_dict(saved))
+    return [
+        f"{k} {old.get(k)!r} -> {v!r}"
+        for k, v in new.items()
+        if k not in _SET_AT_START and k in old and old[k] != v
+    ]
 
 
 def check_resumable(cfg: RunConfig, saved: RunConfig, ckpt: Path) -> None:

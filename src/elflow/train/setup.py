@@ -23,10 +23,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from elflow.data.latent_cache import LatentCache, run_latent_cache
+from elflow.data.latent_cache import LatentCache, shared_latent_cache
 from elflow.data.order import StreamOrder
 from elflow.data.preparation import measure_first_rows_latent_std, prepared_latent_std
 from elflow.data.rows import RowDataset, build_dataset
+from elflow.data.sources import resolve_source as data_source
 from elflow.distributed import (
     DistInfo,
     barrier,
@@ -36,7 +37,7 @@ from elflow.distributed import (
     setup,
 )
 from elflow.encoder import FrozenEncoder
-from elflow.errors import ELFError
+from elflow.errors import ELFError, note_once
 from elflow.hardware import slow_bf16_warning, use_bf16
 from elflow.io import checkpoint as ckpt_io
 from elflow.io import train_state
@@ -55,6 +56,7 @@ from elflow.train.optim import OptimConfig, build_optimizer, resolve_ns_dtype
 from elflow.train.resume import (
     absolute_init,
     apply_init,
+    changed_settings,
     check_resumable,
     check_same_rows,
     check_vocabulary,
@@ -170,6 +172,12 @@ def _prepare(cfg, out, resume, init_state, latent_cache_dir, info, lock, t0) -> 
     encoder_cfg = replace(cfg.encoder, latent_std=encoder.latent_std)
     cfg = replace(cfg, model=model_cfg, encoder=encoder_cfg)
     geometry = _geometry(cfg, info, len(dataset))
+    if resume_state is not None and resume_state["step"] >= geometry.total_steps:
+        note_once(
+            f"elflow train: {resume_from} is already at step {resume_state['step']} of "
+            f"{geometry.total_steps}: nothing to train; raise train.max_steps (or --steps) to "
+            "train on"
+        )
     optim_cfg = cfg.optim
     if cfg.train.warmup_epochs > 0:
         warmup = round(cfg.train.warmup_epochs * geometry.rows / geometry.global_batch)
@@ -191,8 +199,8 @@ def _prepare(cfg, out, resume, init_state, latent_cache_dir, info, lock, t0) -> 
     cache = None
     if cfg.data.latent_cache:
         where = out if latent_cache_dir is None else Path(latent_cache_dir)
-        # Each machine's first process saves (a node-local cache serves that node's resumes).
-        cache = run_latent_cache(cfg.data, dataset, encoder, where, info.local_rank == 0)
+        # Built once, by process 0; the others load its file.
+        cache = shared_latent_cache(cfg.data, dataset, encoder, where, info)
     run = Run(
         cfg=cfg,
         out=out,
@@ -245,6 +253,12 @@ def _start(
         saved = saved_run_config(resume_from)
         cfg = resumed_settings(cfg, saved)
         check_resumable(cfg, saved, resume_from)
+        changed = changed_settings(cfg, saved)
+        if changed:
+            note_once(
+                f"elflow train: resuming {resume_from} with settings changed since it was "
+                f"saved: {', '.join(changed)}"
+            )
     return cfg, init_state, init_source, resume_from, continues_out
 
 
@@ -261,6 +275,7 @@ def _rows(
     pad_id = token_spec(tokenizer).row_pad_id(cfg.objective.pad_with_eos)
     conditional = cfg.task == "conditional"
     L = cfg.model.max_length
+    check_raw_data(cfg, info)
     dataset = build_dataset(
         cfg.data, tokenizer, L, cfg.max_input_length, pad_id, "train", conditional
     )
@@ -270,6 +285,38 @@ def _rows(
     if resume_state is not None:
         check_same_rows(resume_from, resume_state, len(dataset))
     return tokenizer, dataset, valid_rows(cfg, tokenizer, pad_id, info), resume_state
+
+
+RAW_DATA_LIMIT = 128 << 20
+"""Raw (unprepared) training data above this size is refused under several processes, each of
+which would tokenise all of it at start: ``elflow prepare`` it once instead."""
+
+
+def check_raw_data(cfg: RunConfig, info: DistInfo) -> None:
+    """Under several processes, refuse raw training data that every process would tokenise (more
+    than :data:`RAW_DATA_LIMIT`, compressed files counted at 4x, or a Hub dataset), in one line
+    that gives the ``elflow prepare`` command."""
+    if info.world_size == 1:
+        return
+    src = data_source(cfg.data, cfg.data.path)
+    if src.container == "prepared" or (src.container == "hf" and Path(src.location).is_dir()):
+        return
+    packed = (".gz", ".xz", ".bz2", ".zst")
+    size = sum(p.stat().st_size * (4 if p.suffix in packed else 1) for p in src.files)
+    if src.container != "hf" and size <= RAW_DATA_LIMIT:
+        return
+    what = "a Hugging Face Hub dataset" if src.container == "hf" else f"{size / 2**20:.0f} MB"
+    command = (
+        f"elflow prepare --data {cfg.data.path} --out {cfg.data.path.rstrip('/')}-prepared "
+        f"--tokenizer {cfg.encoder.tokenizer_name} --max-length {cfg.model.max_length}"
+    )
+    if cfg.task == "conditional":
+        command += f" --max-input-length {cfg.max_input_length}"
+    raise ELFError(
+        f"data.path {cfg.data.path} is {what} of raw data, which each of the {info.world_size} "
+        f"processes would read and tokenise at start; prepare it once ({command}) and set "
+        "data.path to the prepared folder"
+    )
 
 
 def _network(
@@ -479,6 +526,13 @@ def data_notes(dataset: RowDataset, cfg: RunConfig) -> list[str]:
     although packing was asked for, and the share of documents truncated (a warning above
     ``TRUNCATION_WARNING``)."""
     notes = []
+    G = cfg.train.global_batch
+    if len(dataset) < G:
+        notes.append(
+            f"elflow train: warning: only {len(dataset)} rows for train.global_batch {G}: every "
+            f"step sees each row about {G / max(len(dataset), 1):.0f} times; give more data or "
+            "lower train.global_batch"
+        )
     if dataset.prechunked:
         notes.append(
             f"elflow train: the documents are already rows of {dataset.max_length} tokens: "

@@ -1,0 +1,89 @@
+"""Data under several processes: the latent cache is built once (by process 0) and loaded by the
+others, or refused in one line when it cannot be shared; raw training data too large for every
+process to tokenise is refused with the `elflow prepare` command to run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from elflow.distributed import DistInfo
+from elflow.errors import ELFError
+from tests.dist.launch import free_port
+
+from .test_train import assert_same_checkpoint, assets, run_config, train_cli  # noqa: F401
+
+CACHE = {"latent_cache": True, "latent_cache_dtype": "float32", "latent_cache_dir": "run"}
+
+
+def _torchrun(tmp: Path, out: Path, cfg: dict) -> subprocess.CompletedProcess:
+    path = tmp / f"cfg-{out.name}.json"
+    path.write_text(json.dumps(cfg))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2"]
+    cmd += [f"--master_port={free_port()}", "-m", "elflow", "train", "--preset", "bible-tiny"]
+    cmd += ["--out", str(out), "--config", str(path)]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow
+def test_two_processes_build_the_latent_cache_once(tmp_path, assets):  # noqa: F811
+    cfg = run_config(assets, data=CACHE)
+    proc = _torchrun(tmp_path, tmp_path / "ddp", cfg)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("latent cache of 40 rows built") == 1
+    assert (tmp_path / "ddp" / "latent-cache.safetensors").is_file()
+    assert train_cli(tmp_path, tmp_path / "one", cfg) == 0
+    assert_same_checkpoint(
+        tmp_path / "one" / "checkpoint-6", tmp_path / "ddp" / "checkpoint-6", 1e-5
+    )
+    # A cache nobody saves would be encoded by every process: refused, on both, in one line.
+    unsaved = run_config(
+        assets,
+        data={"latent_cache": True, "latent_cache_dtype": "float32", "latent_cache_save": False},
+    )
+    proc = _torchrun(tmp_path, tmp_path / "unsaved", unsaved)
+    assert proc.returncode != 0
+    text = (proc.stdout + proc.stderr).replace("\r", "\n")
+    lines = [x for x in text.splitlines() if "elflow: error:" in x]
+    assert len(lines) == 2 and all(
+        "data.latent_cache_save=false would make each of the 2 processes encode every row" in x
+        for x in lines
+    ), text[-3000:]
+
+
+def test_large_raw_data_under_several_processes_is_refused(tmp_path, assets, monkeypatch):  # noqa: F811
+    from elflow.train import setup
+    from elflow.train.config import apply_overrides
+    from elflow.train.presets import preset
+
+    cfg_path = tmp_path / "cfg.json"
+    cfg_path.write_text(json.dumps(run_config(assets)))
+    cfg = apply_overrides(preset("bible-tiny"), cfg_path)
+    two = DistInfo(rank=0, world_size=2, local_rank=0, device=torch.device("cpu"))
+    one = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    size = (assets / "train.jsonl").stat().st_size
+    setup.check_raw_data(cfg, two)  # small: every process may read it
+    monkeypatch.setattr(setup, "RAW_DATA_LIMIT", size - 1)
+    setup.check_raw_data(cfg, one)  # one process: its own business
+    with pytest.raises(ELFError) as e:
+        setup.check_raw_data(cfg, two)
+    data = assets / "train.jsonl"
+    assert str(e.value) == (
+        f"data.path {data} is 0 MB of raw data, which each of the 2 processes would read and "
+        f"tokenise at start; prepare it once (elflow prepare --data {data} --out {data}-prepared "
+        f"--tokenizer minilm --max-length 12) and set data.path to the prepared folder"
+    )
+    # The command it gives works, and its output is accepted.
+    from elflow.__main__ import main
+
+    out = tmp_path / "prepared"  # (the command's own --out is beside the shared test data)
+    argv = ["prepare", "--data", str(data), "--out", str(out), "--tokenizer", "minilm"]
+    assert main([*argv, "--max-length", "12"]) == 0
+    setup.check_raw_data(apply_overrides(cfg, None, [f"data.path={out}"]), two)
