@@ -7,8 +7,10 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
-REFERENCE_FIXTURE = FIXTURES / "elf_reference_tiny.safetensors"
+from elflow.testing.reference import BUNDLED_FIXTURE as REFERENCE_FIXTURE  # noqa: F401
+
+SHARED_FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
+"""The fixtures' source beside the repository (CI only): the bundled copy must equal it."""
 
 
 @pytest.fixture(autouse=True, scope="session")

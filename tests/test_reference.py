@@ -1,15 +1,13 @@
-"""Number-for-number parity with the authors' code through the shared fixtures."""
+"""Number-for-number parity with the authors' code through the reference fixture shipped with
+elflow."""
+
+import hashlib
 
 import pytest
 
 from elflow.testing.reference import check_fixture
 
-from .conftest import REFERENCE_FIXTURE
-
-pytestmark = pytest.mark.skipif(
-    not REFERENCE_FIXTURE.is_file(),
-    reason=f"reference fixture {REFERENCE_FIXTURE} is absent (it ships in ../shared/fixtures)",
-)
+from .conftest import REFERENCE_FIXTURE, SHARED_FIXTURES
 
 
 @pytest.fixture(scope="module")
@@ -50,4 +48,19 @@ def test_cli_check_fixture(capsys):
     from elflow.__main__ import main
 
     assert main(["check-fixture", str(REFERENCE_FIXTURE)]) == 0
-    assert "0 over 1e-4" in capsys.readouterr().out
+    named = capsys.readouterr().out
+    assert "0 over 1e-4" in named
+    assert main(["check-fixture"]) == 0  # no argument: the bundled fixture, the same report
+    assert capsys.readouterr().out == named
+
+
+def test_the_bundled_fixture_is_the_authors_file():
+    """The copy shipped with elflow equals its source, where that source is present (CI)."""
+    if not SHARED_FIXTURES.is_dir():
+        pytest.skip(f"{SHARED_FIXTURES} is absent: nothing to compare the bundled copy with")
+    for suffix in (".safetensors", ".json"):
+        ours = REFERENCE_FIXTURE.with_suffix(suffix)
+        theirs = SHARED_FIXTURES / ours.name
+        assert hashlib.sha256(ours.read_bytes()).digest() == (
+            hashlib.sha256(theirs.read_bytes()).digest()
+        ), ours.name

