@@ -132,6 +132,14 @@ def assert_same_checkpoint(a: Path, b: Path, atol: float = 0.0) -> None:
         assert_same(weights(a, name), weights(b, name), atol=atol)
 
 
+def _saved_weights(ckpt) -> dict:
+    """The tensors of a checkpoint's weights file that ``load_model`` reads by default."""
+    from safetensors.torch import load_file
+
+    names = [n for n in ("ema.safetensors", "model.safetensors") if (ckpt / n).is_file()]
+    return load_file(ckpt / names[0])
+
+
 def test_train_learns_and_writes_checkpoints(tmp_path, assets):
     cfg = run_config(
         assets,
@@ -367,8 +375,10 @@ def test_interrupted_save_keeps_previous_checkpoint(tmp_path, assets, monkeypatc
     assert train_cli(tmp_path, tmp_path / "run", cfg) == 130  # one line, no traceback
     run = tmp_path / "run"
     assert [p.name for p in run.glob("checkpoint-*")] == ["checkpoint-3"]
-    model, _ = load_model(run)  # the previous checkpoint loads
-    assert model is not None
+    model, _ = load_model(run)  # the previous checkpoint loads, with the weights it saved
+    weights, held = model.state_dict(), _saved_weights(run / "checkpoint-3")
+    assert held and set(held) <= set(weights)
+    assert all(torch.equal(weights[k], v) for k, v in held.items())
     monkeypatch.setattr(ckpt_io, "save_safetensors", real_save)
     (run / ".tmp-checkpoint-2").mkdir()  # left by an earlier save killed the same way
     assert train_cli(tmp_path, run, cfg) == 0  # and the run resumes from it

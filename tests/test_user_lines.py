@@ -85,3 +85,13 @@ def test_the_progress_bar_moves_every_step():
         progress.tick(done)
         assert progress.bar.n == done
     assert "2/4" in out.getvalue()
+
+
+def test_train_without_out_writes_to_runs_preset(tmp_path, assets, capsys, monkeypatch):  # noqa: F811
+    from elflow.__main__ import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "cfg.json").write_text(json.dumps(run_config(assets, train={"max_steps": 1})))
+    assert main(["train", "--preset", "bible-tiny", "--config", "cfg.json"]) == 0
+    assert "elflow train: writing to runs/bible-tiny" in capsys.readouterr().err
+    assert (tmp_path / "runs" / "bible-tiny" / "checkpoint-1").is_dir()

@@ -40,7 +40,9 @@ def add_run_config_arguments(p: argparse.ArgumentParser, preset_default: str | N
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_run_config_arguments(p, None)
-    p.add_argument("--out", required=True, help="run folder (checkpoints, metrics, samples)")
+    p.add_argument(
+        "--out", help="run folder (checkpoints, metrics, samples); default runs/<preset>"
+    )
     p.add_argument(
         "--resume",
         default="auto",
@@ -119,8 +121,11 @@ def run(args: argparse.Namespace) -> int:
     from elflow.distributed import teardown
     from elflow.train.loop import train
 
+    out = args.out or os.path.join("runs", args.preset)
+    if not args.out and os.environ.get("RANK", "0") == "0":
+        print(f"elflow train: writing to {out} (--out names another folder)", file=sys.stderr)
     try:
-        last = train(cfg, args.out, resume=args.resume)
+        last = train(cfg, out, resume=args.resume)
     finally:
         teardown()
     if os.environ.get("RANK", "0") == "0":  # once under torchrun
