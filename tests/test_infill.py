@@ -223,3 +223,51 @@ def test_span_condition_keeps_all_but_one_span():
     half = replace(cfg, objective=replace(cfg.objective, span_cond_prob=0.5))
     share = span_condition(attention, np.arange(64), half).any(1).mean()
     assert 0.25 < share < 0.75
+
+
+@pytest.mark.parametrize(
+    ("flags", "given"),
+    [
+        (
+            "--sampler sde --steps 2 --gamma 0.7 --w 1.5 --time-mean -1.0 --time-std 0.6 "
+            "--project-from 0.9 --length 10",
+            {
+                "steps": 2,
+                "gamma": 0.7,
+                "w": 1.5,
+                "time_mean": -1.0,
+                "time_std": 0.6,
+                "project_from": 0.9,
+                "length": 10,
+            },
+        ),
+        (
+            "--sampler pc --pc-snr 0.2 --time-grid uniform --length-range 8 --refresh-from 0.5",
+            {
+                "sampler": "pc",
+                "pc_snr": 0.2,
+                "time_grid": "uniform",
+                "length_range": "8",
+                "refresh_from": 0.5,
+                "gamma": 1.5,  # not used by pc: recorded as None, read back as the default
+            },
+        ),
+    ],
+)
+def test_every_sampler_setting_round_trips_through_a_record(model, tmp_path, flags, given):
+    """A sample record holds every sampler setting (a key per SamplerConfig field) and gives back
+    the settings that made it (``length`` as resolved: 0 is the model's max_length, 16; under
+    ``length_range`` the rows' length is the model's)."""
+    import dataclasses
+    import json
+
+    from elflow.config import SamplerConfig
+    from elflow.generation.records import sampler_from_record
+
+    out = tmp_path / "s.jsonl"
+    argv = ["sample", "--model", model, "--out", str(out), "-n", "1", "--device", "cpu"]
+    assert main(argv + flags.split()) == 0
+    (record,) = [json.loads(x) for x in out.read_text().splitlines()]
+    assert {f.name for f in dataclasses.fields(SamplerConfig)} <= set(record)
+    made_with = SamplerConfig(steps=3, sampler="sde", gamma=1.0, w=2.0)  # make_infill_model's
+    assert sampler_from_record(record) == dataclasses.replace(made_with, **given)

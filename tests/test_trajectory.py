@@ -339,3 +339,38 @@ def test_pages_in_headless_chromium(tmp_path, capsys):
     assert "the steps at t ≥ 0.3" in dom.rows["projection"][1]
     assert "different steps in each sample" in dom.rows["projection"][1]
     assert_plain(dom, str(tmp_path), root)
+
+
+@pytest.mark.parametrize(
+    ("sampler", "steps", "gamma", "start"),
+    [("sde", 32, 1.5, 0.95), ("sde", 8, 1.5, 0.5), ("sde", 4, 3.0, 0.6), ("ode", 8, 1.5, 0.5)],
+)
+def test_the_page_names_the_steps_the_sampler_projects(sampler, steps, gamma, start):
+    """On the uniform grid the page's projected steps are the steps whose network evaluation the
+    sampler makes at t >= project_from (the SDE's last step is plain Euler, at t itself)."""
+    import torch
+
+    from elflow.config import SamplerConfig
+    from elflow.generation.trajectory import _projected_steps
+    from elflow.sampling import sample
+
+    scfg = SamplerConfig(steps=steps, sampler=sampler, gamma=gamma, time_grid="uniform")
+    step, touched = {"k": 0}, []
+
+    def denoise(z, x_prev, t):
+        if float(t.max()) >= start:
+            touched.append(step["k"])
+        step["k"] += 1
+        return torch.zeros_like(z), torch.zeros_like(z)
+
+    def decode(x):
+        return torch.zeros(x.shape[:2], dtype=torch.long)
+
+    sample(denoise, decode, [torch.Generator().manual_seed(0)], (4, 2), scfg)
+    said = _projected_steps(
+        {"steps": steps, "sampler": sampler, "gamma": gamma, "time_grid": "uniform"}, start
+    )
+    first = touched[0] + 1
+    assert touched == list(range(touched[0], steps))
+    which = f"step {first}" if first == steps else f"steps {first}–{steps}"
+    assert said == f"on this evenly spaced grid, {which} of {steps}"

@@ -9,6 +9,7 @@ contiguous share of the indices and rank 0 gathers them in index order. Each rec
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from collections.abc import Callable, Collection, Sequence
@@ -88,10 +89,22 @@ def settings_record(
         "project_from": recorded_project_from(scfg),
         "seed": seed,
         "length": L or pipe.config.model.max_length,
+        "length_range": scfg.length_range or None,
+        "refresh_from": scfg.refresh_from,  # infilling and length control
         "dtype": "bf16" if bf16 else "fp32",
         "model": model,
         "ema": ema,
     }
+
+
+def sampler_from_record(record: dict) -> SamplerConfig:
+    """The sampler settings a record (:func:`settings_record`) was made with; a setting the
+    record leaves out (None: not used by its sampler) takes its default."""
+    names = {f.name for f in dataclasses.fields(SamplerConfig)}
+    given = {k: v for k, v in record.items() if k in names and v is not None}
+    if given.get("length_range"):  # the recorded length is then the rows', not a setting
+        given.pop("length", None)
+    return SamplerConfig(**given)
 
 
 def recorded_project_from(scfg: SamplerConfig) -> float | None:

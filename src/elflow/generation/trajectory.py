@@ -113,9 +113,11 @@ def _projected_steps(s: Mapping[str, Any], start: float) -> str:
 
         t = torch.linspace(0.0, 1.0, steps + 1, dtype=torch.float64)
         at = t[:-1]
-        if s.get("sampler") == "sde":  # the SDE evaluates after stepping back to alpha t
+        if s.get("sampler") == "sde":  # the SDE evaluates after stepping back to alpha t,
+            # but for its last step, which is plain Euler (elflow.sampling.sample)
             rate = gamma_at(s.get("gamma_schedule") or "constant", float(s["gamma"]), at)
-            at = at * backtrack_alpha(at, t[1:], rate)
+            back = at * backtrack_alpha(at, t[1:], rate)
+            at = torch.cat([back[:-1], at[-1:]])
         touched = [k + 1 for k in range(steps) if at[k] >= start]
         if not touched:
             return f"no step of the {steps} on this evenly spaced grid reaches t = {start:g}"
