@@ -23,6 +23,8 @@ _EXPORTS = {
     "sample_draws": "elflow.objective",
     "ELFError": "elflow.errors",
     "ELFPipeline": "elflow.generation.pipeline",
+    "Generation": "elflow.generation.pipeline",
+    "StepState": "elflow.sampling",
     "ModelConfig": "elflow.config",
     "ObjectiveConfig": "elflow.config",
     "SamplerConfig": "elflow.config",

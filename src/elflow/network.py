@@ -23,7 +23,14 @@ from elflow.flow import velocity
 from elflow.hardware import keep_freed_memory
 from elflow.model import ELF
 from elflow.projection import Project, Projection, project_denoiser, project_rows
-from elflow.sampling import Condition, Decoder, Denoiser, SampleOutput, sample
+from elflow.sampling import (
+    Condition,
+    Decoder,
+    Denoiser,
+    SampleOutput,
+    StepCallback,
+    sample,
+)
 
 
 def sampling_w(model: ELF, w: float | Tensor) -> float | Tensor | None:
@@ -138,6 +145,7 @@ def sample_model(
     cond: Condition | None = None,
     trajectory: bool = False,
     projection: Projection | None = None,
+    callback_on_step_end: StepCallback | None = None,
 ) -> SampleOutput:
     """:func:`elflow.sampling.sample` with ``model``'s denoiser and decoder (ELF_SPEC §5).
 
@@ -170,6 +178,7 @@ def sample_model(
         cond,
         trajectory,
         t_eps,
+        callback_on_step_end,
     )
 
 

@@ -141,6 +141,25 @@ class SampleOutput:
     """(N, B, L) decode-mode argmax of each step's x_hat, when asked for."""
 
 
+@dataclass(frozen=True)
+class StepState:
+    """What a sampling step hands to ``callback_on_step_end``."""
+
+    step: int
+    """The step just taken, from 0."""
+    steps: int
+    """The number of steps."""
+    t: Tensor
+    """(B,) the time reached (1 = data)."""
+    z: Tensor
+    """(B, L, E) the state at ``t``."""
+    x_hat: Tensor
+    """(B, L, E) the step's clean-latent estimate (what the trajectory decodes)."""
+
+
+StepCallback = Callable[[StepState], None]
+
+
 @torch.no_grad()
 def sample(
     denoise: Denoiser,
@@ -152,6 +171,7 @@ def sample(
     cond: Condition | None = None,
     trajectory: bool = False,
     t_eps: float = 0.05,
+    callback_on_step_end: StepCallback | None = None,
 ) -> SampleOutput:
     """Integrate from noise to t = 1 and decode (ELF_SPEC §5). One generator per sample.
 
@@ -161,6 +181,8 @@ def sample(
         sampler: steps, method, gamma (and its schedule) and time grid; its guidance scales
             (w, cfg) and ``project_from`` are the denoiser's business.
         t_eps: the clamp of 1 - t in the pc corrector's score (the model's).
+        callback_on_step_end: called after each step with a :class:`StepState` (the diffusers
+            convention; it must not change the tensors it is given).
     """
     B, N = len(generators), sampler.steps
     device = generators[0].device
@@ -196,4 +218,6 @@ def sample(
             z = torch.where(c3, cond.latents, z)
         if trajectory:
             frames.append(decode(x_prev))
+        if callback_on_step_end is not None:
+            callback_on_step_end(StepState(k, N, t_next, z, x_prev))
     return SampleOutput(decode(z), z, torch.stack(frames) if trajectory else None)

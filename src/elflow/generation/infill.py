@@ -332,6 +332,7 @@ def infill_batch(
     seed: int = 0,
     first_index: int = 0,
     trajectory: bool = False,
+    callback_on_step_end=None,
 ) -> Infilled:
     """Fill ``requests`` (samples first_index, first_index + 1, ...) in one batch with
     ``pipe``'s model (an :class:`elflow.ELFPipeline`), unchecked: see :meth:`ELFPipeline.infill`.
@@ -389,6 +390,7 @@ def infill_batch(
         cond,
         trajectory,
         cfg.t_eps,
+        callback_on_step_end,
     )
     texts = pipe.detokenize(out.tokens, template.source)
     kept = [kept_texts(pipe.tokenizer, template, b) for b in range(len(requests))]

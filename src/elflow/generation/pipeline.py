@@ -35,7 +35,7 @@ from elflow.io.tokenizer import check_tokenizer, load_tokenizer, model_tokenizer
 from elflow.model import ELF
 from elflow.network import sample_model
 from elflow.projection import Projection
-from elflow.sampling import Condition, sample_generators
+from elflow.sampling import Condition, StepCallback, sample_generators
 from elflow.tokens import (
     TokenSpec,
     build_unconditional_row,
@@ -272,6 +272,7 @@ class ELFPipeline:
         seed: int = 0,
         trajectory: bool = False,
         projection: Projection | None = None,
+        callback_on_step_end: StepCallback | None = None,
     ) -> Generation:
         """Samples ``indices`` (one per source when conditional) in one batch, unchecked: call
         :meth:`prepare` once first. Sample i depends on (seed, i) only."""
@@ -287,7 +288,13 @@ class ELFPipeline:
             for request, source in zip(requests, sources or [], strict=False):
                 request.source = source
             done = infill_batch(
-                self, requests, sampler, seed=seed, first_index=indices[0], trajectory=trajectory
+                self,
+                requests,
+                sampler,
+                seed=seed,
+                first_index=indices[0],
+                trajectory=trajectory,
+                callback_on_step_end=callback_on_step_end,
             )
             return Generation(done.texts, done.tokens, done.trajectory)
         gens = sample_generators(seed, list(indices), self.device)
@@ -304,6 +311,7 @@ class ELFPipeline:
             cond,
             trajectory=trajectory,
             projection=projection,
+            callback_on_step_end=callback_on_step_end,
         )
         texts = self.detokenize(out.tokens, cond_mask)
         frames = None
@@ -320,8 +328,11 @@ class ELFPipeline:
         seed: int = 0,
         batch_size: int = 32,
         trajectory: bool = False,
+        callback_on_step_end: StepCallback | None = None,
     ) -> Generation:
-        """Like :meth:`generate`, returning tokens and (optionally) the per-step trajectory."""
+        """Like :meth:`generate`, returning tokens and (optionally) the per-step trajectory;
+        ``callback_on_step_end`` gets each batch's :class:`elflow.sampling.StepState` after
+        every step."""
         sampler, n, projection = self.prepare(sampler, n, sources)
         check_batch_size(batch_size)
         parts = []
@@ -336,6 +347,7 @@ class ELFPipeline:
                     seed=seed,
                     trajectory=trajectory,
                     projection=projection,
+                    callback_on_step_end=callback_on_step_end,
                 )
             )
         frames = None
@@ -343,6 +355,64 @@ class ELFPipeline:
             frames = [[t for p in parts for t in p.trajectory[k]] for k in range(sampler.steps)]
         texts = [t for p in parts for t in p.texts]
         return Generation(texts, torch.cat([p.tokens for p in parts]), frames)
+
+    def __call__(
+        self,
+        n: int | None = None,
+        *,
+        sources: Sequence[str] | None = None,
+        sampler: SamplerConfig | None = None,
+        seed: int = 0,
+        batch_size: int = 32,
+        trajectory: bool = False,
+        callback_on_step_end: StepCallback | None = None,
+    ) -> Generation:
+        """``pipe(n)`` / ``pipe(sources=[...])``: :meth:`generate_full`, the transformers and
+        diffusers way: a :class:`Generation` with ``texts``, ``tokens`` and, when asked for, the
+        ``trajectory``."""
+        return self.generate_full(
+            n,
+            sources=sources,
+            sampler=sampler,
+            seed=seed,
+            batch_size=batch_size,
+            trajectory=trajectory,
+            callback_on_step_end=callback_on_step_end,
+        )
+
+    def to(self, device: torch.device | str) -> ELFPipeline:
+        """Move the model (and the encoder, if loaded) to ``device``; returns the pipeline.
+        Sampling precision is chosen per call (``elflow.hardware``'s bf16 autocast on CUDA), so
+        the weights stay fp32."""
+        self.model.to(device)
+        if self.encoder is not None:
+            self.encoder = self.encoder.to(device)
+        return self
+
+    def save_pretrained(self, folder: str | Path, *, metrics: dict | None = None) -> Path:
+        """Write the pipeline as a model folder that :meth:`from_pretrained` (and ``elflow
+        sample --model``) loads: ``model.safetensors``, ``config.json``, ``tokenizer/`` and a
+        ``README.md`` model card whose YAML front matter names ``library_name: elflow``;
+        ``metrics`` (e.g. an ``elflow score`` result) go into the card."""
+        from elflow.io.artifact import save_model
+        from elflow.io.model_card import write_model_card
+
+        out = save_model(folder, self.model, self.config)
+        self.tokenizer.save_pretrained(str(Path(out) / "tokenizer"))
+        write_model_card(Path(out), self.config, metrics)
+        return Path(out)
+
+    def push_to_hub(
+        self, repo_id: str, *, private: bool = False, token: str | None = None, **save
+    ) -> str:
+        """:meth:`save_pretrained` into a temporary folder and upload it to the Hugging Face Hub
+        repository ``repo_id`` (created if needed) with ``huggingface_hub``; returns its URL."""
+        import tempfile
+
+        from elflow.io.model_card import upload_folder
+
+        with tempfile.TemporaryDirectory() as tmp:
+            return upload_folder(self.save_pretrained(tmp, **save), repo_id, private, token)
 
     def generate(
         self,

@@ -1,0 +1,74 @@
+"""A model folder's Hugging Face model card (``README.md``) and its upload to the Hub.
+
+The card's YAML front matter is what the Hub indexes: ``library_name: elflow`` and
+``pipeline_tag: text-generation`` (the Hub's names), tags, and the evaluation figures when the
+caller has them (e.g. the JSON ``elflow score`` writes).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from elflow.errors import ELFError, first_line
+from elflow.io.artifact import ArtifactConfig
+
+CARD = "README.md"
+
+
+def model_card(config: ArtifactConfig, metrics: dict | None = None) -> str:
+    """The card's text: front matter, what the model is, how to load it, its figures."""
+    m = config.model
+    kind = "conditional (source to target)" if config.conditional else "unconditional"
+    tags = ["elflow", "diffusion", "flow-matching", "continuous-diffusion", kind.split()[0]]
+    front = ["---", "library_name: elflow", "pipeline_tag: text-generation", "tags:"]
+    front += [f"- {t}" for t in tags]
+    figures = {k: v for k, v in (metrics or {}).items() if isinstance(v, (int, float, str))}
+    if figures:
+        front.append("elflow_metrics:")
+        front += [f"  {k}: {json.dumps(v)}" for k, v in sorted(figures.items())]
+    front.append("---")
+    body = [
+        "",
+        "# An ELF model",
+        "",
+        f"An {kind} ELF (Embedded Language Flows, arXiv 2605.10938) model: a rectified-flow "
+        f"network of depth {m.depth} and width {m.hidden_size} over the latents of the frozen "
+        f"encoder `{config.encoder}` (max length {m.max_length} tokens), made with elflow.",
+        "",
+        "```python",
+        "from elflow import ELFPipeline",
+        "",
+        'pipe = ELFPipeline.from_pretrained("<this repository or folder>")',
+        "print(pipe(4).texts)" if not config.conditional else 'print(pipe(sources=["..."]).texts)',
+        "```",
+        "",
+        "Or from a shell: `elflow sample --model <this repository or folder> -n 4`.",
+    ]
+    if figures:
+        body += ["", "| metric | value |", "|---|---|"]
+        body += [f"| {k} | {v} |" for k, v in sorted(figures.items())]
+    return "\n".join(front + body) + "\n"
+
+
+def write_model_card(folder: Path, config: ArtifactConfig, metrics: dict | None = None) -> Path:
+    path = Path(folder) / CARD
+    path.write_text(model_card(config, metrics))
+    return path
+
+
+def upload_folder(folder: Path, repo_id: str, private: bool, token: str | None) -> str:
+    """Create ``repo_id`` on the Hub if needed and upload ``folder``; returns the repo's URL."""
+    from huggingface_hub import HfApi
+
+    api = HfApi(token=token)
+    try:
+        url = api.create_repo(repo_id, private=private, exist_ok=True)
+        api.upload_folder(folder_path=str(folder), repo_id=repo_id, repo_type="model")
+    except Exception as e:  # the Hub client's own errors: offline, auth, network
+        raise ELFError(
+            f"could not upload to the Hugging Face Hub repository {repo_id!r}: "
+            f"{first_line(e)}; check your network, HF_HUB_OFFLINE and your token "
+            "(huggingface-cli login)"
+        ) from None
+    return str(url)

@@ -1,0 +1,69 @@
+"""The Hugging Face-shaped pipeline API: ``pipe(...)`` returning a Generation, a step callback,
+``to``, ``save_pretrained`` with a model card, ``from_pretrained`` of a Hub id from the local
+Hugging Face cache offline, and ``push_to_hub`` failing in one line offline."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from elflow import ELFError, ELFPipeline, Generation
+from tests.test_sample_cli import make_uncond
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return make_uncond(tmp_path_factory.mktemp("api") / "model")
+
+
+@pytest.fixture(scope="module")
+def pipe(model):
+    return ELFPipeline.from_pretrained(model)
+
+
+def test_calling_the_pipeline_returns_a_generation_and_reports_each_step(pipe):
+    seen = []
+    out = pipe(3, seed=5, batch_size=2, callback_on_step_end=seen.append)
+    assert isinstance(out, Generation) and len(out.texts) == 3 and out.tokens.shape[0] == 3
+    assert out.texts == pipe.generate(3, seed=5, batch_size=2)
+    steps = pipe.sampler.steps
+    assert [(s.step, s.steps) for s in seen] == [(k, steps) for k in range(steps)] * 2
+    assert [s.z.shape[0] for s in seen] == [2] * steps + [1] * steps  # one report per batch
+    assert all(torch.equal(s.t, torch.ones_like(s.t)) for s in seen[steps - 1 :: steps])
+    assert pipe.to("cpu") is pipe
+
+
+def test_save_pretrained_writes_a_card_and_loads_back_the_same_samples(pipe, tmp_path):
+    folder = pipe.save_pretrained(tmp_path / "saved", metrics={"gen_ppl": 123.4, "entropy": 2.5})
+    card = (folder / "README.md").read_text()
+    front = card.split("---")[1]
+    assert "library_name: elflow" in front and "pipeline_tag: text-generation" in front
+    assert "- elflow" in front and "gen_ppl: 123.4" in front
+    assert (folder / "tokenizer" / "tokenizer.json").is_file()
+    again = ELFPipeline.from_pretrained(folder)
+    assert again(2, seed=1).texts == pipe(2, seed=1).texts
+
+
+def test_a_hub_id_loads_from_the_local_cache_offline(pipe, tmp_path, monkeypatch):
+    import huggingface_hub.constants as hub
+
+    assert hub.HF_HUB_OFFLINE  # tests never reach the network
+    cache = tmp_path / "hub"
+    snapshot = cache / "models--someone--elf-tiny" / "snapshots" / ("a1" * 20)
+    pipe.save_pretrained(snapshot)
+    (cache / "models--someone--elf-tiny" / "refs").mkdir()
+    (cache / "models--someone--elf-tiny" / "refs" / "main").write_text("a1" * 20)
+    monkeypatch.setattr(hub, "HF_HUB_CACHE", str(cache))
+    loaded = ELFPipeline.from_pretrained("someone/elf-tiny")
+    assert loaded(2, seed=3).texts == pipe(2, seed=3).texts
+    shutil.rmtree(cache / "models--someone--elf-tiny" / "snapshots")
+    with pytest.raises(ELFError, match="HF_HUB_OFFLINE"):
+        ELFPipeline.from_pretrained("someone/elf-tiny")
+
+
+def test_push_to_hub_offline_is_one_line(pipe):
+    with pytest.raises(ELFError) as e:
+        pipe.push_to_hub("someone/elf-tiny")
+    assert "\n" not in str(e.value) and "HF_HUB_OFFLINE" in str(e.value)
