@@ -253,7 +253,7 @@ def test_sweep_refuses_a_training_run_folder(tmp_path, model, capsys):
 def test_generate_checks_its_options(model, capsys):
     base = ("generate", model, "-n", "2", "--steps", "2")
     assert "--batch-size must be >= 1" in run_cli(capsys, *base, "--batch-size", "0")[1]
-    assert "applies to conditional models only" in run_cli(capsys, *base, "--cfg", "2")[1]
+    assert "applies to conditional tasks only" in run_cli(capsys, *base, "--cfg", "2")[1]
     assert "--device is 'foo'" in run_cli(capsys, *base, "--device", "foo")[1]
     code, err = run_cli(capsys, "generate", model, "--source", "x")
     assert code == 2 and "unconditional: it takes no sources" in err

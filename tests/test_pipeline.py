@@ -140,7 +140,7 @@ def test_generate_refuses_misused_arguments(uncond_dir, cond_dir):
     with pytest.raises(ELFError, match=r"elflow sample --source TEXT or --sources FILE"):
         cond.generate(2)
     uncond = ELFPipeline.from_pretrained(uncond_dir)
-    with pytest.raises(ELFError, match="conditional models only"):
+    with pytest.raises(ELFError, match="conditional tasks only"):
         uncond.generate(2, sampler=replace(uncond.sampler, cfg=2.0))
 
 

@@ -148,7 +148,10 @@ def test_overrides_from_set_and_yaml(tmp_path):
         (["optim.blr=-1"], "optim"),
         (["objective.self_cond_prob=2"], "self_cond_prob must be in [0, 1]"),
         (["task=conditional"], "max_input_length"),
-        (["sampler.cfg=2"], "sampler.cfg 2.0 applies to conditional tasks only"),
+        (
+            ["sampler.cfg=2"],
+            "sampler.cfg 2.0 (classifier-free guidance on the source) applies to conditional tasks",
+        ),
         (["train.seed=-1"], "train.seed must be >= 0"),
         (['objective={"time_mean": -3}'], "names a whole section"),
         (["train.warmup_epochs=0.5", "optim.warmup_steps=10"], "both set the warm-up"),

@@ -271,6 +271,28 @@ class SamplerConfig:
 LENGTH_RANGE = re.compile(r"|data|\d+(:\d+)?w?")
 
 
+def check_task(task: str, max_input_length: int, max_length: int) -> None:
+    """The task, and a conditional row's split between source and target: the one rule a run's
+    config and a saved model's both follow."""
+    if task not in ("unconditional", "conditional"):
+        raise ELFError(f"task must be 'unconditional' or 'conditional', got {task!r}")
+    if task == "conditional" and not 0 < max_input_length < max_length:
+        raise ELFError(
+            f"a conditional task needs 0 < max_input_length ({max_input_length}) < "
+            f"model.max_length ({max_length}); set max_input_length, the source's share of each "
+            f"row (e.g. {max_length // 2})"
+        )
+
+
+def check_guidance(task: str, sampler: SamplerConfig) -> None:
+    """Classifier-free guidance needs a source to guide by (runs and saved models alike)."""
+    if task != "conditional" and sampler.cfg != 1.0:
+        raise ELFError(
+            f"sampler.cfg {sampler.cfg} (classifier-free guidance on the source) applies to "
+            "conditional tasks only; leave it at 1"
+        )
+
+
 def length_bounds(length_range: str) -> tuple[int, int, bool]:
     """``"10:20w"`` -> (10, 20, True): the bounds of a numeric ``length_range`` and whether they
     count words."""

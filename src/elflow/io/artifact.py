@@ -21,7 +21,16 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from elflow.config import PAPER_TASKS, T5_SMALL, ModelConfig, SamplerConfig, from_dict, to_dict
+from elflow.config import (
+    PAPER_TASKS,
+    T5_SMALL,
+    ModelConfig,
+    SamplerConfig,
+    check_guidance,
+    check_task,
+    from_dict,
+    to_dict,
+)
 from elflow.errors import ELFError, first_line, note_once
 from elflow.io.manifest import intact
 from elflow.io.official import (
@@ -98,13 +107,7 @@ class ArtifactConfig:
     """Free-text provenance (e.g. the imported checkpoint)."""
 
     def __post_init__(self) -> None:
-        if self.task not in ("unconditional", "conditional"):
-            raise ELFError(f"task must be 'unconditional' or 'conditional', got {self.task!r}")
-        if self.task == "conditional" and not 0 < self.max_input_length < self.model.max_length:
-            raise ELFError(
-                f"a conditional model needs 0 < max_input_length ({self.max_input_length}) "
-                f"< max_length ({self.model.max_length})"
-            )
+        check_task(self.task, self.max_input_length, self.model.max_length)
         if not (math.isfinite(self.latent_std) and self.latent_std > 0):
             raise ELFError(f"latent_std must be a positive number, got {self.latent_std}")
         if not math.isfinite(self.latent_mean):
@@ -130,11 +133,7 @@ class ArtifactConfig:
         projection on the wrong kind of model, a length it cannot give, and an SDE whose gamma
         left at an ODE model's gamma 0 is caught where the settings are given
         (:func:`elflow.cli.common.sampler_from_args`)."""
-        if sampler.cfg != 1.0 and not self.conditional:
-            raise ELFError(
-                f"sampler.cfg {sampler.cfg} (classifier-free guidance) applies to conditional "
-                "models only; leave it at 1"
-            )
+        check_guidance(self.task, sampler)
         if sampler.length and self.conditional:
             raise ELFError(
                 "sampler.length applies to unconditional models; a conditional model writes its "

@@ -18,6 +18,8 @@ from elflow.config import (
     ModelConfig,
     ObjectiveConfig,
     SamplerConfig,
+    check_guidance,
+    check_task,
     coerce_field,
     elf_b,
     from_dict,
@@ -196,14 +198,7 @@ class RunConfig:
     """The preset this config started from (informational)."""
 
     def __post_init__(self) -> None:
-        if self.task not in ("unconditional", "conditional"):
-            raise ELFError(f"task must be 'unconditional' or 'conditional', got {self.task!r}")
-        if self.task == "conditional" and not 0 < self.max_input_length < self.model.max_length:
-            raise ELFError(
-                f"conditional runs need 0 < max_input_length ({self.max_input_length}) < "
-                f"model.max_length ({self.model.max_length}); set max_input_length, the source's "
-                f"share of each row (e.g. {self.model.max_length // 2})"
-            )
+        check_task(self.task, self.max_input_length, self.model.max_length)
 
 
 SECTIONS: dict[str, type] = {
@@ -318,11 +313,7 @@ def check_user_config(cfg: RunConfig, base: RunConfig) -> RunConfig:
         )
         cfg = replace(cfg, sampler=replace(cfg.sampler, project_from=1.0))
     check_projection(cfg)
-    if cfg.task == "unconditional" and cfg.sampler.cfg != 1.0:
-        raise ELFError(
-            f"sampler.cfg {cfg.sampler.cfg} applies to conditional tasks only "
-            "(classifier-free guidance on the source); leave it at 1"
-        )
+    check_guidance(cfg.task, cfg.sampler)
     if cfg.task == "conditional" and cfg.objective.span_cond_prob > 0:
         raise ELFError(
             "objective.span_cond_prob trains unconditional models to infill; a conditional task "
