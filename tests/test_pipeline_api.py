@@ -67,3 +67,16 @@ def test_push_to_hub_offline_is_one_line(pipe):
     with pytest.raises(ELFError) as e:
         pipe.push_to_hub("someone/elf-tiny")
     assert "\n" not in str(e.value) and "HF_HUB_OFFLINE" in str(e.value)
+
+
+def test_two_threads_sharing_a_pipeline_get_what_they_would_alone(pipe):
+    """Reentrant: concurrent calls on one pipeline give the texts of the same calls made one
+    after the other (fp32; different seeds and sizes, so the batches differ)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    calls = [(3, 11), (2, 12), (4, 13), (1, 14)]
+    alone = [pipe(n, seed=s).tokens for n, s in calls]
+    with ThreadPoolExecutor(2) as pool:
+        together = list(pool.map(lambda c: pipe(c[0], seed=c[1]).tokens, calls * 2))
+    for got, want in zip(together, alone * 2, strict=True):
+        assert torch.equal(got, want)

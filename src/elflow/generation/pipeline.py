@@ -9,6 +9,7 @@ size; conditional models run the frozen encoder once on the sources.
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,6 +108,7 @@ class ELFPipeline:
         self.tokenizer = tokenizer
         self.encoder = encoder
         self.tokens: TokenSpec = token_spec(tokenizer)
+        self._lock = threading.Lock()
 
     @property
     def device(self) -> torch.device:
@@ -160,11 +162,12 @@ class ELFPipeline:
     def frozen_encoder(self, what: str) -> FrozenEncoder:
         """The model's frozen encoder (loaded from its config on first use, or the one given),
         which ``what`` needs (an unconditional model samples without it otherwise)."""
-        if self.encoder is None:
-            try:
-                self.encoder = model_encoder(self.config).to(self.device)
-            except ELFError as e:
-                raise ELFError(f"{e} ({what} needs this model's encoder)") from None
+        with self._lock:  # two threads' first uses load it once
+            if self.encoder is None:
+                try:
+                    self.encoder = model_encoder(self.config).to(self.device)
+                except ELFError as e:
+                    raise ELFError(f"{e} ({what} needs this model's encoder)") from None
         check_encoder(self.encoder, self.config, self.device)
         return self.encoder
 
