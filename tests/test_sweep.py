@@ -306,3 +306,44 @@ def test_the_sampler_zoo_sweeps_and_groups_by_nfe(model_dir, tmp_path):
     nfes = [int(line.split("|")[3]) for line in body]
     assert nfes == sorted(nfes)  # grouped by cost
     assert "γ schedule" in table
+
+
+@pytest.fixture
+def toy_sampler():
+    """A sampler registered by the test alone: Euler steps that note the times they start at."""
+    from elflow.config import SamplerSpec, register_sampler, unregister_sampler
+    from elflow.sampling import ode_step
+
+    starts: list[float] = []
+
+    def step(denoise, z, x_prev, t, t_next, ctx):
+        starts.append(float(t[0]))
+        return ode_step(denoise, z, x_prev, t, t_next)
+
+    register_sampler(SamplerSpec("toy", "Toy", "Euler steps that count themselves", step=step))
+    yield starts
+    unregister_sampler("toy")
+
+
+def test_a_sampler_registered_in_a_test_runs_through_every_path(
+    toy_sampler, model_dir, judge_dir, tmp_path
+):
+    """Registering a SamplerSpec is all a new sampler needs: the command line takes it, records
+    and the trajectory page describe it, and a sweep crosses it with the others."""
+    out, page = tmp_path / "toy.jsonl", tmp_path / "toy.html"
+    argv = ["--model", str(model_dir), "--device", "cpu", "--steps", "3"]
+    assert elflow_main(["sample", *argv, "-n", "2", "--sampler", "toy", "--out", str(out)]) == 0
+    records = read(out)
+    assert {r["sampler"] for r in records} == {"toy"} and records[0]["nfe"] == 3
+    assert records[0]["gamma"] is None and records[0]["pc_snr"] is None  # others' settings
+    assert len(toy_sampler) == 2  # one batch, 2 steps of its own (the last step is Euler)
+    assert elflow_main(["sample", *argv, "--sampler", "toy", "--trajectory", str(page)]) == 0
+    text = page.read_text()
+    assert "Toy" in text and "Euler steps that count themselves" in text
+    sweep_out = tmp_path / "sweep"
+    argv = ["--model", str(model_dir), "--num-samples", "2", "--device", "cpu", "--steps", "3"]
+    argv += ["--out", str(sweep_out), "--sampler", "toy,ode", "--judge", str(judge_dir)]
+    assert elflow_main(["sweep", *argv, "--bootstrap", "5"]) == 0
+    toy, ode = (read(sweep_out / "samples" / f"{s}-n3-wdefault.jsonl") for s in ("toy", "ode"))
+    assert [r["text"] for r in toy] == [r["text"] for r in ode]  # its steps are Euler steps
+    assert json.loads((sweep_out / "metrics" / "toy-n3-wdefault.json").read_text())["gen_ppl"] > 0

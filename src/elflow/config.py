@@ -265,7 +265,7 @@ class SamplerConfig:
     def nfe(self) -> int:
         """Network evaluations per sample (the final decode not counted; a Heun or pc step is two,
         the last step being Euler)."""
-        return 2 * self.steps - 1 if self.sampler in ("heun", "pc") else self.steps
+        return SAMPLERS[self.sampler].nfe(self.steps)
 
 
 LENGTH_RANGE = re.compile(r"|data|\d+(:\d+)?w?")
@@ -308,7 +308,104 @@ def fewstep_sampler(base: SamplerConfig, steps: int) -> SamplerConfig:
     return dataclasses.replace(base, steps=steps, sampler="sde", gamma=gamma, w=w)
 
 
-SAMPLERS = ("ode", "sde", "heun", "pc")
+@dataclass(frozen=True)
+class SamplerSpec:
+    """What a sampler is, in one place: its name, what the trajectory page says of it, the
+    :class:`SamplerConfig` fields only it uses, its network evaluations and its step. Records,
+    sweep cells, the trajectory page, the model's sampler check and the command line's
+    ``--sampler`` all read :data:`SAMPLERS`; :func:`register_sampler` adds one."""
+
+    name: str
+    title: str
+    """As the trajectory page names it ("SDE")."""
+    description: str
+    """One line on what a step does."""
+    settings: tuple[str, ...] = ()
+    """The SamplerConfig fields only this sampler uses (recorded as null for the others, and
+    sweep axes of their own)."""
+    evals_per_step: int = 1
+    """Network evaluations a step makes (the last step is always one Euler evaluation)."""
+    step: Callable[..., Any] | None = None
+    """``step(denoise, z, x_prev, t, t_next, ctx) -> (z_next, x_hat)`` with ``ctx`` an
+    :class:`elflow.sampling.StepContext`; None for the built-in samplers, whose steps live in
+    :mod:`elflow.sampling`."""
+    eval_time: Callable[..., Any] | None = None
+    """``eval_time(t, t_next, settings) -> t_eval``: the time of a step's (first) network
+    evaluation when it is not ``t`` (the SDE's, after stepping back); the trajectory page
+    names the projected steps from it."""
+
+    def nfe(self, steps: int) -> int:
+        return self.evals_per_step * (steps - 1) + 1
+
+
+def _sde_eval_time(t: Any, t_next: Any, settings: Any) -> Any:
+    from elflow.flow import backtrack_alpha, gamma_at
+
+    rate = gamma_at(settings.get("gamma_schedule") or "constant", float(settings["gamma"]), t)
+    return t * backtrack_alpha(t, t_next, rate)
+
+
+SAMPLERS: dict[str, SamplerSpec] = {
+    s.name: s
+    for s in (
+        SamplerSpec("ode", "ODE", "deterministic Euler steps along the flow"),
+        SamplerSpec(
+            "sde",
+            "SDE",
+            "Euler steps that first put some noise back (the paper's stochastic sampler)",
+            settings=("gamma", "gamma_schedule"),
+            eval_time=_sde_eval_time,
+        ),
+        SamplerSpec(
+            "heun",
+            "Heun",
+            "second-order steps: an Euler step corrected by a second network evaluation",
+            evals_per_step=2,
+        ),
+        SamplerSpec(
+            "pc",
+            "predictor-corrector",
+            "an Euler step, then one Langevin correction move",
+            settings=("pc_snr",),
+            evals_per_step=2,
+        ),
+    )
+}
+"""The samplers by name (a live mapping: :func:`register_sampler` adds to it)."""
+
+
+def register_sampler(spec: SamplerSpec) -> SamplerSpec:
+    """Make ``spec`` a sampler everywhere (``SamplerConfig(sampler=spec.name)``, ``--sampler``,
+    records, sweeps, the trajectory page); its ``step`` is required. Returns it."""
+    if spec.step is None:
+        raise ELFError(f"sampler {spec.name!r} needs a step function")
+    if spec.name in SAMPLERS:
+        raise ELFError(f"a sampler named {spec.name!r} is already registered")
+    unknown = set(spec.settings) - {f.name for f in dataclasses.fields(SamplerConfig)}
+    if unknown:
+        raise ELFError(f"sampler {spec.name!r} names settings SamplerConfig lacks: {unknown}")
+    SAMPLERS[spec.name] = spec
+    return spec
+
+
+def unregister_sampler(name: str) -> None:
+    """Remove a sampler :func:`register_sampler` added (the built-in ones stay)."""
+    if SAMPLERS.get(name) is not None and SAMPLERS[name].step is None:
+        raise ELFError(f"{name!r} is a built-in sampler")
+    SAMPLERS.pop(name, None)
+
+
+def sampler_own_settings() -> set[str]:
+    """The SamplerConfig fields some sampler uses alone (``gamma`` for the SDE, ...)."""
+    return {f for s in SAMPLERS.values() for f in s.settings}
+
+
+def unused_settings(name: str) -> set[str]:
+    """The SamplerConfig fields other samplers use alone, which sampler ``name`` ignores."""
+    own = SAMPLERS[name].settings
+    return {f for s in SAMPLERS.values() for f in s.settings if f not in own}
+
+
 TIME_GRIDS = ("logit_normal", "uniform")
 GAMMA_SCHEDULES = ("constant", "linear", "quadratic", "cosine")
 CHOICES: dict[str, tuple[str, ...]] = {

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from elflow.config import SamplerConfig
+from elflow.config import SAMPLERS, SamplerConfig
 from elflow.errors import check_finite
 from elflow.flow import (
     euler_step,
@@ -142,6 +142,48 @@ class SampleOutput:
 
 
 @dataclass(frozen=True)
+class StepContext:
+    """What a sampler's step may use besides the state: its settings, the path's noise scale,
+    the pc corrector's clamp, the condition, and ``noise()``, a fresh standard-normal (B, L, E)
+    draw from the samples' generators."""
+
+    sampler: SamplerConfig
+    noise_scale: float
+    t_eps: float
+    cond: Condition | None
+    noise: Callable[[], Tensor]
+
+
+def _ode(denoise, z, x_prev, t, t_next, ctx: StepContext):
+    return ode_step(denoise, z, x_prev, t, t_next)
+
+
+def _sde(denoise, z, x_prev, t, t_next, ctx: StepContext):
+    noise = ctx.noise()
+    gamma = gamma_at(ctx.sampler.gamma_schedule, ctx.sampler.gamma, t)
+    return sde_step(denoise, z, x_prev, t, t_next, gamma, noise, ctx.noise_scale, ctx.cond)
+
+
+def _pc(denoise, z, x_prev, t, t_next, ctx: StepContext):
+    noise, snr = ctx.noise(), ctx.sampler.pc_snr
+    return pc_step(denoise, z, x_prev, t, t_next, noise, snr, ctx.noise_scale, ctx.t_eps, ctx.cond)
+
+
+def _heun(denoise, z, x_prev, t, t_next, ctx: StepContext):
+    return heun_step(denoise, z, x_prev, t, t_next)
+
+
+_BUILTIN_STEPS = {"ode": _ode, "sde": _sde, "pc": _pc, "heun": _heun}
+
+
+def sampler_step(name: str) -> Callable[..., tuple[Tensor, Tensor]]:
+    """The step of sampler ``name`` (:data:`elflow.config.SAMPLERS`), with the signature
+    ``step(denoise, z, x_prev, t, t_next, ctx: StepContext) -> (z_next, x_hat)``."""
+    spec = SAMPLERS[name]
+    return spec.step if spec.step is not None else _BUILTIN_STEPS[name]
+
+
+@dataclass(frozen=True)
 class StepState:
     """What a sampling step hands to ``callback_on_step_end``."""
 
@@ -200,20 +242,14 @@ def sample(
         c3 = cond.mask.bool()[..., None]
         z, x_prev = torch.where(c3, cond.latents, z), torch.where(c3, cond.latents, x_prev)
     frames = []
+    step = sampler_step(sampler.sampler)
+    ctx = StepContext(sampler, noise_scale, t_eps, cond, lambda: _randn(generators, (L, E), device))
     for k in range(N):
         t, t_next = grid[:, k], grid[:, k + 1]
-        if k == N - 1 or sampler.sampler == "ode":  # the last step is always Euler
+        if k == N - 1:  # the last step is always Euler
             z, x_prev = ode_step(denoise, z, x_prev, t, t_next)
-        elif sampler.sampler == "sde":
-            noise = _randn(generators, (L, E), device)
-            gamma = gamma_at(sampler.gamma_schedule, sampler.gamma, t)
-            z, x_prev = sde_step(denoise, z, x_prev, t, t_next, gamma, noise, noise_scale, cond)
-        elif sampler.sampler == "pc":
-            noise = _randn(generators, (L, E), device)
-            snr = sampler.pc_snr
-            z, x_prev = pc_step(denoise, z, x_prev, t, t_next, noise, snr, noise_scale, t_eps, cond)
         else:
-            z, x_prev = heun_step(denoise, z, x_prev, t, t_next)
+            z, x_prev = step(denoise, z, x_prev, t, t_next, ctx)
         if cond is not None:  # a no-op unless the condition's latents were refreshed
             z = torch.where(c3, cond.latents, z)
         if trajectory:

@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from elflow.config import SAMPLERS
+from elflow.config import SAMPLERS, unused_settings
 from elflow.errors import ELFError
 
 
@@ -26,8 +26,6 @@ class Axis:
     """Parses one listed value (``int``, ``float`` or ``str``)."""
     tag: str
     """Its prefix in cell names: ``n`` in ``sde-n16-w3-g1.5``."""
-    samplers: tuple[str, ...] | None = None
-    """The samplers it applies to (None: all); other samplers' cells leave it out."""
     named_default: bool = True
     """Whether a cell at the model's value names it (``-gdefault``); an axis added later leaves
     it out, so the cells of sweeps run before it keep their names."""
@@ -37,14 +35,16 @@ class Axis:
         return "--" + self.field.replace("_", "-")
 
     def applies(self, sampler: str) -> bool:
-        return self.samplers is None or sampler in self.samplers
+        """Whether the axis varies ``sampler``: common settings always, a sampler's own
+        settings (:attr:`elflow.config.SamplerSpec.settings`) for that sampler only."""
+        return self.field not in unused_settings(sampler)
 
 
 AXES: tuple[Axis, ...] = (
     Axis("steps", int, "n"),
     Axis("w", float, "w"),
-    Axis("gamma", float, "g", samplers=("sde",)),
-    Axis("gamma_schedule", str, "s", samplers=("sde",), named_default=False),
+    Axis("gamma", float, "g"),
+    Axis("gamma_schedule", str, "s", named_default=False),
 )
 """The grid's axes besides the sampler, in cell-name order."""
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from elflow.config import SamplerConfig
+from elflow.config import SamplerConfig, sampler_own_settings, unused_settings
 from elflow.distributed import DistInfo
 from elflow.errors import ELFError, note_once
 from elflow.generation.infill import InfillRequest, infill_batch
@@ -74,13 +74,16 @@ def settings_record(
     guided = cfg.conditional and scfg.cfg != 1.0
     # The target's length (a conditional model's rows also hold the source).
     L = cfg.model.max_length - cfg.max_input_length if cfg.conditional else scfg.length
+    unused = unused_settings(scfg.sampler)  # other samplers' own settings: null
+    own = {f: None if f in unused else getattr(scfg, f) for f in sorted(sampler_own_settings())}
     return {
         "sampler": scfg.sampler,
         "steps": scfg.steps,
         "nfe": 2 * scfg.nfe if guided else scfg.nfe,
-        "gamma": scfg.gamma if scfg.sampler == "sde" else None,
-        "gamma_schedule": scfg.gamma_schedule if scfg.sampler == "sde" else None,
-        "pc_snr": scfg.pc_snr if scfg.sampler == "pc" else None,
+        "gamma": own.pop("gamma", scfg.gamma),
+        "gamma_schedule": own.pop("gamma_schedule", scfg.gamma_schedule),
+        "pc_snr": own.pop("pc_snr", scfg.pc_snr),
+        **own,
         "w": scfg.w,
         "cfg": scfg.cfg if pipe.config.conditional else None,
         "time_grid": scfg.time_grid,

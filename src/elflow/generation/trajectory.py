@@ -24,6 +24,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
+from elflow.config import SAMPLERS
+
 
 def changed_words(prev: Sequence[str], cur: Sequence[str]) -> list[int]:
     """Indices of ``cur``'s words that are not matched in ``prev`` (a word-level diff).
@@ -93,14 +95,6 @@ def model_label(model: str) -> str:
     return path.name
 
 
-_SAMPLERS = {
-    "sde": ("SDE", "Euler steps that first put some noise back (the paper's stochastic sampler)"),
-    "ode": ("ODE", "deterministic Euler steps along the flow"),
-    "heun": ("Heun", "second-order steps: an Euler step corrected by a second network evaluation"),
-    "pc": ("predictor-corrector", "an Euler step, then one Langevin correction move"),
-}
-
-
 def _projected_steps(s: Mapping[str, Any], start: float) -> str:
     """Which steps projected sampling touched: the steps whose network evaluation is at
     t >= ``start`` (exact on the uniform grid; on the logit-normal grid, drawn per sample, the
@@ -109,14 +103,12 @@ def _projected_steps(s: Mapping[str, Any], start: float) -> str:
     if s.get("time_grid") == "uniform":
         import torch
 
-        from elflow.flow import backtrack_alpha, gamma_at
-
         t = torch.linspace(0.0, 1.0, steps + 1, dtype=torch.float64)
         at = t[:-1]
-        if s.get("sampler") == "sde":  # the SDE evaluates after stepping back to alpha t,
-            # but for its last step, which is plain Euler (elflow.sampling.sample)
-            rate = gamma_at(s.get("gamma_schedule") or "constant", float(s["gamma"]), at)
-            back = at * backtrack_alpha(at, t[1:], rate)
+        spec = SAMPLERS.get(s.get("sampler", ""))
+        if spec is not None and spec.eval_time is not None:  # e.g. the SDE's, stepped back;
+            # not the last step, which is plain Euler (elflow.sampling.sample)
+            back = spec.eval_time(at, t[1:], s)
             at = torch.cat([back[:-1], at[-1:]])
         touched = [k + 1 for k in range(steps) if at[k] >= start]
         if not touched:
@@ -141,14 +133,15 @@ def page_settings(s: Mapping[str, Any]) -> dict[str, tuple[str, str]]:
     rows: dict[str, tuple[str, str]] = {}
     if s.get("model"):
         rows["model"] = (model_label(str(s["model"])), "")
-    name, what = _SAMPLERS.get(s["sampler"], (s["sampler"], ""))
+    spec = SAMPLERS.get(s["sampler"])
+    name, what = (spec.title, spec.description) if spec else (s["sampler"], "")
     rows["sampler"] = (name, what)
     nfe = s.get("nfe", s["steps"])
     rows["steps"] = (
         plain(s["steps"]),
         f"from noise (t = 0) to text (t = 1); {plain(nfe)} network evaluations per sample",
     )
-    if s["sampler"] == "sde":
+    if s.get("gamma") is not None:  # a sampler that uses gamma (the SDE)
         what = "the SDE's noise re-injection: how much noise each step puts back (0: the ODE)"
         schedule = s.get("gamma_schedule") or "constant"
         if schedule != "constant":
