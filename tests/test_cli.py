@@ -57,7 +57,8 @@ def test_sampler_flags_are_the_config_fields_with_their_docstrings():
         for name, doc in docs.items():
             assert doc in flags[name].help, (command, name)
     sample = {a.dest: a for a in _subparsers()["sample"]._actions}
-    assert tuple(sample["sampler"].choices) == SAMPLERS == ("ode", "sde", "heun", "pc")
+    assert sample["sampler"].choices is SAMPLERS  # the live registry: a new sampler is a choice
+    assert tuple(SAMPLERS) == ("ode", "sde", "heun", "pc")
     assert sample["steps"].type is int and sample["gamma"].type is float
 
 

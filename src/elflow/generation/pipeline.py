@@ -333,9 +333,10 @@ class ELFPipeline:
         trajectory: bool = False,
         callback_on_step_end: StepCallback | None = None,
     ) -> Generation:
-        """Like :meth:`generate`, returning tokens and (optionally) the per-step trajectory;
-        ``callback_on_step_end`` gets each batch's :class:`elflow.sampling.StepState` after
-        every step."""
+        """``pipe(n)`` / ``pipe(sources=[...])``, the transformers and diffusers way: like
+        :meth:`generate`, returning a :class:`Generation` with ``texts``, ``tokens`` and, when
+        asked for, the per-step ``trajectory``; ``callback_on_step_end`` gets each batch's
+        :class:`elflow.sampling.StepState` after every step."""
         sampler, n, projection = self.prepare(sampler, n, sources)
         check_batch_size(batch_size)
         parts = []
@@ -358,30 +359,6 @@ class ELFPipeline:
             frames = [[t for p in parts for t in p.trajectory[k]] for k in range(sampler.steps)]
         texts = [t for p in parts for t in p.texts]
         return Generation(texts, torch.cat([p.tokens for p in parts]), frames)
-
-    def __call__(
-        self,
-        n: int | None = None,
-        *,
-        sources: Sequence[str] | None = None,
-        sampler: SamplerConfig | None = None,
-        seed: int = 0,
-        batch_size: int = 32,
-        trajectory: bool = False,
-        callback_on_step_end: StepCallback | None = None,
-    ) -> Generation:
-        """``pipe(n)`` / ``pipe(sources=[...])``: :meth:`generate_full`, the transformers and
-        diffusers way: a :class:`Generation` with ``texts``, ``tokens`` and, when asked for, the
-        ``trajectory``."""
-        return self.generate_full(
-            n,
-            sources=sources,
-            sampler=sampler,
-            seed=seed,
-            batch_size=batch_size,
-            trajectory=trajectory,
-            callback_on_step_end=callback_on_step_end,
-        )
 
     def to(self, device: torch.device | str) -> ELFPipeline:
         """Move the model (and the encoder, if loaded) to ``device``; returns the pipeline.
@@ -416,6 +393,8 @@ class ELFPipeline:
 
         with tempfile.TemporaryDirectory() as tmp:
             return upload_folder(self.save_pretrained(tmp, **save), repo_id, private, token)
+
+    __call__ = generate_full
 
     def generate(
         self,
