@@ -271,3 +271,20 @@ def test_every_sampler_setting_round_trips_through_a_record(model, tmp_path, fla
     assert {f.name for f in dataclasses.fields(SamplerConfig)} <= set(record)
     made_with = SamplerConfig(steps=3, sampler="sde", gamma=1.0, w=2.0)  # make_infill_model's
     assert sampler_from_record(record) == dataclasses.replace(made_with, **given)
+
+
+def test_infilled_texts_keep_the_users_text_exactly(model):
+    """Only the gaps are decoded text: the kept text comes back as given, case and punctuation
+    included (a WordPiece decode would give "yahweh ' s" and "stiff - necked")."""
+    from elflow.generation.infill import InfillRequest, verbatim_text
+
+    pipe = ELFPipeline.from_pretrained(model)
+    template = "Yahweh's stiff-necked [___2] Ok!"
+    out = pipe.infill([template], seed=2)
+    (text,), (fills,) = out.texts, out.fills
+    assert text == f"Yahweh's stiff-necked {fills[0]} Ok!".replace("  ", " ")
+    assert out.survived == [True]  # checked on the model's own tokens, as before
+    request = InfillRequest(parts=parse_template("A [___2] b [___1]."))
+    assert verbatim_text(request, ["x y", ""], "decoded") == "A x y b ."
+    assert verbatim_text(request, ["only one span"], "decoded") == "decoded"  # fills merged
+    assert verbatim_text(InfillRequest(ids=[1], keep=[1]), [], "decoded") == "decoded"

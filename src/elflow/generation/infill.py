@@ -226,6 +226,28 @@ def survives(text: str, kept: Sequence[str]) -> bool:
     return True
 
 
+def verbatim_text(request: InfillRequest, fills: Sequence[str], decoded: str) -> str:
+    """A template with its gaps filled: the kept text exactly as the user gave it (case,
+    punctuation and spacing; a tokenizer's decode would lower-case and respace it), each gap
+    its decoded fill. ``decoded`` (the whole row decoded) for requests given as ids, and where
+    fills cannot be told apart (adjacent gaps decode as one span)."""
+    if request.parts is None:
+        return decoded
+    gaps = [p for p in request.parts if isinstance(p, Gap)]
+    if len(gaps) != len(fills):
+        return decoded
+    out: list[str] = []
+    it = iter(fills)
+    for part in request.parts:
+        if not isinstance(part, Gap):
+            out.append(part[1:] if out and out[-1][-1:].isspace() and part[:1].isspace() else part)
+            continue
+        fill = next(it)
+        if fill:
+            out.append(fill)
+    return "".join(out).strip()
+
+
 def fill_texts(tokenizer, template: Template, tokens: Tensor) -> list[list[str]]:
     """Each row's filled gaps as text, in order."""
     out = []
@@ -392,16 +414,17 @@ def infill_batch(
         cfg.t_eps,
         callback_on_step_end,
     )
-    texts = pipe.detokenize(out.tokens, template.source)
+    decoded = pipe.detokenize(out.tokens, template.source)
     kept = [kept_texts(pipe.tokenizer, template, b) for b in range(len(requests))]
+    fills = fill_texts(pipe.tokenizer, template, out.tokens)
     frames = None
     if trajectory:
         frames = [pipe.detokenize(frame, template.source) for frame in out.trajectory]
     return Infilled(
-        texts=texts,
-        fills=fill_texts(pipe.tokenizer, template, out.tokens),
+        texts=[verbatim_text(r, f, d) for r, f, d in zip(requests, fills, decoded, strict=True)],
+        fills=fills,
         kept=kept,
-        survived=[survives(t, k) for t, k in zip(texts, kept, strict=True)],
+        survived=[survives(t, k) for t, k in zip(decoded, kept, strict=True)],
         tokens=pipe.strip_source(out.tokens, template.source).cpu(),
         trajectory=frames,
     )
