@@ -1,8 +1,11 @@
-"""``elflow.score``: the scoring API under the name used in the docs (see ``elflow.evaluation``).
+"""Deprecated: ``elflow.score`` is :mod:`elflow.evaluation` under an older name.
 
-``elflow.score.gen_ppl(texts, judge)``, ``unigram_entropy``, ``bleu``, ``rouge``, ``bootstrap_ci``,
-``score_samples`` and ``load_judge`` are the functions of :mod:`elflow.evaluation` (ELF_SPEC §6).
+``gen_ppl``, ``unigram_entropy``, ``bleu``, ``rouge``, ``bootstrap_ci``, ``score_samples`` and
+``load_judge`` import from :mod:`elflow.evaluation` (ELF_SPEC §6); this module still gives them,
+with a ``DeprecationWarning``, and goes in a later version.
 """
+
+import warnings
 
 from elflow.evaluation import (
     bleu,
@@ -12,6 +15,13 @@ from elflow.evaluation import (
     rouge,
     score_samples,
     unigram_entropy,
+)
+
+warnings.warn(
+    "elflow.score is elflow.evaluation under an older name; import from elflow.evaluation "
+    "(elflow.score goes in a later version)",
+    DeprecationWarning,
+    stacklevel=2,
 )
 
 __all__ = [
