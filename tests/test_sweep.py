@@ -347,3 +347,41 @@ def test_a_sampler_registered_in_a_test_runs_through_every_path(
     toy, ode = (read(sweep_out / "samples" / f"{s}-n3-wdefault.jsonl") for s in ("toy", "ode"))
     assert [r["text"] for r in toy] == [r["text"] for r in ode]  # its steps are Euler steps
     assert json.loads((sweep_out / "metrics" / "toy-n3-wdefault.json").read_text())["gen_ppl"] > 0
+
+
+def test_the_python_sweep_is_what_the_command_runs(model_dir, judge_dir, tmp_path):
+    """``elflow.evaluation.sweep_run.sweep`` from Python writes the samples, metrics and tables
+    the command writes for the same grid, seed and options."""
+    from elflow import ELFPipeline
+    from elflow.evaluation import load_judge
+    from elflow.evaluation.grid import grid
+    from elflow.evaluation.sweep_run import SweepOptions, sweep
+
+    cli_out, py_out = tmp_path / "cli", tmp_path / "py"
+    argv = ["sweep", "--model", str(model_dir), "--num-samples", "2", "--device", "cpu"]
+    argv += ["--sampler", "ode,sde", "--steps", "2", "--judge", str(judge_dir), "--seed", "4"]
+    assert elflow_main([*argv, "--bootstrap", "5", "--out", str(cli_out)]) == 0
+    pipe = ELFPipeline.from_pretrained(model_dir)
+    cells = grid(["ode", "sde"], {"steps": [2]})
+    rows = sweep(
+        pipe,
+        cells,
+        py_out,
+        num_samples=2,
+        seeds=[4],
+        judge=load_judge(str(judge_dir)),
+        model=str(model_dir),
+        options=SweepOptions(bootstrap=5),
+    )
+    assert [r["cell"] for r in rows] == ["ode-n2-wdefault", "sde-n2-wdefault-gdefault"]
+    for cell in cells:
+        texts = [
+            [r["text"] for r in read(o / "samples" / f"{cell.name}.jsonl")]
+            for o in (cli_out, py_out)
+        ]
+        assert texts[0] == texts[1]
+        metrics = [
+            json.loads((o / "metrics" / f"{cell.name}.json").read_text()) for o in (cli_out, py_out)
+        ]
+        assert metrics[0]["gen_ppl"] == metrics[1]["gen_ppl"]
+    assert (py_out / "table.md").is_file() and (py_out / "frontier.png").is_file()
