@@ -288,3 +288,14 @@ def test_infilled_texts_keep_the_users_text_exactly(model):
     assert verbatim_text(request, ["x y", ""], "decoded") == "A x y b ."
     assert verbatim_text(request, ["only one span"], "decoded") == "decoded"  # fills merged
     assert verbatim_text(InfillRequest(ids=[1], keep=[1]), [], "decoded") == "decoded"
+
+
+def test_per_sample_seeds_reach_infilling_and_length_control(model):
+    pipe = ELFPipeline.from_pretrained(model)
+    templates = ["the lord [___2-3] the earth.", "[___1-2] said."]
+    both = pipe.infill(templates, seed=[4, 6])
+    assert both.texts[0] == pipe.infill(templates, seed=4).texts[0]
+    assert both.texts[1] == pipe.infill(templates, seed=6).texts[1]
+    lengths = replace(pipe.sampler, length_range="2:4")
+    mixed = pipe(2, seed=[4, 6], sampler=lengths)
+    assert torch.equal(mixed.tokens[1], pipe(2, seed=6, sampler=lengths).tokens[1])

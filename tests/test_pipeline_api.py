@@ -80,3 +80,17 @@ def test_two_threads_sharing_a_pipeline_get_what_they_would_alone(pipe):
         together = list(pool.map(lambda c: pipe(c[0], seed=c[1]).tokens, calls * 2))
     for got, want in zip(together, alone * 2, strict=True):
         assert torch.equal(got, want)
+
+
+def test_per_sample_seeds_batch_together_and_equal_each_alone(pipe):
+    """seed=[...] gives each sample its own seed inside one batch; a sample depends on (its
+    seed, its index) only, so it equals the sample of a run with that one seed."""
+    seeds = [5, 7, 9, 7]
+    together = pipe(4, seed=seeds, batch_size=4).tokens
+    for i, s in enumerate(seeds):
+        assert torch.equal(together[i], pipe(4, seed=s, batch_size=3).tokens[i])
+    assert pipe.generate(2, seed=[3, 3]) == pipe.generate(2, seed=3)
+    with pytest.raises(ELFError, match="3 seeds for 2 samples"):
+        pipe(2, seed=[1, 2, 3])
+    with pytest.raises(ELFError, match="an int or a list of ints"):
+        pipe(1, seed=["a"])

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from elflow.config import SAMPLERS, SamplerConfig
-from elflow.errors import check_finite
+from elflow.errors import ELFError, check_finite
 from elflow.flow import (
     euler_step,
     gamma_at,
@@ -120,11 +120,26 @@ def sample_seed(seed: int, index: int) -> int:
     return int.from_bytes(digest[:8], "little") >> 1
 
 
+Seeds = int | Sequence[int]
+"""One seed for every sample, or one per sample (sample k of a batch: ``seeds[k]``)."""
+
+
+def seed_of(seeds: Seeds, k: int) -> int:
+    """The seed of the ``k``-th sample of a batch."""
+    return seeds if isinstance(seeds, int) else int(seeds[k])
+
+
 def sample_generators(
-    seed: int, indices: Sequence[int], device: torch.device | str = "cpu"
+    seed: Seeds, indices: Sequence[int], device: torch.device | str = "cpu"
 ) -> list[torch.Generator]:
-    """One generator per sample, seeded by (seed, sample index)."""
-    return [torch.Generator(device=device).manual_seed(sample_seed(seed, i)) for i in indices]
+    """One generator per sample, seeded by (its seed, its index): ``seed`` one for all, or one
+    per sample."""
+    if not isinstance(seed, int) and len(seed) != len(indices):
+        raise ELFError(f"{len(seed)} seeds for {len(indices)} samples; give one per sample")
+    return [
+        torch.Generator(device=device).manual_seed(sample_seed(seed_of(seed, k), i))
+        for k, i in enumerate(indices)
+    ]
 
 
 def _randn(gens: Sequence[torch.Generator], shape: tuple[int, ...], device) -> Tensor:

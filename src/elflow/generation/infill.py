@@ -21,6 +21,7 @@ from torch import Tensor
 from elflow.config import SamplerConfig, length_bounds
 from elflow.errors import ELFError
 from elflow.infill import FillVocabulary, Template
+from elflow.sampling import Seeds, seed_of
 
 GAP = re.compile(r"\[___(?:(\d+)(?:-(\d+))?)?\]")
 """A gap in a template: ``[___]``, ``[___N]`` or ``[___A-B]`` (tokens)."""
@@ -124,7 +125,7 @@ def _layout(tokenizer, request: InfillRequest, hole: int, seed: int, index: int)
     text = "".join(f" {marker} " if isinstance(p, Gap) else p for p in request.parts)
     ids = tokenizer(text, add_special_tokens=True)["input_ids"]
     gaps = iter([p for p in request.parts if isinstance(p, Gap)])
-    gen = length_generator(seed, index)
+    gen = length_generator(seed, index)  # seed: this sample's
     out_ids, keep = [], []
     for token in ids:
         if token != hole:
@@ -146,10 +147,11 @@ def build_template(
     pad_id: int,
     eos_id: int,
     first_index: int = 0,
-    seed: int = 0,
+    seed: Seeds = 0,
     max_input_length: int = 0,
 ) -> Template:
-    """The rows of ``requests`` (sample i's gap lengths drawn from (seed, first_index + i)),
+    """The rows of ``requests`` (sample i's gap lengths drawn from (its seed, first_index + i);
+    ``seed`` one for all or one per request),
     padded to ``length`` as training rows; a conditional model's source (its first
     ``max_input_length`` tokens) comes first and is kept."""
     hole = placeholder_id(tokenizer)
@@ -159,7 +161,7 @@ def build_template(
     attention = torch.zeros(B, length, dtype=torch.long)
     source = torch.zeros(B, length, dtype=torch.bool) if max_input_length else None
     for b, request in enumerate(requests):
-        target, kept = _layout(tokenizer, request, hole, seed, first_index + b)
+        target, kept = _layout(tokenizer, request, hole, seed_of(seed, b), first_index + b)
         head: list[int] = []
         if source is not None:
             if request.source is None:
@@ -302,7 +304,7 @@ def as_requests(items: Sequence[str | InfillRequest | dict]) -> list[InfillReque
 def length_requests(
     length_range: str,
     indices: Sequence[int],
-    seed: int,
+    seed: Seeds,
     histogram: Sequence[int] = (),
     tokens_per_word: float = 0.0,
 ) -> list[InfillRequest]:
@@ -310,8 +312,8 @@ def length_requests(
     tokens; A:Bw words (A to B words times the model's tokens per word, 1.3 when it records
     none); ``data``: a length drawn from the training texts' ``histogram``."""
     out = []
-    for i in indices:
-        gen = length_generator(seed, i)
+    for k, i in enumerate(indices):
+        gen = length_generator(seed_of(seed, k), i)
         if length_range == "data":
             weights = torch.tensor([float(c) for c in histogram])
             weights[0] = 0.0  # an empty text has no gap to fill
@@ -351,7 +353,7 @@ def infill_batch(
     requests: Sequence[InfillRequest],
     sampler: SamplerConfig,
     *,
-    seed: int = 0,
+    seed: Seeds = 0,
     first_index: int = 0,
     trajectory: bool = False,
     callback_on_step_end=None,

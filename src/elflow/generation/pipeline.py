@@ -36,7 +36,7 @@ from elflow.io.tokenizer import check_tokenizer, load_tokenizer, model_tokenizer
 from elflow.model import ELF
 from elflow.network import sample_model
 from elflow.projection import Projection
-from elflow.sampling import Condition, StepCallback, sample_generators
+from elflow.sampling import Condition, Seeds, StepCallback, sample_generators
 from elflow.tokens import (
     TokenSpec,
     build_unconditional_row,
@@ -81,6 +81,17 @@ def check_encoder(encoder: FrozenEncoder, config: ArtifactConfig, device: torch.
     at = next(encoder.model.parameters()).device
     if at != device:
         raise ELFError(f"the encoder is on {at} but the model on {device}; move it (.to(device))")
+
+
+def check_seeds(seed: Seeds, n: int) -> None:
+    """``seed`` is one int, or one int per sample."""
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        if isinstance(seed, (str, bytes)) or not all(
+            isinstance(s, int) and not isinstance(s, bool) for s in seed
+        ):
+            raise ELFError(f"seed must be an int or a list of ints, got {seed!r}")
+        if len(seed) != n:
+            raise ELFError(f"{len(seed)} seeds for {n} samples; give one seed, or one per sample")
 
 
 def check_batch_size(batch_size: int) -> None:
@@ -272,13 +283,14 @@ class ELFPipeline:
         sampler: SamplerConfig,
         *,
         sources: Sequence[str] | None = None,
-        seed: int = 0,
+        seed: Seeds = 0,
         trajectory: bool = False,
         projection: Projection | None = None,
         callback_on_step_end: StepCallback | None = None,
     ) -> Generation:
         """Samples ``indices`` (one per source when conditional) in one batch, unchecked: call
-        :meth:`prepare` once first. Sample i depends on (seed, i) only."""
+        :meth:`prepare` once first. Sample i depends on (its seed, i) only, whatever else is in
+        the batch; ``seed`` is one for all or one per sample."""
         if sampler.length_range:
             cfg = self.config
             requests = length_requests(
@@ -328,7 +340,7 @@ class ELFPipeline:
         *,
         sources: Sequence[str] | None = None,
         sampler: SamplerConfig | None = None,
-        seed: int = 0,
+        seed: Seeds = 0,
         batch_size: int = 32,
         trajectory: bool = False,
         callback_on_step_end: StepCallback | None = None,
@@ -336,9 +348,11 @@ class ELFPipeline:
         """``pipe(n)`` / ``pipe(sources=[...])``, the transformers and diffusers way: like
         :meth:`generate`, returning a :class:`Generation` with ``texts``, ``tokens`` and, when
         asked for, the per-step ``trajectory``; ``callback_on_step_end`` gets each batch's
-        :class:`elflow.sampling.StepState` after every step."""
+        :class:`elflow.sampling.StepState` after every step. ``seed``: one for every sample
+        (sample i depends on (seed, i)), or a list of one per sample."""
         sampler, n, projection = self.prepare(sampler, n, sources)
         check_batch_size(batch_size)
+        check_seeds(seed, n)
         parts = []
         for start in range(0, n, batch_size):
             idx = range(start, min(n, start + batch_size))
@@ -348,7 +362,7 @@ class ELFPipeline:
                     idx,
                     sampler,
                     sources=batch_sources,
-                    seed=seed,
+                    seed=seed if isinstance(seed, int) else list(seed[idx.start : idx.stop]),
                     trajectory=trajectory,
                     projection=projection,
                     callback_on_step_end=callback_on_step_end,
@@ -402,7 +416,7 @@ class ELFPipeline:
         *,
         sources: Sequence[str] | None = None,
         sampler: SamplerConfig | None = None,
-        seed: int = 0,
+        seed: Seeds = 0,
         batch_size: int = 32,
     ) -> list[str]:
         """Generate ``n`` texts (unconditional) or one text per source (conditional).
@@ -420,7 +434,7 @@ class ELFPipeline:
         requests: Sequence[str | InfillRequest | dict],
         *,
         sampler: SamplerConfig | None = None,
-        seed: int = 0,
+        seed: Seeds = 0,
         batch_size: int = 32,
         trajectory: bool = False,
     ) -> Infilled:
@@ -434,13 +448,14 @@ class ELFPipeline:
             raise ELFError("sampler.length_range applies to generate; an infill's gaps set theirs")
         check_batch_size(batch_size)
         parsed = as_requests(requests)
+        check_seeds(seed, len(parsed))
         self.frozen_encoder("infilling")
         parts = [
             infill_batch(
                 self,
                 parsed[start : start + batch_size],
                 sampler,
-                seed=seed,
+                seed=seed if isinstance(seed, int) else list(seed[start : start + batch_size]),
                 first_index=start,
                 trajectory=trajectory,
             )
