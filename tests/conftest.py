@@ -59,3 +59,19 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    """A tiny random BERT encoder (MiniLM vocabulary) and a 40-line JSONL corpus, per module."""
+    from tests.train_helpers import build_assets
+
+    return build_assets(tmp_path_factory.mktemp("assets"))
+
+
+@pytest.fixture(autouse=True)
+def _fresh_notes(monkeypatch):
+    """Once-per-process notes count from each test's start, whatever ran before it."""
+    from elflow import errors
+
+    monkeypatch.setattr(errors, "_NOTED", set())

@@ -11,9 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from .test_train import (  # noqa: F401
+from tests.train_helpers import (
     assert_same_checkpoint,
-    assets,
     run_config,
     torchrun,
     train_cli,
@@ -36,7 +35,7 @@ def _resume(tmp: Path, source: Path, name: str, cfg: dict, nproc: int | None) ->
 
 
 @pytest.mark.slow
-def test_fsdp2_resumes_on_one_two_and_four_processes(tmp_path, assets):  # noqa: F811
+def test_fsdp2_resumes_on_one_two_and_four_processes(tmp_path, assets):
     straight = tmp_path / "single"
     assert train_cli(tmp_path, straight, run_config(assets, train=TRAIN)) == 0
     fsdp = run_config(assets, train={**TRAIN, "parallel": "fsdp2"})
@@ -53,7 +52,7 @@ def test_fsdp2_resumes_on_one_two_and_four_processes(tmp_path, assets):  # noqa:
 
 
 @pytest.mark.slow
-def test_ddp_resumes_on_four_processes(tmp_path, assets):  # noqa: F811
+def test_ddp_resumes_on_four_processes(tmp_path, assets):
     cfg = run_config(assets, train=TRAIN)
     assert train_cli(tmp_path, tmp_path / "single", cfg) == 0
     # Two processes saving in the background (train.async_save): complete, and the same run.
@@ -66,7 +65,7 @@ def test_ddp_resumes_on_four_processes(tmp_path, assets):  # noqa: F811
     assert_same_checkpoint(tmp_path / "single" / "checkpoint-6", end, atol=1e-5)
 
 
-def test_a_checkpoint_of_the_older_layout_still_resumes_bitwise(tmp_path, assets):  # noqa: F811
+def test_a_checkpoint_of_the_older_layout_still_resumes_bitwise(tmp_path, assets):
     """elflow < 0.3 wrote rank<r>.pt (optimizer state_dict, EMA state, RNG) per process."""
     from elflow.io.checkpoint import load_rng
     from elflow.train.config import apply_overrides
@@ -99,7 +98,7 @@ def test_a_checkpoint_of_the_older_layout_still_resumes_bitwise(tmp_path, assets
     assert_same_checkpoint(tmp_path / "straight" / "checkpoint-6", old / "checkpoint-6")
 
 
-def test_async_saves_complete_and_resume_bitwise(tmp_path, assets):  # noqa: F811
+def test_async_saves_complete_and_resume_bitwise(tmp_path, assets):
     cfg = run_config(assets, train=TRAIN)
     assert train_cli(tmp_path, tmp_path / "sync", cfg) == 0
     asynchronous = run_config(assets, train={**TRAIN, "async_save": True, "max_steps": 3})

@@ -14,7 +14,7 @@ import pytest
 from elflow.__main__ import COMMANDS, build_parser, main
 from elflow.cli.common import NUM_SAMPLES
 from elflow.config import SAMPLERS, SamplerConfig, field_docs
-from tests.test_sample_cli import make_uncond
+from tests.builders import make_uncond
 
 
 @pytest.fixture(scope="module")
@@ -83,10 +83,7 @@ def _notes(err: str) -> list[str]:
     return [line for line in err.splitlines() if line.startswith("elflow: note:")]
 
 
-def test_old_spellings_run_and_say_so_once(model, tmp_path, capsys, monkeypatch):
-    from elflow import errors
-
-    monkeypatch.setattr(errors, "_NOTED", set())  # "once" counts from here, whatever ran before
+def test_old_spellings_run_and_say_so_once(model, tmp_path, capsys):
     capsys.readouterr()
     assert main(["generate", str(model), "-n", "2", "--steps", "2"]) == 0
     captured = capsys.readouterr()
@@ -132,7 +129,7 @@ def test_the_demo_model_is_a_model_source(capsys):
 
 
 def test_an_sde_left_at_a_conditional_models_gamma_0_is_refused(capsys, tmp_path):
-    from tests.test_sample_cli import make_cond
+    from tests.builders import make_cond
 
     cond = make_cond(tmp_path / "cond")
     argv = ["sample", "--model", str(cond), "--source", "x", "--steps", "2", "--sampler", "sde"]

@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from elflow.__main__ import main
-from tests.test_sample_cli import make_uncond
+from tests.builders import make_uncond
 
 
 @pytest.fixture

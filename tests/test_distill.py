@@ -13,10 +13,8 @@ from elflow import load_model
 from elflow.__main__ import main
 from elflow.errors import ELFError
 from tests.dist.launch import torchrun_elflow
-
-from .test_train import (  # noqa: F401
+from tests.train_helpers import (
     assert_same,
-    assets,
     error_lines,
     run_config,
     weights,
@@ -24,7 +22,7 @@ from .test_train import (  # noqa: F401
 
 
 @pytest.fixture(scope="module")
-def teacher(tmp_path_factory, assets):  # noqa: F811
+def teacher(tmp_path_factory, assets):
     root = tmp_path_factory.mktemp("teacher")
     cfg = root / "cfg.json"
     cfg.write_text(json.dumps(run_config(assets, train={"max_steps": 3})))
@@ -36,7 +34,7 @@ def teacher(tmp_path_factory, assets):  # noqa: F811
 def distill_cli(
     tmp: Path,
     out: Path,
-    assets: Path,  # noqa: F811
+    assets: Path,
     teacher: Path,
     rounds: str,
     *extra: str,
@@ -64,7 +62,7 @@ def distill_cli(
     )
 
 
-def test_rounds_chain_and_teacher_is_frozen(tmp_path, assets, teacher):  # noqa: F811
+def test_rounds_chain_and_teacher_is_frozen(tmp_path, assets, teacher):
     before = (teacher / "ema.safetensors").read_bytes()
     out = tmp_path / "pd"
     # One step per round at lr 0 (first warm-up step): each round's weights equal its init.
@@ -96,7 +94,7 @@ def test_rounds_chain_and_teacher_is_frozen(tmp_path, assets, teacher):  # noqa:
     assert config.sampler.project_from == 0.3  # the teacher's (the bible-tiny preset's)
 
 
-def test_distillation_learns_and_resumes_mid_round_bitwise(tmp_path, assets, teacher):  # noqa: F811
+def test_distillation_learns_and_resumes_mid_round_bitwise(tmp_path, assets, teacher):
     assert distill_cli(tmp_path, tmp_path / "full", assets, teacher, "2/2", max_steps=4) == 0
     assert distill_cli(tmp_path, tmp_path / "part", assets, teacher, "2/2", max_steps=2) == 0
     assert distill_cli(tmp_path, tmp_path / "part", assets, teacher, "2/2", max_steps=4) == 0
@@ -111,7 +109,7 @@ def test_distillation_learns_and_resumes_mid_round_bitwise(tmp_path, assets, tea
     assert distill_cli(tmp_path, tmp_path / "full", assets, teacher, "2/2", max_steps=4) == 0
 
 
-def test_a_round_built_on_other_weights_is_not_continued(tmp_path, assets, teacher, capsys):  # noqa: F811
+def test_a_round_built_on_other_weights_is_not_continued(tmp_path, assets, teacher, capsys):
     out = tmp_path / "pd"
     assert distill_cli(tmp_path, out, assets, teacher, "2/2,1/4") == 0  # 2 steps a round
     assert (out / "round-2-1x4" / "start.json").is_file()
@@ -136,7 +134,7 @@ def test_a_round_built_on_other_weights_is_not_continued(tmp_path, assets, teach
     assert "round 2" in line and "was started from other weights" in line
 
 
-def test_rounds_share_one_latent_cache(tmp_path, assets, teacher, capsys):  # noqa: F811
+def test_rounds_share_one_latent_cache(tmp_path, assets, teacher, capsys):
     cfg = run_config(
         assets,
         train={"max_steps": 1, "ema_decay": 0.1},
@@ -157,7 +155,7 @@ def test_rounds_share_one_latent_cache(tmp_path, assets, teacher, capsys):  # no
 
 def test_student_settings_the_teacher_fixes_are_checked(
     tmp_path,
-    assets,  # noqa: F811
+    assets,
     teacher,
     capsys,
     monkeypatch,
@@ -183,7 +181,7 @@ def test_student_settings_the_teacher_fixes_are_checked(
     assert "another vocabulary" in error_lines(capsys.readouterr().err)[0]
 
 
-def test_bad_rounds_and_teacher(tmp_path, assets, teacher, capsys):  # noqa: F811
+def test_bad_rounds_and_teacher(tmp_path, assets, teacher, capsys):
     assert distill_cli(tmp_path, tmp_path / "a", assets, teacher, "3/3") == 2
     assert distill_cli(tmp_path, tmp_path / "b", assets, tmp_path / "no-teacher", "2/2") == 2
     assert distill_cli(tmp_path, tmp_path / "c", assets, teacher, "2/2", ema_decay=0.9) == 2
@@ -193,7 +191,7 @@ def test_bad_rounds_and_teacher(tmp_path, assets, teacher, capsys):  # noqa: F81
     assert not (tmp_path / "c").exists()
 
 
-def test_projected_teacher_rounds_are_recorded_and_kept(tmp_path, assets, teacher, capsys):  # noqa: F811
+def test_projected_teacher_rounds_are_recorded_and_kept(tmp_path, assets, teacher, capsys):
     out, flag = tmp_path / "pd", "--teacher-project-from"
     assert distill_cli(tmp_path, out, assets, teacher, "2/2", flag, "0") == 0
     assert distill_cli(tmp_path, tmp_path / "plain", assets, teacher, "2/2") == 0
@@ -228,7 +226,7 @@ def test_projected_teacher_rounds_are_recorded_and_kept(tmp_path, assets, teache
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
 
 
-def test_projected_teacher_has_one_text_a_row(tmp_path, assets, teacher, capsys, monkeypatch):  # noqa: F811
+def test_projected_teacher_has_one_text_a_row(tmp_path, assets, teacher, capsys, monkeypatch):
     import elflow.train.curriculum as distill_train
 
     # A student trained on packed rows records it, and samples without projection.
@@ -257,7 +255,7 @@ def test_projected_teacher_has_one_text_a_row(tmp_path, assets, teacher, capsys,
         assert "needs an unconditional teacher with one text per row" in line and why in line
 
 
-def test_teacher_task(tmp_path, assets, teacher, capsys, monkeypatch):  # noqa: F811
+def test_teacher_task(tmp_path, assets, teacher, capsys, monkeypatch):
     """--task names an authors' teacher's paper task; an elflow teacher's config gives its own."""
     import elflow.train.curriculum as distill_train
 
@@ -275,7 +273,7 @@ def test_teacher_task(tmp_path, assets, teacher, capsys, monkeypatch):  # noqa: 
     assert asked == ["de-en", None]
 
 
-def test_another_teacher_is_refused(tmp_path, assets, teacher, capsys):  # noqa: F811
+def test_another_teacher_is_refused(tmp_path, assets, teacher, capsys):
     from safetensors.torch import save_file
 
     other = tmp_path / "other-teacher"
@@ -307,7 +305,7 @@ def test_another_teacher_is_refused(tmp_path, assets, teacher, capsys):  # noqa:
     assert (out / "round-1-2x2" / "checkpoint-2").is_dir()
 
 
-def test_round_errors_name_the_flags(tmp_path, assets, capsys):  # noqa: F811
+def test_round_errors_name_the_flags(tmp_path, assets, capsys):
     teacher = tmp_path / "never-loaded"
     assert (
         distill_cli(tmp_path, tmp_path / "a", assets, teacher, "2/2", "--teacher-steps", "-4") == 2
@@ -321,7 +319,7 @@ def test_round_errors_name_the_flags(tmp_path, assets, capsys):  # noqa: F811
     assert not any((tmp_path / name).exists() for name in "abc")
 
 
-def test_student_keeps_the_teachers_encoder_layer(tmp_path, assets):  # noqa: F811
+def test_student_keeps_the_teachers_encoder_layer(tmp_path, assets):
     cfg = tmp_path / "t.json"
     cfg.write_text(json.dumps(run_config(assets, train={"max_steps": 2}, encoder={"layer": 1})))
     run = tmp_path / "teacher"
@@ -335,7 +333,7 @@ def test_student_keeps_the_teachers_encoder_layer(tmp_path, assets):  # noqa: F8
     assert saved["run"]["encoder"]["layer"] == 1
 
 
-def test_objective_settings_override_the_teachers(tmp_path, assets, capsys):  # noqa: F811
+def test_objective_settings_override_the_teachers(tmp_path, assets, capsys):
     # A teacher fine-tuned at earlier times: its run config records time_mean -2.0.
     cfg = tmp_path / "t.json"
     cfg.write_text(
@@ -372,7 +370,7 @@ def test_objective_settings_override_the_teachers(tmp_path, assets, capsys):  # 
 
 
 @pytest.mark.slow
-def test_two_processes_distil_as_one(tmp_path, assets, teacher):  # noqa: F811
+def test_two_processes_distil_as_one(tmp_path, assets, teacher):
     # Two examples per process: a process's share of a step often has no decoder row, and
     # DDP must still reduce the same gradients on both (it deadlocked or crashed before).
     assert distill_cli(tmp_path, tmp_path / "one", assets, teacher, "2/2", global_batch=4) == 0

@@ -15,17 +15,16 @@ from elflow.network import TrainForward
 from elflow.train.config import run_config_from_dict
 from elflow.train.heldout import HeldOutSplit, RowSubset, heldout_loss, spread_rows
 from elflow.train.step import ELFObjective
-
-from .test_distill import distill_cli, teacher  # noqa: F401
-from .test_train import (  # noqa: F401
+from tests.train_helpers import (
     WORDS,
     assert_same,
-    assets,
     heldout_lines,
     run_config,
     train_cli,
     weights,
 )
+
+from .test_distill import distill_cli, teacher  # noqa: F401
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +53,7 @@ def test_spread_rows_are_evenly_spaced_with_shared_keys_dealt_over_processes():
 
 def test_heldout_loss_is_logged_and_leaves_training_unchanged(
     tmp_path,
-    assets,  # noqa: F811
+    assets,
     valid_file,
     capsys,
 ):
@@ -110,7 +109,7 @@ def test_heldout_loss_is_logged_and_leaves_training_unchanged(
 
 def test_heldout_loss_resumes_and_works_without_a_validation_split(
     tmp_path,
-    assets,  # noqa: F811
+    assets,
     capsys,
 ):
     cfg = run_config(assets, train={"eval_every": 2, "eval_rows": 6})
@@ -130,7 +129,7 @@ def test_heldout_loss_resumes_and_works_without_a_validation_split(
 
 def test_distillation_rounds_log_their_own_heldout_loss(
     tmp_path,
-    assets,  # noqa: F811
+    assets,
     teacher,  # noqa: F811
 ):
     assert distill_cli(tmp_path, tmp_path / "pd", assets, teacher, "2/2", eval_every=2) == 0
@@ -151,7 +150,7 @@ def test_bad_heldout_settings_are_one_line_errors(tmp_path, setting, message, ca
     assert message in err and err.count("\n") == 1
 
 
-def test_conditional_run_trains_evaluates_and_translates(tmp_path, assets):  # noqa: F811
+def test_conditional_run_trains_evaluates_and_translates(tmp_path, assets):
     """The de-en/summ path end to end: source/target pairs, label drop, held-out loss, CFG."""
     g = np.random.default_rng(2)
     for name, n in (("pairs.jsonl", 40), ("pairs-valid.jsonl", 8)):

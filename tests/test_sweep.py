@@ -15,7 +15,7 @@ from elflow.cli import score as score_cli
 from elflow.cli.sweep import parse_grid
 from elflow.errors import ELFError
 from elflow.evaluation import sweep, tables
-from tests.test_sample_cli import MINILM, make_uncond, read
+from tests.builders import MINILM, make_uncond, read
 
 VOCAB = 30522
 
@@ -197,7 +197,7 @@ def test_tables_show_projected_sampling(tmp_path):
 
 
 def test_conditional_sweep_scores_bleu_against_refs(tmp_path):
-    from tests.test_sample_cli import make_cond
+    from tests.builders import make_cond
 
     model = make_cond(tmp_path / "cond")
     sources = tmp_path / "src.jsonl"

@@ -16,8 +16,7 @@ import torch
 from elflow.distributed import DistInfo
 from elflow.errors import ELFError
 from tests.dist.launch import free_port
-
-from .test_train import assert_same_checkpoint, assets, run_config, train_cli  # noqa: F401
+from tests.train_helpers import assert_same_checkpoint, run_config, train_cli
 
 CACHE = {"latent_cache": True, "latent_cache_dtype": "float32", "latent_cache_dir": "run"}
 
@@ -33,7 +32,7 @@ def _torchrun(tmp: Path, out: Path, cfg: dict) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-def test_two_processes_build_the_latent_cache_once(tmp_path, assets):  # noqa: F811
+def test_two_processes_build_the_latent_cache_once(tmp_path, assets):
     cfg = run_config(assets, data=CACHE)
     proc = _torchrun(tmp_path, tmp_path / "ddp", cfg)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -58,7 +57,7 @@ def test_two_processes_build_the_latent_cache_once(tmp_path, assets):  # noqa: F
     ), text[-3000:]
 
 
-def test_large_raw_data_under_several_processes_is_refused(tmp_path, assets, monkeypatch):  # noqa: F811
+def test_large_raw_data_under_several_processes_is_refused(tmp_path, assets, monkeypatch):
     from elflow.train import setup
     from elflow.train.config import apply_overrides
     from elflow.train.presets import preset

@@ -13,8 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.dist.launch import free_port
-
-from .test_train import assets, run_config  # noqa: F401
+from tests.train_helpers import run_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -37,7 +36,7 @@ def _lines(proc) -> list[str]:
 
 
 @pytest.mark.slow
-def test_a_crashed_process_ends_the_others_with_one_line(tmp_path, assets):  # noqa: F811
+def test_a_crashed_process_ends_the_others_with_one_line(tmp_path, assets):
     cfg = run_config(assets, train={"max_steps": 8, "save_every": 3})
     proc = torchrun_failing(tmp_path, tmp_path / "run", cfg, rank=1, step=4, mode="die")
     assert proc.returncode != 0
@@ -50,7 +49,7 @@ def test_a_crashed_process_ends_the_others_with_one_line(tmp_path, assets):  # n
 
 
 @pytest.mark.slow
-def test_a_hung_process_ends_the_others_after_the_stop_timeout(tmp_path, assets):  # noqa: F811
+def test_a_hung_process_ends_the_others_after_the_stop_timeout(tmp_path, assets):
     train = {"max_steps": 8, "save_every": 3, "stop_timeout": 2.0}
     proc = torchrun_failing(
         tmp_path, tmp_path / "run", run_config(assets, train=train), 1, 4, "hang"
@@ -65,7 +64,7 @@ def test_a_hung_process_ends_the_others_after_the_stop_timeout(tmp_path, assets)
 
 
 @pytest.mark.slow
-def test_a_run_folder_some_process_cannot_see_is_refused_at_start(tmp_path, assets):  # noqa: F811
+def test_a_run_folder_some_process_cannot_see_is_refused_at_start(tmp_path, assets):
     cfg = run_config(assets, train={"max_steps": 4})
     proc = torchrun_failing(tmp_path, tmp_path / "run", cfg, rank=1, step=99, mode="blind")
     assert proc.returncode != 0
@@ -94,10 +93,9 @@ def test_kills_during_saves_lose_nothing(monkeypatch, capsys):
     assert "uninterrupted run: 0" in out
 
 
-def test_a_second_run_on_a_run_folder_in_use_is_refused(tmp_path, assets, capsys):  # noqa: F811
+def test_a_second_run_on_a_run_folder_in_use_is_refused(tmp_path, assets, capsys):
     from elflow.io.run_lock import HOLDER, RunLock
-
-    from .test_train import error_lines, train_cli
+    from tests.train_helpers import error_lines, train_cli
 
     out = tmp_path / "run"
     cfg = run_config(assets, train={"max_steps": 2, "save_every": 2})
@@ -122,9 +120,9 @@ def test_a_second_run_on_a_run_folder_in_use_is_refused(tmp_path, assets, capsys
 
 def test_a_rerun_after_a_crash_before_the_first_checkpoint_logs_each_step_once(
     tmp_path,
-    assets,  # noqa: F811
+    assets,
 ):
-    from .test_train import train_cli
+    from tests.train_helpers import train_cli
 
     out = tmp_path / "run"
     out.mkdir()

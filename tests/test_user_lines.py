@@ -7,14 +7,14 @@ from __future__ import annotations
 import io
 import json
 
-from .test_train import assets, error_lines, run_config, train_cli  # noqa: F401
+from tests.train_helpers import error_lines, run_config, train_cli
 
 
 def _lines(err: str, what: str) -> list[str]:
     return [x for x in err.replace("\r", "\n").splitlines() if what in x]
 
 
-def test_a_file_of_nul_bytes_is_refused(tmp_path, assets, capsys):  # noqa: F811
+def test_a_file_of_nul_bytes_is_refused(tmp_path, assets, capsys):
     data = tmp_path / "blob.txt"
     data.write_bytes(b"\x00" * 4096)
     cfg = run_config(assets, data={"path": str(data), "format": "auto"})
@@ -25,7 +25,7 @@ def test_a_file_of_nul_bytes_is_refused(tmp_path, assets, capsys):  # noqa: F811
     ]
 
 
-def test_csv_and_json_lines_read_as_text_are_named(tmp_path, assets, capsys):  # noqa: F811
+def test_csv_and_json_lines_read_as_text_are_named(tmp_path, assets, capsys):
     verses = [json.loads(x)["text"] for x in (assets / "train.jsonl").read_text().splitlines()]
     csv = tmp_path / "data.csv"
     csv.write_text("id,text\n" + "".join(f"{i},{v}\n" for i, v in enumerate(verses)))
@@ -42,7 +42,7 @@ def test_csv_and_json_lines_read_as_text_are_named(tmp_path, assets, capsys):  #
         assert line.startswith(f"elflow: warning: {data} ") and what in line
 
 
-def test_too_few_rows_for_the_batch_are_named(tmp_path, assets, capsys):  # noqa: F811
+def test_too_few_rows_for_the_batch_are_named(tmp_path, assets, capsys):
     few = tmp_path / "few.jsonl"
     few.write_text("".join(json.dumps({"text": f"verse {i}"}) + "\n" for i in range(5)))
     cfg = run_config(assets, data={"path": str(few)}, train={"max_steps": 1})
@@ -54,7 +54,7 @@ def test_too_few_rows_for_the_batch_are_named(tmp_path, assets, capsys):  # noqa
     )
 
 
-def test_a_rerun_says_what_changed_and_that_nothing_is_left(tmp_path, assets, capsys):  # noqa: F811
+def test_a_rerun_says_what_changed_and_that_nothing_is_left(tmp_path, assets, capsys):
     cfg = run_config(assets, train={"max_steps": 3})
     assert train_cli(tmp_path, tmp_path / "run", cfg) == 0
     capsys.readouterr()
@@ -87,7 +87,7 @@ def test_the_progress_bar_moves_every_step():
     assert "2/4" in out.getvalue()
 
 
-def test_train_without_out_writes_to_runs_preset(tmp_path, assets, capsys, monkeypatch):  # noqa: F811
+def test_train_without_out_writes_to_runs_preset(tmp_path, assets, capsys, monkeypatch):
     from elflow.__main__ import main
 
     monkeypatch.chdir(tmp_path)

@@ -129,7 +129,7 @@ def test_a_data_file_named_like_a_key_keeps_its_name(tokenizer, tmp_path, capsys
 
 def test_tokenizer_of_an_elflow_model_folder(tokenizer, tmp_path, capsys):
     from elflow.io.sources import DEMO_MODEL as DEMO_DIR
-    from tests.test_sample_cli import make_uncond
+    from tests.builders import make_uncond
 
     assert load_tokenizer(str(DEMO_DIR)).get_vocab() == tokenizer.get_vocab()  # its tokenizer/
     model = make_uncond(tmp_path / "model")  # no tokenizer/: the one its config names (minilm)

