@@ -82,3 +82,20 @@ def make_cond(root: Path) -> Path:
 def read(path: Path) -> list[dict]:
     """A JSONL file's records."""
     return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def make_infill_model(root, histogram=()) -> str:
+    """A tiny unconditional model with a width-8 encoder, rows padded with EOS (as bible-tiny)."""
+    torch.manual_seed(0)
+    save_tiny_encoder(root / "encoder")
+    cfg = elf_tiny(encoder_dim=8, vocab_size=VOCAB, max_length=16)
+    config = ArtifactConfig(
+        model=cfg,
+        sampler=SamplerConfig(steps=3, sampler="sde", gamma=1.0, w=2.0),
+        encoder=str(root / "encoder"),
+        tokenizer=MINILM,
+        latent_std=0.5,
+        pad_with_eos=True,
+        length_histogram=tuple(histogram),
+    )
+    return str(save_model(root / "model", perturb(build_model(cfg)), config))

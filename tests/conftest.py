@@ -75,3 +75,19 @@ def _fresh_notes(monkeypatch):
     from elflow import errors
 
     monkeypatch.setattr(errors, "_NOTED", set())
+
+
+@pytest.fixture(scope="module")
+def teacher(tmp_path_factory, assets):
+    """A 3-step tiny training run's last checkpoint, per module (the distillation tests')."""
+    import json
+
+    from elflow.__main__ import main
+    from tests.train_helpers import run_config
+
+    root = tmp_path_factory.mktemp("teacher")
+    cfg = root / "cfg.json"
+    cfg.write_text(json.dumps(run_config(assets, train={"max_steps": 3})))
+    argv = ["train", "--preset", "bible-tiny", "--out", str(root / "run"), "--config", str(cfg)]
+    assert main(argv) == 0
+    return root / "run" / "checkpoint-3"

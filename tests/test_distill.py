@@ -15,51 +15,11 @@ from elflow.errors import ELFError
 from tests.dist.launch import torchrun_elflow
 from tests.train_helpers import (
     assert_same,
+    distill_cli,
     error_lines,
     run_config,
     weights,
 )
-
-
-@pytest.fixture(scope="module")
-def teacher(tmp_path_factory, assets):
-    root = tmp_path_factory.mktemp("teacher")
-    cfg = root / "cfg.json"
-    cfg.write_text(json.dumps(run_config(assets, train={"max_steps": 3})))
-    argv = ["train", "--preset", "bible-tiny", "--out", str(root / "run"), "--config", str(cfg)]
-    assert main(argv) == 0
-    return root / "run" / "checkpoint-3"
-
-
-def distill_cli(
-    tmp: Path,
-    out: Path,
-    assets: Path,
-    teacher: Path,
-    rounds: str,
-    *extra: str,
-    **train,
-) -> int:
-    # ema 0.1: a 2-step round's EMA must not be mostly its starting weights (0.9 ** 2 is refused).
-    cfg = run_config(assets, train={"max_steps": 2, "ema_decay": 0.1, **train})
-    path = tmp / f"distill-{out.name}.json"
-    path.write_text(json.dumps(cfg))
-    return main(
-        [
-            "distill",
-            "--teacher",
-            str(teacher),
-            "--out",
-            str(out),
-            "--config",
-            str(path),
-            "--rounds",
-            rounds,
-            "--teacher-steps",
-            "4",
-            *extra,
-        ]
-    )
 
 
 def test_rounds_chain_and_teacher_is_frozen(tmp_path, assets, teacher):

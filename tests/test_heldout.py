@@ -18,13 +18,12 @@ from elflow.train.step import ELFObjective
 from tests.train_helpers import (
     WORDS,
     assert_same,
+    distill_cli,
     heldout_lines,
     run_config,
     train_cli,
     weights,
 )
-
-from .test_distill import distill_cli, teacher  # noqa: F401
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +129,7 @@ def test_heldout_loss_resumes_and_works_without_a_validation_split(
 def test_distillation_rounds_log_their_own_heldout_loss(
     tmp_path,
     assets,
-    teacher,  # noqa: F811
+    teacher,
 ):
     assert distill_cli(tmp_path, tmp_path / "pd", assets, teacher, "2/2", eval_every=2) == 0
     (line,) = heldout_lines(tmp_path / "pd" / "round-1-2x2")

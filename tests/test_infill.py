@@ -10,9 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from elflow import ArtifactConfig, ELFPipeline, SamplerConfig, build_model, save_model
+from elflow import ELFPipeline
 from elflow.__main__ import main
-from elflow.config import elf_tiny
 from elflow.errors import ELFError
 from elflow.generation.infill import (
     Gap,
@@ -25,26 +24,9 @@ from elflow.generation.infill import (
     survives,
 )
 from elflow.infill import Template, constrained_tokens
-from tests.builders import MINILM, VOCAB, make_cond, perturb, save_tiny_encoder
+from tests.builders import MINILM, VOCAB, make_cond, make_infill_model
 
 L = 16
-
-
-def make_infill_model(root, histogram=()) -> str:
-    """A tiny unconditional model with a width-8 encoder, rows padded with EOS (as bible-tiny)."""
-    torch.manual_seed(0)
-    save_tiny_encoder(root / "encoder")
-    cfg = elf_tiny(encoder_dim=8, vocab_size=VOCAB, max_length=L)
-    config = ArtifactConfig(
-        model=cfg,
-        sampler=SamplerConfig(steps=3, sampler="sde", gamma=1.0, w=2.0),
-        encoder=str(root / "encoder"),
-        tokenizer=MINILM,
-        latent_std=0.5,
-        pad_with_eos=True,
-        length_histogram=tuple(histogram),
-    )
-    return str(save_model(root / "model", perturb(build_model(cfg)), config))
 
 
 @pytest.fixture(scope="module")

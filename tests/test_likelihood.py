@@ -22,7 +22,7 @@ from elflow.likelihood import (
     velocity_and_divergence,
 )
 from elflow.model import build_model
-from tests.test_infill import make_infill_model
+from tests.builders import make_infill_model
 
 MU, SD, S = 0.7, 0.5, 2.0
 

