@@ -200,7 +200,7 @@ def test_tokenizer_by_name_and_home_relative_folder(uncond_dir, tmp_path, monkey
 
 
 def test_cli_errors_are_one_line(tmp_path, capsys):
-    assert main(["info", str(tmp_path / "missing")]) == 2
+    assert main(["info", "--model", str(tmp_path / "missing")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("elflow: error:") and err.count("\n") == 1
 
