@@ -73,10 +73,16 @@ def _init(encoder, eos: int, vocab: int, batch_size: int, single_thread: bool) -
 
 
 def _tokenize_shard(
-    index: int, examples: list[Example], conditional: bool, where: str, first: int, root: str
-) -> tuple[int, int]:
-    """Tokenise one shard into ``root/shard-<index>`` (renamed into place when complete);
-    returns (documents, text bytes)."""
+    index: int,
+    examples: list[Example],
+    size: int,
+    conditional: bool,
+    where: str,
+    first: int,
+    root: str,
+) -> None:
+    """Tokenise one shard (``size`` bytes of text) into ``root/shard-<index>``, renamed into
+    place when complete."""
     s = _STATE
     final = Path(root) / _name(index)
     tmp = Path(root) / f".{_name(index)}.tmp-{os.getpid()}"
@@ -94,37 +100,32 @@ def _tokenize_shard(
             # Packing concatenates stored documents, so each must end with its EOS separator.
             tgt = [d if d and d[-1] == s["eos"] else [*d, s["eos"]] for d in tgt]
         target.append(tgt)
-    size = _text_bytes(examples)
     (tmp / DONE).write_text(json.dumps({"docs": len(examples), "bytes": size, "first": first}))
     tmp.rename(final)
-    return len(examples), size
 
 
 def _name(index: int) -> str:
     return f"shard-{index:06d}"
 
 
-def _text_bytes(examples: list[Example]) -> int:
-    """The examples' size as read: UTF-8 bytes of text, 4 bytes per pre-tokenised id."""
-    return sum(
-        len(t.encode("utf-8")) if isinstance(t, str) else 4 * len(t)
-        for ex in examples
-        for t in ex
-        if t
-    )
+def _example_bytes(example: Example) -> int:
+    """An example's size as read: UTF-8 bytes of text, 4 bytes per pre-tokenised id."""
+    return sum(len(t.encode("utf-8")) if isinstance(t, str) else 4 * len(t) for t in example if t)
 
 
-def _shards(examples: Iterator[Example], shard_bytes: int) -> Iterator[list[Example]]:
+def _shards(examples: Iterator[Example], shard_bytes: int) -> Iterator[tuple[list[Example], int]]:
+    """The examples in shards of at least ``shard_bytes`` of text (the last one smaller), each
+    with its size."""
     shard: list[Example] = []
     size = 0
     for ex in examples:
         shard.append(ex)
-        size += _text_bytes([ex])
+        size += _example_bytes(ex)
         if size >= shard_bytes:
-            yield shard
+            yield shard, size
             shard, size = [], 0
     if shard:
-        yield shard
+        yield shard, size
 
 
 def input_bytes(src: Source) -> int | None:
@@ -184,38 +185,42 @@ def tokenize_to_folder(
         )
     else:
         _init(*init, False)
-    pending: deque[Future] = deque()
+    pending: deque[tuple[Future, int, int]] = deque()
 
-    def collect(future_or_result) -> None:
+    def collect(n: int, size: int) -> None:
+        """A shard of ``n`` documents and ``size`` bytes is done."""
         nonlocal docs
-        n, size = future_or_result.result() if pool is not None else future_or_result
         docs += n
         bar.update(size)
         bar.set_postfix_str(f"{docs / max(time.perf_counter() - start, 1e-9):,.0f} docs/s")
 
+    def wait(future: Future, n: int, size: int) -> None:
+        future.result()  # a worker's error is raised here
+        collect(n, size)
+
     try:
         index = first = 0
-        for index, shard in enumerate(_shards(iter_examples(src, cfg), shard_bytes)):
+        for index, (shard, size) in enumerate(_shards(iter_examples(src, cfg), shard_bytes)):
             if conditional is None:
                 conditional = shard[0][0] is not None
             done = _read(root / _name(index) / DONE)
             if done is not None and (done.get("docs"), done.get("first")) == (len(shard), first):
                 kept += 1
-                docs += len(shard)
-                bar.update(_text_bytes(shard))
+                collect(len(shard), size)
             else:
                 made += 1
-                args = (index, shard, conditional, src.location, first, str(root))
+                args = (index, shard, size, conditional, src.location, first, str(root))
                 if pool is None:
-                    collect(_tokenize_shard(*args))
+                    _tokenize_shard(*args)
+                    collect(len(shard), size)
                 else:
-                    pending.append(pool.submit(_tokenize_shard, *args))
+                    pending.append((pool.submit(_tokenize_shard, *args), len(shard), size))
                     while len(pending) >= 2 * workers:
-                        collect(pending.popleft())
+                        wait(*pending.popleft())
             first += len(shard)
         num_shards = index + 1
         while pending:
-            collect(pending.popleft())
+            wait(*pending.popleft())
     except BaseException:
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)
