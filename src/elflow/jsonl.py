@@ -21,9 +21,14 @@ from typing import Any, BinaryIO
 from elflow.errors import ELFError
 
 
+def is_gzip(path: Path) -> bool:
+    """Whether elflow reads ``path`` through gzip (its name ends in .gz)."""
+    return path.name.lower().endswith(".gz")
+
+
 def open_binary(path: Path) -> BinaryIO:
     """``path`` opened for reading bytes, through gzip when its name ends in .gz."""
-    return gzip.open(path, "rb") if path.name.lower().endswith(".gz") else open(path, "rb")
+    return gzip.open(path, "rb") if is_gzip(path) else open(path, "rb")
 
 
 def _decode(raw: bytes, path: Path, lineno: int) -> str:

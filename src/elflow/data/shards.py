@@ -30,6 +30,7 @@ from elflow.data.config import DataConfig
 from elflow.data.sources import Example, Source, iter_examples
 from elflow.data.tables import TableWriter, TokenTable, to_ids, token_dtype
 from elflow.errors import ELFError
+from elflow.jsonl import is_gzip
 
 SHARD_BYTES = 16 << 20
 """Text per shard (bytes of UTF-8): small enough to keep memory flat, large enough that a
@@ -131,7 +132,7 @@ def _shards(examples: Iterator[Example], shard_bytes: int) -> Iterator[tuple[lis
 def input_bytes(src: Source) -> int | None:
     """The size of ``src``'s files when they are read as they are (None: compressed files or a
     dataset, whose text size is not known in advance)."""
-    if not src.files or any(p.suffix in (".gz", ".xz", ".bz2", ".zst") for p in src.files):
+    if not src.files or any(is_gzip(p) for p in src.files):
         return None
     return sum(p.stat().st_size for p in src.files)
 

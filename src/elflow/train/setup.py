@@ -45,6 +45,7 @@ from elflow.io.artifact import ArtifactConfig
 from elflow.io.official import load_state_dict_strict
 from elflow.io.run_lock import RunLock
 from elflow.io.tokenizer import load_tokenizer
+from elflow.jsonl import is_gzip
 from elflow.model import ELF, build_model, check_fits, count_parameters
 from elflow.network import TrainForward
 from elflow.paths import output_dir
@@ -301,8 +302,7 @@ def check_raw_data(cfg: RunConfig, info: DistInfo) -> None:
     src = data_source(cfg.data, cfg.data.path)
     if src.container == "prepared" or (src.container == "hf" and Path(src.location).is_dir()):
         return
-    packed = (".gz", ".xz", ".bz2", ".zst")
-    size = sum(p.stat().st_size * (4 if p.suffix in packed else 1) for p in src.files)
+    size = sum(p.stat().st_size * (4 if is_gzip(p) else 1) for p in src.files)
     if src.container != "hf" and size <= RAW_DATA_LIMIT:
         return
     what = "a Hugging Face Hub dataset" if src.container == "hf" else f"{size / 2**20:.0f} MB"
