@@ -129,6 +129,11 @@ def seed_of(seeds: Seeds, k: int) -> int:
     return seeds if isinstance(seeds, int) else int(seeds[k])
 
 
+def seeds_of(seeds: Seeds, start: int, stop: int) -> Seeds:
+    """The seeds of samples ``start..stop-1`` (a batch of a longer run)."""
+    return seeds if isinstance(seeds, int) else list(seeds[start:stop])
+
+
 def sample_generators(
     seed: Seeds, indices: Sequence[int], device: torch.device | str = "cpu"
 ) -> list[torch.Generator]:

@@ -36,7 +36,7 @@ from elflow.io.tokenizer import check_tokenizer, load_tokenizer, model_tokenizer
 from elflow.model import ELF
 from elflow.network import sample_model
 from elflow.projection import Projection
-from elflow.sampling import Condition, Seeds, StepCallback, sample_generators
+from elflow.sampling import Condition, Seeds, StepCallback, sample_generators, seeds_of
 from elflow.tokens import (
     TokenSpec,
     build_unconditional_row,
@@ -362,7 +362,7 @@ class ELFPipeline:
                     idx,
                     sampler,
                     sources=batch_sources,
-                    seed=seed if isinstance(seed, int) else list(seed[idx.start : idx.stop]),
+                    seed=seeds_of(seed, idx.start, idx.stop),
                     trajectory=trajectory,
                     projection=projection,
                     callback_on_step_end=callback_on_step_end,
@@ -455,7 +455,7 @@ class ELFPipeline:
                 self,
                 parsed[start : start + batch_size],
                 sampler,
-                seed=seed if isinstance(seed, int) else list(seed[start : start + batch_size]),
+                seed=seeds_of(seed, start, start + batch_size),
                 first_index=start,
                 trajectory=trajectory,
             )

@@ -75,15 +75,12 @@ def settings_record(
     # The target's length (a conditional model's rows also hold the source).
     L = cfg.model.max_length - cfg.max_input_length if cfg.conditional else scfg.length
     unused = unused_settings(scfg.sampler)  # other samplers' own settings: null
-    own = {f: None if f in unused else getattr(scfg, f) for f in sorted(sampler_own_settings())}
     return {
         "sampler": scfg.sampler,
         "steps": scfg.steps,
         "nfe": 2 * scfg.nfe if guided else scfg.nfe,
-        "gamma": own.pop("gamma", scfg.gamma),
-        "gamma_schedule": own.pop("gamma_schedule", scfg.gamma_schedule),
-        "pc_snr": own.pop("pc_snr", scfg.pc_snr),
-        **own,
+        # gamma, gamma_schedule, pc_snr, and any a registered sampler names
+        **{f: None if f in unused else getattr(scfg, f) for f in sorted(sampler_own_settings())},
         "w": scfg.w,
         "cfg": scfg.cfg if pipe.config.conditional else None,
         "time_grid": scfg.time_grid,
