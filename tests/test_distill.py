@@ -26,23 +26,8 @@ def test_rounds_chain_and_teacher_is_frozen(tmp_path, assets, teacher):
     before = (teacher / "ema.safetensors").read_bytes()
     out = tmp_path / "pd"
     # One step per round at lr 0 (first warm-up step): each round's weights equal its init.
-    cfg = run_config(assets, train={"max_steps": 1, "ema_decay": 0.1}, optim={"warmup_steps": 1000})
-    path = tmp_path / "c.json"
-    path.write_text(json.dumps(cfg))
-    argv = [
-        "distill",
-        "--teacher",
-        str(teacher),
-        "--out",
-        str(out),
-        "--config",
-        str(path),
-        "--rounds",
-        "2/2,1/4",
-        "--teacher-steps",
-        "4",
-    ]
-    assert main(argv) == 0
+    lr0 = {"warmup_steps": 1000}
+    assert distill_cli(tmp_path, out, assets, teacher, "2/2,1/4", max_steps=1, optim=lr0) == 0
     r1, r2 = out / "round-1-2x2" / "checkpoint-1", out / "round-2-1x4" / "checkpoint-1"
     assert_same(weights(r1), weights(teacher, "ema.safetensors"))  # round 1 starts at the teacher
     assert_same(weights(r2), weights(r1, "ema.safetensors"))  # round 2 at round 1's EMA

