@@ -110,7 +110,7 @@ def resolve_source(
         if fmt == "text" or (fmt == "auto" and texts and not jsonls):
             if not texts:
                 raise ELFError(f"folder '{location}' has no *.txt or *.txt.gz files; add text")
-            _check_text(texts[:1], fmt)
+            _check_text(texts[0], fmt)  # the first file tells
             return Source(location, "text", "text", texts)
         if fmt == "auto" and texts and jsonls:
             raise ELFError(
@@ -133,7 +133,7 @@ def resolve_source(
         # an unknown suffix (.ndjson, none) holding JSON objects is JSONL
         and (_has_suffix(path, TEXT_SUFFIXES) or not _first_line_is_json(path))
     ):
-        _check_text((path,), fmt)
+        _check_text(path, fmt)
         return Source(location, "text", "text", (path,))
     if _has_suffix(path, TEXT_SUFFIXES) and not _first_line_is_json(path):
         raise ELFError(
@@ -143,29 +143,28 @@ def resolve_source(
     return Source(location, "jsonl", _jsonl_kind(cfg, (path,), key), (path,))
 
 
-def _check_text(files: tuple[Path, ...], fmt: str) -> None:
+def _check_text(path: Path, fmt: str) -> None:
     """What plain text read line by line would silently get wrong, found in the first 64 KB of
-    ``files``: NUL bytes (a binary or UTF-16 file) are an error; a CSV file, or JSON lines in a
+    ``path``: NUL bytes (a binary or UTF-16 file) are an error; a CSV file, or JSON lines in a
     file named .txt (when the format was not given), get a warning."""
-    for path in files:
-        with open_binary(path) as f:
-            head = f.read(1 << 16)
-        if b"\x00" in head:
-            raise ELFError(
-                f"{path} holds NUL bytes: a binary (or UTF-16) file, not UTF-8 text; give text, "
-                "JSONL or a folder written by elflow prepare"
-            )
-        if path.name.lower().endswith((".csv", ".tsv", ".csv.gz", ".tsv.gz")):
-            note_once(
-                f"elflow: warning: {path} is read as plain text, one document a line, its header "
-                "line and separators included; give the text column as plain text or JSONL "
-                '({"text": ...} a line)'
-            )
-        elif fmt == "auto" and _first_line_is_json(path):
-            note_once(
-                f"elflow: warning: {path} holds JSON lines but its name says plain text, so each "
-                "line, braces and all, is one document; rename it .jsonl or set data.format=jsonl"
-            )
+    with open_binary(path) as f:
+        head = f.read(1 << 16)
+    if b"\x00" in head:
+        raise ELFError(
+            f"{path} holds NUL bytes: a binary (or UTF-16) file, not UTF-8 text; give text, "
+            "JSONL or a folder written by elflow prepare"
+        )
+    if path.name.lower().endswith((".csv", ".tsv", ".csv.gz", ".tsv.gz")):
+        note_once(
+            f"elflow: warning: {path} is read as plain text, one document a line, its header "
+            "line and separators included; give the text column as plain text or JSONL "
+            '({"text": ...} a line)'
+        )
+    elif fmt == "auto" and _first_line_is_json(path):
+        note_once(
+            f"elflow: warning: {path} holds JSON lines but its name says plain text, so each "
+            "line, braces and all, is one document; rename it .jsonl or set data.format=jsonl"
+        )
 
 
 def _first_line_is_json(path: Path) -> bool:
