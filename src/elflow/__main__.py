@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from elflow import __version__
-from elflow.errors import ELFError, first_line
+from elflow.errors import ELFError, first_line, say
 
 _DEFAULT = ("add_arguments", "run")
 COMMANDS: dict[str, tuple[str, str, tuple[str, str]]] = {
@@ -81,7 +81,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return _command(args.command)[1](args)
     except ELFError as e:
-        print(f"elflow: error: {e}", file=sys.stderr)
+        say(f"elflow: error: {e}")
         return getattr(e, "exit_code", 2)
     except BrokenPipeError:  # e.g. `elflow generate ... | head -1`: the reader has what it wants
         # So that Python's flush at exit does not fail on the closed pipe too (a captured
@@ -91,9 +91,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 141
     except FileNotFoundError as e:
         if e.filename is None:
-            print(f"elflow: error: {e}", file=sys.stderr)
+            say(f"elflow: error: {e}")
         else:
-            print(f"elflow: error: {Path(e.filename)} does not exist", file=sys.stderr)
+            say(f"elflow: error: {Path(e.filename)} does not exist")
         return 2
     except OSError as e:
         # A path the commands' own checks did not foresee (a full disk, a read-only file
@@ -101,25 +101,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         where = f"{e.filename}: " if e.filename else ""
         if e.filename2:  # a rename: name where it was going
             where = f"{e.filename} -> {e.filename2}: "
-        print(f"elflow: error: {where}{e.strerror or e}", file=sys.stderr)
+        say(f"elflow: error: {where}{e.strerror or e}")
         return 2
     except (MemoryError, RuntimeError) as e:
         if not _out_of_memory(e):
             raise
         first = first_line(e)
-        print(
+        say(
             f"elflow: error: out of memory ({first}); lower train.micro_batch (accumulation keeps "
             "the batch) or set train.activation_checkpointing=blocks to train, lower --batch-size "
             "to sample or score (a sweep's judge: --score-batch-size; --resume keeps its scored "
-            "cells); checkpoints already saved are kept",
-            file=sys.stderr,
+            "cells); checkpoints already saved are kept"
         )
         return 2
     except KeyboardInterrupt:  # e.g. during a start-up encoding pass, or a second Ctrl-C
-        print(
-            "elflow: interrupted; files written before (checkpoints, caches) are kept",
-            file=sys.stderr,
-        )
+        say("elflow: interrupted; files written before (checkpoints, caches) are kept")
         return 130
 
 

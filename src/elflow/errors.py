@@ -64,8 +64,15 @@ def first_line(e: BaseException, limit: int = 200) -> str:
 _NOTED: set[str] = set()
 
 
+def say(line: str) -> None:
+    """Write ``line`` and its newline to stderr in one call, so that the lines of several
+    processes sharing the stream (torchrun) do not run into each other."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
 def note_once(message: str) -> None:
     """Print ``message`` to stderr once per process, and on rank 0 only under ``torchrun``."""
     if message not in _NOTED and os.environ.get("RANK", "0") == "0":
         _NOTED.add(message)
-        print(message, file=sys.stderr)
+        say(message)
