@@ -82,7 +82,7 @@ def test_gap_lengths_are_drawn_per_sample_and_seed(tokenizer):
     assert set(fills) <= set(range(1, 10)) and len(set(fills)) > 3
     again = build_template(tokenizer, [request] * 3, length=L, pad_id=0, eos_id=102, seed=4)
     alone = build_template(
-        tokenizer, [request], length=L, pad_id=0, eos_id=102, seed=4, first_index=2
+        tokenizer, [request], length=L, pad_id=0, eos_id=102, seed=4, indices=[2]
     )
     assert torch.equal(again.keep[2], alone.keep[0])  # (seed, index), not the batch
 

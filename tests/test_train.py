@@ -64,6 +64,10 @@ def test_train_learns_and_writes_checkpoints(tmp_path, assets):
     )
     pipe = ELFPipeline.from_pretrained(run)
     assert len(pipe.generate(2, sampler=replace(pipe.sampler, steps=3))) == 2
+    # The periodic samples came through the pipeline's one path: the saved model, sampled with
+    # the run's seed and sampler, writes the same texts.
+    written = [json.loads(x)["text"] for x in (run / "samples" / "step-24.jsonl").open()]
+    assert pipe.generate(2, seed=config["run"]["train"]["seed"]) == written
 
 
 def test_resume_is_bitwise_with_accumulation_and_latent_cache(tmp_path, assets, capsys):

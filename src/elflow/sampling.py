@@ -217,6 +217,8 @@ class StepState:
     """(B, L, E) the state at ``t``."""
     x_hat: Tensor
     """(B, L, E) the step's clean-latent estimate (what the trajectory decodes)."""
+    tokens: Tensor | None = None
+    """(B, L) the decode of ``x_hat`` (decode-mode argmax), when the trajectory is asked for."""
 
 
 StepCallback = Callable[[StepState], None]
@@ -272,8 +274,9 @@ def sample(
             z, x_prev = step(denoise, z, x_prev, t, t_next, ctx)
         if cond is not None:  # a no-op unless the condition's latents were refreshed
             z = torch.where(c3, cond.latents, z)
-        if trajectory:
-            frames.append(decode(x_prev))
+        tokens = decode(x_prev) if trajectory else None
+        if tokens is not None:
+            frames.append(tokens)
         if callback_on_step_end is not None:
-            callback_on_step_end(StepState(k, N, t_next, z, x_prev))
+            callback_on_step_end(StepState(k, N, t_next, z, x_prev, tokens))
     return SampleOutput(decode(z), z, torch.stack(frames) if trajectory else None)

@@ -146,12 +146,12 @@ def build_template(
     length: int,
     pad_id: int,
     eos_id: int,
-    first_index: int = 0,
+    indices: Sequence[int] | None = None,
     seed: Seeds = 0,
     max_input_length: int = 0,
 ) -> Template:
-    """The rows of ``requests`` (sample i's gap lengths drawn from (its seed, first_index + i);
-    ``seed`` one for all or one per request),
+    """The rows of ``requests`` (request b's gap lengths drawn from (its seed, ``indices[b]``),
+    default b; ``seed`` one for all or one per request),
     padded to ``length`` as training rows; a conditional model's source (its first
     ``max_input_length`` tokens) comes first and is kept."""
     hole = placeholder_id(tokenizer)
@@ -160,8 +160,9 @@ def build_template(
     keep = torch.ones(B, length, dtype=torch.bool)
     attention = torch.zeros(B, length, dtype=torch.long)
     source = torch.zeros(B, length, dtype=torch.bool) if max_input_length else None
+    indices = range(B) if indices is None else indices
     for b, request in enumerate(requests):
-        target, kept = _layout(tokenizer, request, hole, seed_of(seed, b), first_index + b)
+        target, kept = _layout(tokenizer, request, hole, seed_of(seed, b), indices[b])
         head: list[int] = []
         if source is not None:
             if request.source is None:
@@ -173,7 +174,7 @@ def build_template(
         row = head + target
         if len(row) > length:
             raise ELFError(
-                f"infill request {first_index + b} needs {len(row)} tokens, more than the "
+                f"infill request {indices[b]} needs {len(row)} tokens, more than the "
                 f"model's {length}; shorten its text or its gaps"
             )
         n = len(row)
@@ -347,86 +348,24 @@ class Infilled:
     """trajectory[k][i]: sample i's text after step k (when asked for)."""
 
 
-@torch.no_grad()
 def infill_batch(
     pipe,
     requests: Sequence[InfillRequest],
     sampler: SamplerConfig,
     *,
     seed: Seeds = 0,
-    first_index: int = 0,
+    indices: Sequence[int] | None = None,
     trajectory: bool = False,
     callback_on_step_end=None,
 ) -> Infilled:
-    """Fill ``requests`` (samples first_index, first_index + 1, ...) in one batch with
-    ``pipe``'s model (an :class:`elflow.ELFPipeline`), unchecked: see :meth:`ELFPipeline.infill`.
-    """
-    from elflow.infill import constrained_tokens, initial_condition, refresh_denoiser
-    from elflow.network import decode_logits, make_denoiser, sampling_w
-    from elflow.sampling import sample, sample_generators
+    """Fill ``requests`` in one batch with ``pipe``'s model (an :class:`elflow.ELFPipeline`),
+    unchecked: see :meth:`ELFPipeline.infill`. Request b is sample ``indices[b]`` (default b) of
+    its seed (``seed``: one for all or one per request): its noise and gap lengths depend on
+    these alone, not on the rest of the batch (:func:`elflow.generation.engine.run_rows`)."""
+    from elflow.generation.engine import make_rows, run_rows
 
-    cfg, model, tok = pipe.config, pipe.model, pipe.tokens
-    L, dev = cfg.model.max_length, pipe.device
-    template = build_template(
-        pipe.tokenizer,
-        requests,
-        length=L,
-        pad_id=pipe.row_pad_id,
-        eos_id=tok.eos_id,
-        first_index=first_index,
-        seed=seed,
-        max_input_length=cfg.max_input_length if cfg.conditional else 0,
-    )
-    template = Template(*(None if x is None else x.to(dev) for x in vars(template).values()))
-    encoder = pipe.frozen_encoder("infilling and length control")
-
-    def encode(ids: Tensor, attention: Tensor, source: Tensor | None) -> Tensor:
-        return encoder(ids, attention, None if source is None else source.long())
-
-    vocab = pipe.fill_vocabulary
-    cond = initial_condition(template, encode)
-    w = sampling_w(model, sampler.w)
-    denoise = make_denoiser(model, w, cfg.t_eps, cond, sampler.cfg)
-
-    def logits(z: Tensor) -> Tensor:
-        return decode_logits(model, z, w)
-
-    if sampler.refresh_from < 1.0 or sampler.project_from < 1.0:
-        denoise = refresh_denoiser(
-            denoise,
-            logits,
-            encode,
-            template,
-            vocab,
-            cond,
-            sampler.refresh_from,
-            cfg.t_eps,
-            sampler.project_from,
-        )
-    indices = range(first_index, first_index + len(requests))
-    out = sample(
-        denoise,
-        lambda z: constrained_tokens(logits(z), template, vocab),
-        sample_generators(seed, list(indices), dev),
-        (L, cfg.model.encoder_dim),
-        sampler,
-        cfg.noise_scale,
-        cond,
-        trajectory,
-        cfg.t_eps,
-        callback_on_step_end,
-    )
-    decoded = pipe.detokenize(out.tokens, template.source)
-    kept = [kept_texts(pipe.tokenizer, template, b) for b in range(len(requests))]
-    fills = fill_texts(pipe.tokenizer, template, out.tokens)
-    frames = None
-    if trajectory:
-        frames = [pipe.detokenize(frame, template.source) for frame in out.trajectory]
-    return Infilled(
-        texts=[verbatim_text(r, f, d) for r, f, d in zip(requests, fills, decoded, strict=True)],
-        fills=fills,
-        kept=kept,
-        survived=[survives(t, k) for t, k in zip(decoded, kept, strict=True)],
-        tokens=pipe.strip_source(out.tokens, template.source).cpu(),
-        trajectory=frames,
+    indices = range(len(requests)) if indices is None else indices
+    rows = make_rows(indices, seed, infill=requests)
+    return run_rows(
+        pipe, rows, sampler, trajectory=trajectory, callback_on_step_end=callback_on_step_end
     )

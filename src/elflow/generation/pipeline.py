@@ -21,22 +21,21 @@ from torch import Tensor
 from elflow.config import SamplerConfig
 from elflow.encoder import FrozenEncoder
 from elflow.errors import ELFError
+from elflow.generation.engine import make_rows, run_rows
 from elflow.generation.infill import (
     Infilled,
     InfillRequest,
     as_requests,
     fill_vocabulary,
     infill_batch,
-    length_requests,
 )
 from elflow.infill import FillVocabulary
 from elflow.io.artifact import ArtifactConfig, load_resolved
 from elflow.io.sources import resolve_source
 from elflow.io.tokenizer import check_tokenizer, load_tokenizer, model_tokenizer
 from elflow.model import ELF
-from elflow.network import sample_model
 from elflow.projection import Projection
-from elflow.sampling import Condition, Seeds, StepCallback, sample_generators, seeds_of
+from elflow.sampling import Condition, Seeds, StepCallback, seeds_of
 from elflow.tokens import (
     TokenSpec,
     build_unconditional_row,
@@ -290,49 +289,16 @@ class ELFPipeline:
     ) -> Generation:
         """Samples ``indices`` (one per source when conditional) in one batch, unchecked: call
         :meth:`prepare` once first. Sample i depends on (its seed, i) only, whatever else is in
-        the batch; ``seed`` is one for all or one per sample."""
-        if sampler.length_range:
-            cfg = self.config
-            requests = length_requests(
-                sampler.length_range,
-                indices,
-                seed,
-                cfg.length_histogram,
-                cfg.tokens_per_word,
-            )
-            for request, source in zip(requests, sources or [], strict=False):
-                request.source = source
-            done = infill_batch(
-                self,
-                requests,
-                sampler,
-                seed=seed,
-                first_index=indices[0],
-                trajectory=trajectory,
-                callback_on_step_end=callback_on_step_end,
-            )
-            return Generation(done.texts, done.tokens, done.trajectory)
-        gens = sample_generators(seed, list(indices), self.device)
-        cond, cond_mask = (None, None)
-        if sources is not None:
-            cond, cond_mask = self.encode_sources(list(sources))
-        out = sample_model(
-            self.model,
-            gens,
-            self.config.sample_length(sampler),
+        the batch; ``seed`` is one for all or one per sample (:mod:`elflow.generation.engine`)."""
+        out = run_rows(
+            self,
+            make_rows(indices, seed, sources),
             sampler,
-            self.config.noise_scale,
-            self.config.t_eps,
-            cond,
-            trajectory=trajectory,
             projection=projection,
+            trajectory=trajectory,
             callback_on_step_end=callback_on_step_end,
         )
-        texts = self.detokenize(out.tokens, cond_mask)
-        frames = None
-        if trajectory:
-            frames = [self.detokenize(frame, cond_mask) for frame in out.trajectory]
-        return Generation(texts, self.strip_source(out.tokens, cond_mask).cpu(), frames)
+        return Generation(out.texts, out.tokens, out.trajectory)  # length control: infilled
 
     def generate_full(
         self,
@@ -456,7 +422,7 @@ class ELFPipeline:
                 parsed[start : start + batch_size],
                 sampler,
                 seed=seeds_of(seed, start, start + batch_size),
-                first_index=start,
+                indices=range(start, min(len(parsed), start + batch_size)),
                 trajectory=trajectory,
             )
             for start in range(0, len(parsed), batch_size)

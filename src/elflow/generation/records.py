@@ -241,7 +241,7 @@ def _batch(
         infill[indices.start : indices.stop],
         scfg,
         seed=seed,
-        first_index=indices.start,
+        indices=indices,
         trajectory=trajectory,
     )
     extras = [

@@ -29,10 +29,7 @@ from elflow.errors import ELFError
 from elflow.io import checkpoint as ckpt_io
 from elflow.io.artifact import ArtifactConfig
 from elflow.jsonl import finite_or_null, write_jsonl
-from elflow.network import sample_model
-from elflow.projection import Projection
-from elflow.sampling import Condition, sample_generators
-from elflow.tokens import detokenize, shift_out_source, token_spec
+from elflow.tokens import detokenize, token_spec
 from elflow.train.config import RunConfig, run_config_to_dict
 from elflow.train.ema import EMA, ema_network
 from elflow.train.heldout import branch_means, heldout_scores, heldout_splits
@@ -195,39 +192,25 @@ def write_samples(
     ema_state = ema.state_dict_for_save()  # collective under FSDP2
     if not info.is_main or cfg.train.num_samples == 0:
         return
+    from elflow.generation.pipeline import ELFPipeline
+
     net = ema_network(model_cfg, ema_state, info.device)
-    spec = token_spec(tokenizer)
+    pipe = ELFPipeline(net, artifact, tokenizer, encoder)
     n = cfg.train.num_samples
-    gens = sample_generators(cfg.train.seed, range(n), info.device)
-    cond, cond_mask, sources = None, None, None
-    if dataset.conditional:
+    sources = None
+    if dataset.conditional:  # the first training rows' sources, as text
+        spec = token_spec(tokenizer)
         rows = dataset.get_rows(np.arange(min(n, len(dataset))))
-        ids = torch.from_numpy(rows["input_ids"]).to(info.device)
-        cond_mask = torch.from_numpy(rows["cond_mask"]).to(info.device)
-        src = ids.masked_fill(cond_mask == 0, spec.pad_id)
-        cond = Condition(encoder(src, cond_mask, cond_mask), cond_mask)
-        sources = detokenize(tokenizer, src, spec.eos_id, spec.pad_id)  # the rows' own sources
-        gens = gens[: len(ids)]
-    projection = None
-    if cfg.sampler.project_from < 1.0:  # unconditional runs only (RunConfig checks)
-        projection = Projection(encoder, spec.eos_id, spec.row_pad_id(artifact.pad_with_eos))
-    # Periodic samples are free-length (length control goes through ELFPipeline's infilling).
+        src = torch.from_numpy(rows["input_ids"]).masked_fill(
+            torch.from_numpy(rows["cond_mask"]) == 0, spec.pad_id
+        )
+        sources = detokenize(tokenizer, src, spec.eos_id, spec.pad_id)
+        n = len(sources)
+    # Periodic samples are free-length and one batch, through the pipeline's one path.
     sampler = replace(cfg.sampler, length_range="")
-    result = sample_model(
-        net,
-        gens,
-        artifact.sample_length(sampler),
-        sampler,
-        artifact.noise_scale,
-        artifact.t_eps,
-        cond,
-        projection=projection,
-    )
-    tokens = result.tokens
-    if cond_mask is not None:
-        keep = model_cfg.max_length - cfg.max_input_length
-        tokens = shift_out_source(tokens, cond_mask, keep, spec.pad_id)
-    texts = detokenize(tokenizer, tokens, spec.eos_id, spec.pad_id)
+    texts = pipe(
+        None if sources else n, sources=sources, sampler=sampler, seed=cfg.train.seed, batch_size=n
+    ).texts
     records = [{"id": i, "step": step, "text": text} for i, text in enumerate(texts)]
     for record, source in zip(records, sources or [], strict=False):
         record["source"] = source

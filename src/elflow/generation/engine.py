@@ -1,0 +1,251 @@
+"""The one path from a network to text (an elflow addition; the sampler is ELF_SPEC §5).
+
+Every request (unconditional, conditional, infilling, length-controlled) is cut into rows, one
+per sample: a :class:`Row` holds the sample's seed and index, whose functions alone are its noise,
+its step times and its gap lengths, its source (a conditional model) and its infill layout (kept
+text and gaps). :func:`run_rows` samples any rows that share a sampler as one batch and returns
+their texts; a row's result does not depend on the other rows in its batch, so a caller may batch
+rows of different requests, seeds and lengths together (``elflow serve`` does) and get what each
+request would get alone. The pipeline, the CLI, the sweep, training-time samples, the demo and
+the trajectory page all sample through here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from elflow.config import SamplerConfig
+from elflow.errors import ELFError
+from elflow.generation.infill import (
+    Infilled,
+    InfillRequest,
+    Template,
+    build_template,
+    fill_texts,
+    kept_texts,
+    length_requests,
+    survives,
+    verbatim_text,
+)
+from elflow.projection import Projection
+from elflow.sampling import Seeds, StepCallback, StepState, sample_generators, seed_of
+
+if TYPE_CHECKING:
+    from elflow.generation.pipeline import ELFPipeline, Generation
+
+StepTexts = Callable[[int, list[str]], None]
+"""``on_step(k, texts)``: each row's decoded text after step k (from 0), as the steps run."""
+
+
+@dataclass(frozen=True)
+class Row:
+    """One sample to write."""
+
+    seed: int
+    index: int
+    """Sample ``index`` of ``seed``: its noise, step times and gap lengths depend on these alone."""
+    source: str | None = None
+    """A conditional model's source text."""
+    infill: InfillRequest | None = None
+    """Kept text and gaps (infilling, length control); None samples the whole row freely."""
+
+    @property
+    def kind(self) -> str:
+        """Rows of one kind (and one sampler) run as one batch: ``free`` or ``infill``."""
+        return "free" if self.infill is None else "infill"
+
+
+def make_rows(
+    indices: Sequence[int],
+    seed: Seeds = 0,
+    sources: Sequence[str] | None = None,
+    infill: Sequence[InfillRequest] | None = None,
+) -> list[Row]:
+    """Rows for samples ``indices`` of ``seed`` (one for all, or one per sample), with their
+    sources and infill requests when given (one per sample)."""
+    return [
+        Row(
+            seed_of(seed, k),
+            int(i),
+            sources[k] if sources is not None else None if infill is None else infill[k].source,
+            None if infill is None else infill[k],
+        )
+        for k, i in enumerate(indices)
+    ]
+
+
+def with_lengths(pipe: ELFPipeline, rows: Sequence[Row], sampler: SamplerConfig) -> list[Row]:
+    """Under ``sampler.length_range`` a free row becomes a one-gap infill row of a length drawn
+    from its (seed, index) (:func:`elflow.generation.infill.length_requests`); else unchanged."""
+    if not sampler.length_range:
+        return list(rows)
+    cfg, out = pipe.config, []
+    for row in rows:
+        if row.infill is not None:
+            out.append(row)
+            continue
+        (request,) = length_requests(
+            sampler.length_range, [row.index], row.seed, cfg.length_histogram, cfg.tokens_per_word
+        )
+        request.source = row.source
+        out.append(Row(row.seed, row.index, row.source, request))
+    return out
+
+
+def _frames_hook(
+    texts_of: Callable[[Tensor], list[str]],
+    frames: list[list[str]] | None,
+    on_step: StepTexts | None,
+    callback: StepCallback | None,
+) -> StepCallback | None:
+    """The step callback that decodes each step's texts for the trajectory and ``on_step``."""
+    if frames is None and on_step is None:
+        return callback
+
+    def hook(state: StepState) -> None:
+        if state.tokens is not None:
+            texts = texts_of(state.tokens)
+            if frames is not None:
+                frames.append(texts)
+            if on_step is not None:
+                on_step(state.step, texts)
+        if callback is not None:
+            callback(state)
+
+    return hook
+
+
+@torch.no_grad()
+def run_rows(
+    pipe: ELFPipeline,
+    rows: Sequence[Row],
+    sampler: SamplerConfig,
+    *,
+    projection: Projection | None = None,
+    trajectory: bool = False,
+    on_step: StepTexts | None = None,
+    callback_on_step_end: StepCallback | None = None,
+) -> Generation | Infilled:
+    """Sample ``rows`` (all ``free`` or all ``infill``, :attr:`Row.kind`) as one batch, unchecked:
+    the pipeline's ``prepare`` checks a request first. Free rows return a
+    :class:`~elflow.generation.pipeline.Generation`, infill rows an :class:`Infilled`; with
+    ``trajectory`` each step's texts come back too, and ``on_step`` gets them as they are made."""
+    if not rows:
+        raise ELFError("no rows to sample")
+    kinds = {row.kind for row in rows}
+    if len(kinds) > 1:
+        raise ELFError("a batch mixes free and infill rows; run each kind as its own batch")
+    if sampler.length_range and "free" in kinds:
+        rows = with_lengths(pipe, rows, sampler)
+        kinds = {"infill"}
+    frames: list[list[str]] | None = [] if trajectory else None
+    decode_steps = trajectory or on_step is not None
+    gens = sample_generators([r.seed for r in rows], [r.index for r in rows], pipe.device)
+    if kinds == {"free"}:
+        return _free(pipe, rows, sampler, gens, projection, frames, decode_steps, on_step,
+                     callback_on_step_end)  # fmt: skip
+    return _infill(pipe, rows, sampler, gens, frames, decode_steps, on_step, callback_on_step_end)
+
+
+def _free(pipe, rows, sampler, gens, projection, frames, decode_steps, on_step, callback):
+    from elflow.generation.pipeline import Generation
+    from elflow.network import sample_model
+
+    cond, cond_mask = None, None
+    if pipe.config.conditional:
+        sources = [r.source for r in rows]
+        if any(s is None for s in sources):
+            raise ELFError("this model is conditional: every sample needs a source")
+        cond, cond_mask = pipe.encode_sources(sources)
+    elif any(r.source is not None for r in rows):
+        raise ELFError("this model is unconditional: it takes no sources")
+    hook = _frames_hook(lambda t: pipe.detokenize(t, cond_mask), frames, on_step, callback)
+    out = sample_model(
+        pipe.model,
+        gens,
+        pipe.config.sample_length(sampler),
+        sampler,
+        pipe.config.noise_scale,
+        pipe.config.t_eps,
+        cond,
+        trajectory=decode_steps,
+        projection=projection,
+        callback_on_step_end=hook,
+    )
+    texts = pipe.detokenize(out.tokens, cond_mask)
+    return Generation(texts, pipe.strip_source(out.tokens, cond_mask).cpu(), frames)
+
+
+def _infill(pipe, rows, sampler, gens, frames, decode_steps, on_step, callback) -> Infilled:
+    from elflow.infill import constrained_tokens, initial_condition, refresh_denoiser
+    from elflow.network import decode_logits, make_denoiser, sampling_w
+    from elflow.sampling import sample
+
+    cfg, model, tok = pipe.config, pipe.model, pipe.tokens
+    L, dev = cfg.model.max_length, pipe.device
+    requests = [r.infill for r in rows]
+    template = build_template(
+        pipe.tokenizer,
+        requests,
+        length=L,
+        pad_id=pipe.row_pad_id,
+        eos_id=tok.eos_id,
+        indices=[r.index for r in rows],
+        seed=[r.seed for r in rows],
+        max_input_length=cfg.max_input_length if cfg.conditional else 0,
+    )
+    template = Template(*(None if x is None else x.to(dev) for x in vars(template).values()))
+    encoder = pipe.frozen_encoder("infilling and length control")
+
+    def encode(ids: Tensor, attention: Tensor, source: Tensor | None) -> Tensor:
+        return encoder(ids, attention, None if source is None else source.long())
+
+    vocab = pipe.fill_vocabulary
+    cond = initial_condition(template, encode)
+    w = sampling_w(model, sampler.w)
+    denoise = make_denoiser(model, w, cfg.t_eps, cond, sampler.cfg)
+
+    def logits(z: Tensor) -> Tensor:
+        return decode_logits(model, z, w)
+
+    if sampler.refresh_from < 1.0 or sampler.project_from < 1.0:
+        denoise = refresh_denoiser(
+            denoise,
+            logits,
+            encode,
+            template,
+            vocab,
+            cond,
+            sampler.refresh_from,
+            cfg.t_eps,
+            sampler.project_from,
+        )
+    hook = _frames_hook(lambda t: pipe.detokenize(t, template.source), frames, on_step, callback)
+    out = sample(
+        denoise,
+        lambda z: constrained_tokens(logits(z), template, vocab),
+        gens,
+        (L, cfg.model.encoder_dim),
+        sampler,
+        cfg.noise_scale,
+        cond,
+        decode_steps,
+        cfg.t_eps,
+        hook,
+    )
+    decoded = pipe.detokenize(out.tokens, template.source)
+    kept = [kept_texts(pipe.tokenizer, template, b) for b in range(len(rows))]
+    fills = fill_texts(pipe.tokenizer, template, out.tokens)
+    return Infilled(
+        texts=[verbatim_text(r, f, d) for r, f, d in zip(requests, fills, decoded, strict=True)],
+        fills=fills,
+        kept=kept,
+        survived=[survives(t, k) for t, k in zip(decoded, kept, strict=True)],
+        tokens=pipe.strip_source(out.tokens, template.source).cpu(),
+        trajectory=frames,
+    )
