@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str, tuple[str, str]]] = {
     "demo": ("watch the shipped CPU model write verses out of noise", "demo", _DEFAULT),
     "sample": ("draw samples: print them or write a JSONL file", "sample", _DEFAULT),
     "score": ("score samples: generative perplexity, entropy, BLEU, ROUGE", "score", _DEFAULT),
+    "serve": ("serve a model: OpenAI-compatible API and a live playground", "serve", _DEFAULT),
     "sweep": ("sample and score a grid of sampler settings", "sweep", _DEFAULT),
     "compare": ("pair cells of equal entropy: which is lower in gen PPL", "compare", _DEFAULT),
     "prepare": ("tokenise a corpus once into a memory-mapped token file", "prepare", _DEFAULT),

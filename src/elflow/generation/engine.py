@@ -147,8 +147,17 @@ def run_rows(
     decode_steps = trajectory or on_step is not None
     gens = sample_generators([r.seed for r in rows], [r.index for r in rows], pipe.device)
     if kinds == {"free"}:
-        return _free(pipe, rows, sampler, gens, projection, frames, decode_steps, on_step,
-                     callback_on_step_end)  # fmt: skip
+        return _free(
+            pipe,
+            rows,
+            sampler,
+            gens,
+            projection,
+            frames,
+            decode_steps,
+            on_step,
+            callback_on_step_end,
+        )
     return _infill(pipe, rows, sampler, gens, frames, decode_steps, on_step, callback_on_step_end)
 
 

@@ -1,0 +1,298 @@
+"""``elflow serve`` on a real loopback port: the OpenAI completions API (its official client),
+batching that leaves every sample as ``elflow sample`` writes it, limits, cancellation, the API
+key, metrics, and the playground page in headless Chromium."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from elflow import ELFPipeline
+from elflow.__main__ import main
+from elflow.serving.app import create_app
+from elflow.serving.batcher import Batcher
+from elflow.serving.protocol import Limits
+from tests.builders import make_cond, make_infill_model, read
+
+httpx = pytest.importorskip("httpx")
+uvicorn = pytest.importorskip("uvicorn")
+
+
+def wait_until(condition, timeout: float = 30.0) -> None:
+    """Block until ``condition()`` holds (another thread makes it so), or fail."""
+    end = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < end, "timed out waiting for the server"
+        time.sleep(0.01)
+
+
+@contextlib.contextmanager
+def serving(app):
+    """``app`` on uvicorn on a free loopback port, in a thread; yields its base URL."""
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    wait_until(lambda: server.started)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join()
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return make_infill_model(tmp_path_factory.mktemp("serve"))
+
+
+@pytest.fixture(scope="module")
+def pipe(model):
+    p = ELFPipeline.from_pretrained(model)
+    p.config = replace(p.config, sampler=replace(p.config.sampler, steps=3))
+    return p
+
+
+def app_for(pipe, *, start=True, limits=None, **batcher):
+    return create_app(
+        pipe, name="tiny", limits=limits, batcher=Batcher(pipe, **batcher), start=start
+    )
+
+
+@pytest.fixture(scope="module")
+def url(pipe):
+    with serving(app_for(pipe)) as base:
+        yield base
+
+
+def complete(base: str, **body) -> httpx.Response:
+    return httpx.post(f"{base}/v1/completions", json=body, timeout=60)
+
+
+def cli_texts(tmp_path: Path, model: str, argv: list[str]) -> list[str]:
+    out = tmp_path / f"cli-{len(list(tmp_path.iterdir()))}.jsonl"
+    assert main(["sample", "--model", model, "--steps", "3", "--out", str(out), *argv]) == 0
+    return [r["text"] for r in read(out)]
+
+
+def test_the_openai_client_completes_and_streams_as_elflow_sample(url, model, tmp_path):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
+    got = client.completions.create(
+        model="tiny", prompt="In the beginning", max_tokens=4, seed=3, n=2
+    )
+    assert [c.index for c in got.choices] == [0, 1] and got.choices[0].finish_reason == "length"
+    assert got.usage.completion_tokens > 0 and got.object == "text_completion"
+    infill = tmp_path / "infill.jsonl"
+    infill.write_text(json.dumps({"text": "In the beginning [___4]"}) + "\n")
+    want = cli_texts(tmp_path, model, ["--infill", str(infill), "--seed", "3"])
+    assert got.choices[0].text == want[0] and got.choices[0].text.startswith("In the beginning")
+    # a free sample: no prompt, no length, is `elflow sample -n`
+    free = client.completions.create(model="tiny", prompt="", seed=8, n=2)
+    assert [c.text for c in free.choices] == cli_texts(tmp_path, model, ["-n", "2", "--seed", "8"])
+    # streaming: one event per step (the text so far under "elf"), then the final text
+    chunks = list(
+        client.completions.create(
+            model="tiny", prompt="In the beginning", max_tokens=4, seed=3, stream=True
+        )
+    )
+    steps = [c.choices[0].model_extra["elf"] for c in chunks]
+    assert [s["step"] for s in steps] == [1, 2, 3, 3] and steps[-1]["final"]
+    assert "".join(c.choices[0].text for c in chunks) == want[0] == steps[-1]["text"]
+    assert client.models.list().data[0].id == "tiny"
+
+
+def test_a_conditional_models_prompt_is_its_source(tmp_path_factory, tmp_path):
+    model = str(make_cond(tmp_path_factory.mktemp("serve-cond")))
+    pipe = ELFPipeline.from_pretrained(model)
+    with serving(create_app(pipe, name="c")) as base:
+        r = complete(base, prompt=["a source", "another source"], seed=2, steps=3)
+        assert r.status_code == 200, r.text
+        missing = complete(base, prompt="", steps=3)
+    want = cli_texts(
+        tmp_path, model, ["--source", "a source", "--source", "another source", "--seed", "2"]
+    )
+    assert [c["text"] for c in r.json()["choices"]] == want
+    assert missing.status_code == 422 and "the prompt is the source" in missing.text
+
+
+def test_requests_batched_together_equal_each_alone(pipe):
+    """Different lengths, prompts and seeds queued, then run as one batch: each response is
+    what the same request gets alone, and the metrics show the one batch."""
+    bodies = [
+        {"prompt": "In the beginning", "max_tokens": 2, "seed": 1},
+        {"prompt": "", "max_tokens": 6, "seed": 4, "n": 2},
+        {"prompt": "God [___3] light", "seed": 1},
+        {"prompt": "Moses said", "max_tokens": 5, "seed": 9},
+    ]
+    app = app_for(pipe, start=False, window_s=0.0)
+    batcher = app.state.batcher
+    with serving(app) as base, ThreadPoolExecutor(len(bodies)) as pool:
+        futures = [pool.submit(complete, base, **b) for b in bodies]
+        wait_until(lambda: batcher.depth() == len(bodies))
+        batcher.start()
+        together = [f.result().json() for f in futures]
+        alone = [complete(base, **b).json() for b in bodies]
+        metrics = httpx.get(f"{base}/metrics").text
+    for t, a in zip(together, alone, strict=True):
+        assert [c["text"] for c in t["choices"]] == [c["text"] for c in a["choices"]]
+    assert 'elflow_batch_size_bucket{le="4"} 4' in metrics  # the four alone
+    assert "elflow_batch_size_count 5" in metrics  # and the one batch of 5 samples
+    assert 'elflow_requests_total{status="200"} 8' in metrics
+
+
+def test_a_full_queue_answers_429_and_a_slow_request_504(pipe):
+    app = app_for(pipe, start=False, max_queue=1)
+    with serving(app) as base, ThreadPoolExecutor(1) as pool:
+        first = pool.submit(complete, base, prompt="", seed=0)
+        wait_until(lambda: app.state.batcher.depth() == 1)
+        busy = complete(base, prompt="", seed=1)
+        assert busy.status_code == 429 and int(busy.headers["retry-after"]) >= 1
+        assert "busy" in busy.json()["error"]["message"]
+        app.state.batcher.start()
+        assert first.result().status_code == 200
+    slow = app_for(pipe, start=False, limits=Limits(timeout_s=0.3))
+    with serving(slow) as base:
+        r = complete(base, prompt="", seed=0)
+        assert r.status_code == 504 and "--request-timeout" in r.json()["error"]["message"]
+        assert slow.state.batcher.depth() == 0  # its work was cancelled
+
+
+def test_a_client_that_goes_away_cancels_its_work(pipe):
+    import socket
+
+    app = app_for(pipe, start=False)
+    batcher = app.state.batcher
+    with serving(app) as base:
+        host, port = base.removeprefix("http://").split(":")
+        for stream in (True, False):
+            body = json.dumps({"prompt": "", "stream": stream}).encode()
+            head = (
+                f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: "
+                f"application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+            )
+            with socket.create_connection((host, int(port))) as sock:
+                sock.sendall(head.encode() + body)
+                wait_until(lambda: batcher.depth() == 1)
+            wait_until(lambda: batcher.depth() == 0)  # the client gone: dropped from the queue
+        assert batcher.metrics.cancelled == 2 and batcher.metrics.samples == 0
+
+
+def test_bad_requests_get_one_clear_line(url):
+    cases = [
+        ("{not json", 400, "not valid JSON"),
+        ({"prompt": "x", "temperature": 0.7}, 400, "'temperature' is not supported"),
+        ({"prompt": "x", "colour": 1}, 400, "unknown field 'colour'"),
+        ({"prompt": [1, 2]}, 422, "prompt must be a string or a list of strings"),
+        ({"n": 99}, 422, "n 99 is over this server's 16"),
+        ({"steps": 100000}, 422, "steps 100000 is over this server's 256"),
+        ({"max_tokens": 0}, 422, "max_tokens"),
+        ({"max_tokens": 500}, 422, "more than the model's 16"),
+        ({"sampler": "nope"}, 422, "must be one of"),
+        ({"model": "/etc/passwd"}, 404, "is not served here"),
+        ({"prompt": "a [___3] b", "max_tokens": 2}, 422, "drop max_tokens"),
+        ([1, 2], 400, "a JSON object"),
+    ]
+    for body, status, words in cases:
+        if isinstance(body, str):
+            r = httpx.post(f"{url}/v1/completions", content=body, timeout=30)
+        else:
+            r = (
+                complete(url, **body)
+                if isinstance(body, dict)
+                else httpx.post(f"{url}/v1/completions", json=body, timeout=30)
+            )
+        assert r.status_code == status, (body, r.text)
+        message = r.json()["error"]["message"]
+        assert words in message and "\n" not in message, (body, message)
+
+
+def test_the_api_key_guards_the_api(pipe):
+    with serving(create_app(pipe, name="k", api_key="s3cret")) as base:
+        assert complete(base, prompt="").status_code == 401
+        assert httpx.get(f"{base}/v1/models").status_code == 401
+        ok = httpx.post(
+            f"{base}/v1/completions",
+            json={"prompt": "", "steps": 1},
+            headers={"Authorization": "Bearer s3cret"},
+            timeout=60,
+        )
+        assert ok.status_code == 200
+        assert httpx.get(f"{base}/health").json()["status"] == "ok"
+
+
+def test_serve_refuses_bad_settings_in_one_line(capsys):
+    assert main(["serve", "--model", "demo", "--max-n", "64", "--max-batch", "8"]) == 2
+    assert "--max-n 64 is over --max-batch 8" in capsys.readouterr().err
+    assert main(["serve", "--model", "demo", "--port", "70000"]) == 2
+    assert "is not a port" in capsys.readouterr().err
+
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.mark.browser
+@pytest.mark.skipif(CHROMIUM is None, reason="needs chromium (apt-get install chromium)")
+def test_the_playground_streams_the_denoising_in_chromium(url):
+    sync_api = pytest.importorskip("playwright.sync_api")
+    want = complete(url, prompt="And God said", max_tokens=5, seed=7).json()["choices"][0]["text"]
+    args = [
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--no-first-run",
+    ]
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=args)
+        page = browser.new_page()
+        seen: list[str] = []
+        page.on("console", lambda m: seen.append(m.text))
+        page.goto(url + "/")
+        page.wait_for_function("document.getElementById('steps').value !== ''")
+        assert "unconditional" in page.inner_text("#model")
+        page.fill("#prompt", "And God said")
+        page.fill("#max_tokens", "5")
+        page.fill("#seed", "7")
+        page.evaluate("""() => { window.frames_seen = [];
+            new MutationObserver(() => window.frames_seen.push(
+                document.getElementById('status').textContent))
+              .observe(document.getElementById('status'), {childList: true}); }""")
+        page.click("#run")
+        page.wait_for_selector("#status[data-state='done']", timeout=60_000)
+        assert page.get_attribute("#output", "data-text") == want
+        labels = page.evaluate("window.frames_seen")
+        assert [x for x in labels if x.startswith("step ")] == [
+            "step 1 / 3",
+            "step 2 / 3",
+            "step 3 / 3",
+        ]
+        assert page.locator("#output span").count() == len(want.split())
+        browser.close()
+    assert not [m for m in seen if "error" in m.lower()]
+
+
+def test_a_running_batch_stops_at_its_next_step_when_its_clients_are_gone(pipe):
+    from elflow.serving.batcher import Job
+    from elflow.serving.protocol import check_completion, parse_body
+
+    batcher = Batcher(pipe)
+    body = parse_body({"prompt": "", "stream": True, "steps": 3})
+    events: list = []
+
+    def push(event):  # the client leaves after the first step's event
+        events.append(event)
+        batcher.cancel(job)
+
+    job = Job(check_completion(pipe, body, Limits(), "tiny"), push)
+    batcher.run([job])
+    assert [e[0] for e in events] == ["step"] and batcher.metrics.samples == 0
