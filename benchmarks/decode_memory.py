@@ -5,7 +5,7 @@ Usage:
     python benchmarks/decode_memory.py --preset elf-small --batch 64
 
 Each setting runs in a fresh process: the network (fp32, random weights) is built, the peak
-resident set is reset (``/proc/self/clear_refs``), one ``elflow.network.decode_tokens`` call
+resident set is reset (``/proc/self/clear_refs``), one ``elflow.wiring.decode_tokens`` call
 runs, and the peak resident set during it, less the resident set before it, is printed with the
 time. ``unchunked`` decodes the whole batch at once, as elflow did before the chunks
 (``DECODE_CHUNK_BYTES`` set beyond any batch).
@@ -32,7 +32,7 @@ def _status(field: str) -> int:
 def child(args) -> dict:
     import torch
 
-    from elflow import network
+    from elflow import wiring
     from elflow.config import model_preset
     from elflow.model import build_model
 
@@ -42,15 +42,15 @@ def child(args) -> dict:
     model = build_model(cfg).eval()
     z = torch.randn(args.batch, args.length, cfg.encoder_dim)
     if args.mode == "unchunked":
-        network.DECODE_CHUNK_BYTES = 1 << 62
+        wiring.DECODE_CHUNK_BYTES = 1 << 62
     Path("/proc/self/clear_refs").write_text("5")  # the peak resident set starts again here
     before = _status("VmRSS")
     t0 = time.perf_counter()
-    tokens = network.decode_tokens(model, z, 3.0)
+    tokens = wiring.decode_tokens(model, z, 3.0)
     seconds = time.perf_counter() - t0
     peak = _status("VmHWM")
     assert tokens.shape == (args.batch, args.length)
-    rows = network.decode_rows(args.length, args.vocab) if args.mode == "chunked" else args.batch
+    rows = wiring.decode_rows(args.length, args.vocab) if args.mode == "chunked" else args.batch
     return {"mode": args.mode, "peak_gb": (peak - before) / 1e9, "seconds": seconds, "rows": rows}
 
 

@@ -48,7 +48,7 @@ from pathlib import Path
 
 import torch
 
-from sample import autocast_for, sample_once  # benchmarks/sample.py
+from sample import autocast_for, fast_path, sample_once  # benchmarks/sample.py
 from step_profile import build_assets as profile_assets  # benchmarks/step_profile.py
 
 SAMPLERS = ("ode", "sde", "heun", "pc")
@@ -258,15 +258,17 @@ def forward_errors(model, device: torch.device, L: int, B: int) -> dict:
     E = model.cfg.encoder_dim
     g = torch.Generator(device=device).manual_seed(1)
     x_in = torch.randn(B, L, 2 * E, generator=g, device=device)
+    from elflow import fastpath
+
     model.eval()
     out = {}
     with torch.no_grad():
         ref = model(x_in, 0.5, 3.0, 0.0)[0]
         for dtype in BF16:
-            model.lowp_inference = dtype == "bf16"
+            fast_path(dtype == "bf16")
             with autocast_for(dtype, device):
-                out[dtype] = _rel(model(x_in, 0.5, 3.0, 0.0)[0], ref)
-    model.lowp_inference = True
+                out[dtype] = _rel(fastpath.forward(model, x_in, 0.5, 3.0, 0.0)[0], ref)
+    fast_path(True)
     return out
 
 
@@ -289,7 +291,7 @@ def sample_all(model, args, device: torch.device, started: float) -> tuple[list,
                 seconds, out = sample_once(model, B, L, cfg, dtype, device, args.seed)
                 times.append(seconds)
             results[dtype] = (statistics.median(times[1:]), out)
-        model.lowp_inference = True
+        fast_path(True)
         ref = results["fp32"][1]
         for dtype, (s, out) in results.items():
             row = {"sampler": name, "nfe": cfg.nfe, "dtype": dtype, "s_per_batch": s}

@@ -20,7 +20,6 @@ import torch
 
 from elflow.data.rows import build_dataset
 from elflow.generation.pipeline import ELFPipeline, model_encoder
-from elflow.network import TrainForward
 from elflow.objective import elf_loss, sample_draws_keyed
 from elflow.train.batches import make_batch
 from elflow.train.curriculum import teacher_objective
@@ -28,6 +27,7 @@ from elflow.train.heldout import HeldOutSplit, RowSubset, heldout_loss, spread_r
 from elflow.train.presets import preset
 from elflow.train.resume import model_encoder_config
 from elflow.train.step import ELFObjective
+from elflow.wiring import TrainForward
 
 BANDS = (0.0, 0.1, 0.2, 0.3, 0.5, 1.0)
 

@@ -21,8 +21,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from elflow.config import ObjectiveConfig, model_preset
 from elflow.model import build_model, count_parameters
-from elflow.network import TrainForward
 from elflow.objective import Batch, elf_loss, sample_draws
+from elflow.wiring import TrainForward
 
 SIZES = {
     # name: (model preset, E, V, L, B)

@@ -11,11 +11,12 @@ Usage:
 Randomly initialised weights (the speed does not depend on them), self-conditioning CFG w 3,
 unconditional, one warm-up batch per setting, then ``--repeats`` timed batches per setting,
 interleaved across the dtypes; the median is printed (s/batch, samples/s, tokens/s = B L / s).
-bf16 is ``torch.autocast``, under which an eval-mode model samples on cached bf16 weights;
-``bf16-per-op`` turns that off (``model.lowp_inference = False``: per-op autocast, as training
-runs it) for comparison. The share of tokens identical to fp32 is printed for each bf16 row. At
-ELF-B, B 4, L 64, 32-step SDE the authors' code took 65.3 s (fp32) and 6.77 s (bf16) per batch on
-a 2-core Xeon with AMX (measured side by side): ``x authors`` divides those by ours.
+bf16 is ``torch.autocast``, under which an eval-mode model samples on cached bf16 weights
+(``elflow.fastpath``); ``bf16-per-op`` turns that off (``ELFLOW_FAST_BF16=0``: per-op autocast,
+as training runs it) for comparison. The share of tokens identical to fp32 is printed for each
+bf16 row. At ELF-B, B 4, L 64, 32-step SDE the authors' code took 65.3 s (fp32) and 6.77 s
+(bf16) per batch on a 2-core Xeon with AMX (measured side by side): ``x authors`` divides those
+by ours.
 With ``--checkpoint`` (any model source) it times ``elflow sample``'s own path
 (``sample_records``: sampling, decoding, detokenising) on that model, whose bf16
 agreement with fp32 is the meaningful one (a random network's argmax is near-uniform).
@@ -36,11 +37,12 @@ from dataclasses import replace
 
 import torch
 
+from elflow import fastpath
 from elflow.config import SamplerConfig, model_preset
 from elflow.hardware import MALLOC_ENV, keep_freed_memory
 from elflow.model import build_model
-from elflow.network import sample_model
 from elflow.sampling import sample_generators
+from elflow.wiring import sample_model
 
 SIZES = {
     # name: (model preset, E, V, L, batch)
@@ -63,6 +65,11 @@ def build(name: str, device: str, seed: int) -> torch.nn.Module:
     return model.eval()
 
 
+def fast_path(on: bool) -> None:
+    """The bf16 fast path's switch (read at each network call): off for ``bf16-per-op``."""
+    os.environ[fastpath.ENV] = "1" if on else "0"
+
+
 def autocast_for(dtype: str, device: str | torch.device) -> contextlib.AbstractContextManager:
     """bf16 autocast for ``bf16`` and ``bf16-per-op``, nothing for ``fp32``."""
     if not dtype.startswith("bf16"):
@@ -73,7 +80,7 @@ def autocast_for(dtype: str, device: str | torch.device) -> contextlib.AbstractC
 def sample_once(model, B: int, L: int, cfg: SamplerConfig, dtype: str, device, seed: int):
     """One batch of ``B`` samples of length ``L`` in ``dtype`` (DTYPES): (seconds, SampleOutput).
     ``bf16`` samples on the cached bf16 weights, ``bf16-per-op`` with per-op autocast."""
-    model.lowp_inference = dtype != "bf16-per-op"
+    fast_path(dtype != "bf16-per-op")
     gens = sample_generators(seed, range(B), device)
     cuda = torch.device(device).type == "cuda"
     if cuda:
@@ -130,7 +137,7 @@ def run_checkpoint(args: argparse.Namespace) -> None:
         scfg = replace(pipe.sampler, steps=steps, sampler=args.sampler or pipe.sampler.sampler)
         ref = None
         for dtype in args.dtypes.split(","):
-            pipe.model.lowp_inference = dtype != "bf16-per-op"
+            fast_path(dtype != "bf16-per-op")
             kw = {"n": args.num_samples, "seed": args.seed, "batch_size": args.batch_size}
             kw.update(bf16=dtype.startswith("bf16"), save_tokens=True)
             sample_records(pipe, scfg, **{**kw, "n": min(args.batch_size, args.num_samples)})

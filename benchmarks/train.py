@@ -40,10 +40,10 @@ def one(
     from elflow.config import ObjectiveConfig, model_preset
     from elflow.hardware import cpu_has_native_bf16
     from elflow.model import build_model
-    from elflow.network import TrainForward
     from elflow.objective import Batch, elf_loss, sample_draws_keyed
     from elflow.train.ema import EMA
     from elflow.train.optim import OptimConfig, build_optimizer, resolve_ns_dtype, set_lr
+    from elflow.wiring import TrainForward
 
     preset, E, V, L, B = SIZES[size]
     torch.manual_seed(0)

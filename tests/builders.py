@@ -29,6 +29,26 @@ def perturb(model, seed=0):
     return model.eval()
 
 
+def varied_network(
+    seed: int = 0, scale: float = 0.1, encoder_dim: int = 8, vocab: int = 20, length: int = 12
+):
+    """A tiny ``ELF`` (eval mode) with a non-zero flow head and non-unit RMSNorm weights, so that
+    paths which fold norms into the next linear, or skip a zero head, are exercised."""
+    from elflow.model import RMSNorm, build_model
+
+    torch.manual_seed(seed)
+    model = build_model(elf_tiny(encoder_dim=encoder_dim, vocab_size=vocab, max_length=length))
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        lin = model.final_layer.linear
+        lin.weight.copy_(scale * torch.randn(lin.weight.shape, generator=g))
+        lin.bias.copy_(scale * torch.randn(lin.bias.shape, generator=g))
+        for module in model.modules():
+            if isinstance(module, RMSNorm):
+                module.weight.copy_(1 + 0.3 * torch.randn(module.weight.shape, generator=g))
+    return model.eval()
+
+
 def make_uncond(folder: Path) -> Path:
     """A tiny unconditional model (width-8 latents, L 12, MiniLM vocabulary) saved to ``folder``."""
     torch.manual_seed(0)

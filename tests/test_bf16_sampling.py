@@ -1,36 +1,30 @@
-"""Sampling under bf16 autocast runs the network on cached bf16 weights (issue 27) and stays as
-close to fp32 as per-op autocast does; fp32 sampling does not touch that path."""
+"""Sampling under bf16 autocast runs the network on cached bf16 weights (issue 27; elflow.fastpath)
+and stays as close to fp32 as per-op autocast (``ELFLOW_FAST_BF16=0``) does; fp32 sampling does
+not touch that path."""
 
 import pytest
 import torch
 
-from elflow.config import SamplerConfig, elf_tiny
-from elflow.model import ELF, RMSNorm, build_model
-from elflow.network import sample_model
+from elflow import fastpath
+from elflow.config import SamplerConfig
+from elflow.model import ELF
 from elflow.sampling import sample_generators
+from elflow.wiring import sample_model
+from tests.builders import varied_network
 
 E, V, L = 8, 20, 6
 
 
 def _model() -> ELF:
-    torch.manual_seed(0)
-    model = build_model(elf_tiny(encoder_dim=E, vocab_size=V, max_length=12)).eval()
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        lin = model.final_layer.linear
-        lin.weight.copy_(0.3 * torch.randn(lin.weight.shape, generator=g))
-        lin.bias.copy_(0.3 * torch.randn(lin.bias.shape, generator=g))
-        for module in model.modules():
-            if isinstance(module, RMSNorm):
-                module.weight.copy_(1 + 0.3 * torch.randn(module.weight.shape, generator=g))
-    return model
+    return varied_network(0, 0.3, E, V, 12)
 
 
 def _sample(model: ELF, sampler: str, bf16: bool, cached: bool = True):
-    model.lowp_inference = cached
     cfg = SamplerConfig(steps=8, sampler=sampler, gamma=1.5 if sampler == "sde" else 0.0)
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-        return sample_model(model, sample_generators(0, range(3)), L, cfg)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(fastpath.ENV, "1" if cached else "0")
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            return sample_model(model, sample_generators(0, range(3)), L, cfg)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -41,10 +35,11 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_bf16_sampling_uses_cached_weights_and_stays_near_fp32(sampler):
     model = _model()
     ref = _sample(model, sampler, bf16=False)
-    assert model._lowp is None  # fp32 sampling never builds the bf16 copy
-    cached = _sample(model, sampler, bf16=True)
-    assert model._lowp is not None
+    assert model not in fastpath._CACHE  # fp32 sampling never builds the bf16 copy
     per_op = _sample(model, sampler, bf16=True, cached=False)
+    assert model not in fastpath._CACHE  # nor does the switch off
+    cached = _sample(model, sampler, bf16=True)
+    assert model in fastpath._CACHE
     assert cached.z.dtype == torch.float32 and cached.tokens.shape == (3, L)
     assert _rel(cached.z, ref.z) < max(2 * _rel(per_op.z, ref.z), 0.02)
 

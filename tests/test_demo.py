@@ -126,7 +126,7 @@ def test_shipped_demo_model_without_the_minilm_package(monkeypatch, tmp_path, ca
     html = str(tmp_path / "demo.html")
     assert main(["demo", "-n", "1", "--steps", "4", "--no-animate", "--html", html]) == 2
     err = capsys.readouterr().err
-    assert "--project-from 1, project_from=1.0, samples without it" in err
+    assert "--project-from 1.0 samples without it" in err
     assert err.count("\n") == 1
     assert (
         main(

@@ -190,8 +190,8 @@ def test_projected_teacher_has_one_text_a_row(tmp_path, assets, teacher, capsys,
     monkeypatch.setattr(distill_train, "load_model", changed)
     flag = "--teacher-project-from"
     for change, why in (
-        ({"task": "conditional", "max_input_length": 4}, "is conditional: drop the flag"),
-        ({"packed": True}, "is trained on packed rows: drop the flag"),
+        ({"task": "conditional", "max_input_length": 4}, "is conditional: drop the setting"),
+        ({"packed": True}, "is trained on packed rows: drop the setting"),
     ):
         changes.clear()
         changes.update(change)

@@ -1,7 +1,7 @@
-"""The progressive-distillation objective (elflow.distill, ELF_SPEC §8): the x-target against a hand
-computation (plain and with a projected teacher), its limits (K = 1, tiny spans, constant
-teachers), condition handling, the per-row normalisation, the frozen teacher, keyed draws and
-round parsing."""
+"""The progressive-distillation objective (elflow.distill_objective, ELF_SPEC §8): the x-target
+against a hand computation (plain and with a projected teacher), its limits (K = 1, tiny spans,
+constant teachers), condition handling, the per-row normalisation, the frozen teacher, keyed draws
+and round parsing."""
 
 import copy
 
@@ -10,7 +10,7 @@ import torch
 from torch.testing import assert_close
 
 from elflow.config import ObjectiveConfig, elf_tiny
-from elflow.distill import (
+from elflow.distill_objective import (
     DistillConfig,
     DistillDraws,
     distill_loss,
@@ -22,9 +22,9 @@ from elflow.distill import (
 from elflow.errors import ELFError
 from elflow.flow import euler_step, velocity
 from elflow.model import ELF, build_model
-from elflow.network import TrainForward, projector
 from elflow.objective import Batch
 from elflow.projection import Projection
+from elflow.wiring import TrainForward, projector
 
 E, V, L, B = 8, 20, 8, 4
 T_EPS = 0.05

@@ -119,16 +119,16 @@ def test_keep_freed_memory_applies_on_glibc_and_opts_out(monkeypatch, fresh_mall
 
 def test_cpu_sampling_keeps_freed_memory(monkeypatch):
     """sample_model sets the allocator up before it samples on a CPU (and only there)."""
-    from elflow import network
+    from elflow import wiring
     from elflow.config import SamplerConfig, model_preset
     from elflow.model import build_model
     from elflow.sampling import sample_generators
 
     calls = []
-    monkeypatch.setattr(network, "keep_freed_memory", lambda: calls.append(1) or True)
+    monkeypatch.setattr(wiring, "keep_freed_memory", lambda: calls.append(1) or True)
     cfg = model_preset("elf-tiny", encoder_dim=8, vocab_size=11, max_length=6)
     model = build_model(cfg).eval()
-    out = network.sample_model(
+    out = wiring.sample_model(
         model, sample_generators(0, range(2), "cpu"), 6, SamplerConfig(steps=2)
     )
     assert calls == [1] and out.tokens.shape == (2, 6)

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from elflow.network import TrainForward
 from elflow.train.config import run_config_from_dict
 from elflow.train.heldout import HeldOutSplit, RowSubset, heldout_loss, spread_rows
 from elflow.train.step import ELFObjective
+from elflow.wiring import TrainForward
 from tests.train_helpers import (
     WORDS,
     assert_same,

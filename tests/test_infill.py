@@ -23,7 +23,7 @@ from elflow.generation.infill import (
     parse_template,
     survives,
 )
-from elflow.infill import Template, constrained_tokens
+from elflow.infill_maths import Template, constrained_tokens
 from tests.builders import MINILM, VOCAB, make_cond, make_infill_model
 
 L = 16

@@ -14,7 +14,7 @@ from elflow.__main__ import main
 from elflow.config import elf_tiny
 from elflow.errors import ELFError
 from elflow.flow import velocity
-from elflow.likelihood import (
+from elflow.likelihood_maths import (
     gaussian_log_density,
     nll_bound,
     ode_log_density,
@@ -95,7 +95,7 @@ def test_text_likelihood_is_deterministic_and_batch_invariant(tmp_path):
     assert all(math.isfinite(x) and x > 0 for x in a.bits_per_token)
     exact = text_likelihood(pipe, texts[:1], steps=2, probes=0)
     assert math.isfinite(exact.bits_per_token[0])
-    with pytest.raises(ELFError, match="--steps must be >= 1"):
+    with pytest.raises(ELFError, match="steps= must be >= 1"):
         text_likelihood(pipe, texts, steps=0)
 
 

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 from torch.testing import assert_close
 
+from elflow import load_model
 from elflow.config import ModelConfig, elf_tiny, from_dict, model_preset
 from elflow.errors import ELFError
 from elflow.model import ELF, RMSNorm, apply_rope, build_model, count_parameters, rope_tables
@@ -448,7 +449,7 @@ def test_activation_checkpointing_keeps_less_and_gives_the_same_gradients(checkp
     assert not calls
 
 
-# --- low-precision inference (cached bf16 weights; issue 27) -------------------------------------
+# --- inference: one forward, no state (the bf16 fast path: tests/test_fastpath.py) --------------
 
 
 def _varied(model: ELF) -> ELF:
@@ -461,17 +462,13 @@ def _varied(model: ELF) -> ELF:
     return model
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
-
-
 def test_rotations_are_cached_and_equal_recomputed_tables():
     model = _tiny()
     cfg, cpu = model.cfg, torch.device("cpu")
     table = model.rotations(7, cpu)
     assert torch.equal(table, rope_tables(cfg.num_prefix_tokens, 7, cfg.head_dim, 10000.0, cpu))
     assert model.rotations(7, cpu) is table  # computed once
-    assert torch.equal(model.rotations(7, cpu, lowp=True)[:, 0, 0], table)
+    assert _tiny().rotations(7, cpu) is table  # shared: kept outside the model
     assert model.rotations(5, cpu).shape[0] == cfg.num_prefix_tokens + 5
 
 
@@ -483,108 +480,12 @@ def test_fp32_inference_takes_the_module_path_bitwise():
         x_pred, hidden = model(x_in, t, w, 0.0)
     ref, ref_hidden = model(x_in, t, w, 0.0)
     assert torch.equal(x_pred, ref) and torch.equal(hidden, ref_hidden)
-    assert model._lowp is None
-
-
-@pytest.mark.parametrize("masked", [False, True])
-def test_bf16_inference_matches_per_op_autocast(masked):
-    """eval + no_grad + autocast runs the blocks on cached bf16 weights: as close to fp32 as
-    per-op autocast (the training path) is, and close to it."""
-    model = _varied(_tiny())
-    x_in, t, w = _inputs(3, 6, 2 * E, seed=12)
-    mask = torch.tensor([[1, 1, 1, 1, 0, 0]] * 3) if masked else None
-    ref = model(x_in, t, w, 0.0, mask)[0].detach()
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        per_op = model(x_in, t, w, 0.0, mask)[0].detach()
-        assert model._lowp is None
-        with torch.no_grad():
-            x_pred, hidden = model(x_in, t, w, 0.0, mask)
-    assert model._lowp is not None
-    assert x_pred.dtype == hidden.dtype == torch.float32
-    assert _rel(x_pred, ref) < max(2 * _rel(per_op, ref), 0.01)
-    assert _rel(x_pred, per_op) < 0.02
-
-
-def test_bf16_inference_takes_an_empty_batch():
-    """The held-out loss's no-grad pass may hold no rows (nograd_prediction's selection)."""
-    model = _varied(_tiny())
-    x_in, t, w = _inputs(0, 6, 2 * E, seed=13)
-    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
-        x_pred, hidden = model(x_in, t, w, 0.0)
-    assert model._lowp is not None
-    assert x_pred.shape == (0, 6, E) and hidden.shape[0] == 0
-
-
-def test_lowp_block_is_block_in_exact_arithmetic():
-    """lowp_block with fp32 weights computes Block's function (norm weights folded into qkv and
-    w12, w12 split into gate and value, q and k normalised and rotated together)."""
-    from elflow.model import LowpBlock, lowp_block
-
-    model = _varied(_tiny())
-    block, cfg = model.blocks[0], model.cfg
-    x = torch.randn(2, cfg.num_prefix_tokens + 6, cfg.hidden_size)
-    cpu = torch.device("cpu")
-    with torch.no_grad():
-        ref = block(x, model.rotations(6, cpu), None)
-        p = LowpBlock.of(block, torch.float32)
-        out = lowp_block(x, p, model.rotations(6, cpu, lowp=True), None, cfg.num_heads)
-    assert not p.qkv.packed
-    assert_close(out, ref, rtol=1e-5, atol=1e-5)
-
-
-def test_lowp_cache_follows_the_weights():
-    model = _varied(_tiny())
-    x_in, t, w = _inputs(2, 6, 2 * E, seed=13)
-    fresh = _varied(_tiny())
-
-    def run(m: ELF) -> torch.Tensor:
-        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-            return m(x_in, t, w, 0.0)[0]
-
-    before = run(model)
-    cached = model._lowp
-    assert torch.equal(run(model), before) and model._lowp is cached  # reused
-    with torch.no_grad():
-        model.blocks[0].mlp.w3.weight.add_(1.0)  # an in-place update (an optimizer step)
-    assert not torch.equal(run(model), before)
-    model.load_state_dict(fresh.state_dict())  # copied back in place
-    assert torch.equal(run(model), run(fresh))
-    model.train()
-    assert model._lowp is None  # training drops the copy
-
-
-def test_lowp_path_only_in_eval_no_grad_autocast():
-    model = _tiny().train()
-    x_in, t, w = _inputs(2, 6, 2 * E, seed=14)
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        model(x_in, t, w, 0.0)  # training mode: per-op autocast (dropout, if any, applies)
-    assert model._lowp is None
-    model.eval()
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        model(x_in, t, w, 0.0)  # gradients wanted: per-op autocast
-    assert model._lowp is None
-
-
-def test_copies_leave_the_lowp_cache_behind():
-    import copy
-    import io
-
-    model = _tiny()
-    x_in, t, w = _inputs(2, 6, 2 * E, seed=15)
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        out = model(x_in, t, w, 0.0)[0]
-    assert model._lowp is not None
-    clone = copy.deepcopy(model)
-    buffer = io.BytesIO()
-    torch.save(model, buffer)
-    buffer.seek(0)
-    loaded = torch.load(buffer, weights_only=False)
-    assert clone._lowp is None and loaded._lowp is None and model._lowp is not None
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        assert torch.equal(clone(x_in, t, w, 0.0)[0], out)
 
 
 def test_tables_cached_under_inference_mode_serve_a_later_training_step():
+    from elflow.model import _shared_rope_tables
+
+    _shared_rope_tables.cache_clear()  # so that the inference-mode call computes the tables
     model = _tiny()
     x_in, t, w = _inputs(2, 6, 2 * E, seed=16)
     with torch.inference_mode():
@@ -592,3 +493,37 @@ def test_tables_cached_under_inference_mode_serve_a_later_training_step():
     model.train()
     model(x_in, t, w, 0.0)[0].sum().backward()  # no "inference tensor saved for backward"
     assert model.blocks[0].attn.qkv.weight.grad is not None
+
+
+# --- ELF.from_pretrained / save_pretrained (elflow.io.artifact) ----------------------------------
+
+
+def test_save_pretrained_and_from_pretrained_round_trip(tmp_path):
+    from tests.builders import make_uncond
+
+    folder = make_uncond(tmp_path / "made")
+    model, config = load_model(folder)
+    out = model.save_pretrained(tmp_path / "again", config)
+    assert out == tmp_path / "again" and (out / "config.json").is_file()
+    again = ELF.from_pretrained(out)
+    assert isinstance(again, ELF) and not again.training and again.cfg == model.cfg
+    state, loaded = model.state_dict(), again.state_dict()
+    assert state.keys() == loaded.keys()
+    assert all(torch.equal(state[k], loaded[k]) for k in state)
+
+
+def test_from_pretrained_is_load_models_network(tmp_path):
+    from tests.builders import make_uncond
+
+    folder = make_uncond(tmp_path / "made")
+    ref = load_model(folder, use_ema=False)[0].state_dict()
+    got = ELF.from_pretrained(str(folder), use_ema=False, device="cpu").state_dict()
+    assert ref.keys() == got.keys() and all(torch.equal(ref[k], got[k]) for k in ref)
+
+
+def test_save_pretrained_checks_the_config(tmp_path):
+    from tests.builders import make_uncond
+
+    _, config = load_model(make_uncond(tmp_path / "made"))
+    with pytest.raises(ELFError, match="does not match"):
+        _tiny().save_pretrained(tmp_path / "other", config)  # another architecture

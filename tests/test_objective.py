@@ -9,8 +9,8 @@ from torch.testing import assert_close
 
 from elflow.config import ObjectiveConfig, elf_tiny
 from elflow.model import ELF, build_model
-from elflow.network import TrainForward
 from elflow.objective import Batch, Draws, elf_loss, sample_draws
+from elflow.wiring import TrainForward
 
 E, V, L, B = 8, 20, 10, 6
 

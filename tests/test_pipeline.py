@@ -110,7 +110,7 @@ def test_generate_refuses_misused_arguments(uncond_dir, cond_dir):
         cond.generate(sources=["hello"], sampler=replace(cond.sampler, length=3))
     with pytest.raises(ELFError, match="one sample per source; drop n"):
         cond.generate(5, sources=["hello"])
-    with pytest.raises(ELFError, match=r"elflow sample --source TEXT or --sources FILE"):
+    with pytest.raises(ELFError, match=r"give source texts \(sources=\)"):
         cond.generate(2)
     uncond = ELFPipeline.from_pretrained(uncond_dir)
     with pytest.raises(ELFError, match="conditional tasks only"):

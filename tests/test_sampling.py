@@ -12,7 +12,6 @@ from elflow.config import SamplerConfig, elf_tiny
 from elflow.errors import ELFError
 from elflow.flow import uniform_grid, velocity
 from elflow.model import ELF, build_model
-from elflow.network import decode_tokens, make_denoiser, sample_model
 from elflow.projection import Projection, project_denoiser, text_rows
 from elflow.sampling import (
     Condition,
@@ -21,6 +20,7 @@ from elflow.sampling import (
     sample_generators,
     sde_step,
 )
+from elflow.wiring import decode_tokens, make_denoiser, sample_model
 
 E, V, L = 8, 20, 6
 

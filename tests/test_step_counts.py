@@ -13,11 +13,11 @@ import torch
 
 from elflow.config import ObjectiveConfig, elf_b, elf_tiny
 from elflow.model import build_model
-from elflow.network import TrainForward
 from elflow.objective import Batch, RowPlan, elf_loss, sample_draws, sample_draws_keyed
 from elflow.profiling import OpCounter, optimizer_host_tensors
 from elflow.train.flops import encoder_flops_per_token, train_row_flops
 from elflow.train.muon import assign_owners, newton_schulz_flops
+from elflow.wiring import TrainForward
 from tests.train_helpers import run_config, train_cli
 
 E, V, L = 8, 20, 10

@@ -734,7 +734,7 @@ def test_short_run_scales_schedule_checkpoints_evaluation_and_samples():
     cfg = apply_overrides(short_run(preset("owt-b"), 1000, keep), sets=sets)
     assert (cfg.train.save_every, cfg.optim.schedule, cfg.train.warmup_epochs) == (7, "cosine", 0.1)
     assert cfg.optim.warmup_steps == 0 and cfg.train.eval_every == 200
-    with pytest.raises(ELFError, match=r"--steps N sets train\.max_steps"):
+    with pytest.raises(ELFError, match=r"steps=N sets train\.max_steps"):
         short_run(preset("bible-tiny"), 100, {"train.max_steps"})
     with pytest.raises(ELFError, match="positive"):
         short_run(preset("bible-tiny"), 0)

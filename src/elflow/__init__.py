@@ -31,9 +31,9 @@ _EXPORTS = {
     "model_preset": "elflow.config",
     "sample": "elflow.sampling",
     "sample_generators": "elflow.sampling",
-    "TrainForward": "elflow.network",
-    "make_denoiser": "elflow.network",
-    "sample_model": "elflow.network",
+    "TrainForward": "elflow.wiring",
+    "make_denoiser": "elflow.wiring",
+    "sample_model": "elflow.wiring",
 }
 __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

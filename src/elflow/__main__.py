@@ -61,7 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"elflow {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (help_text, *_) in COMMANDS.items():
-        _command(name)[0](sub.add_parser(name, help=help_text, description=help_text))
+        command = sub.add_parser(name, help=help_text, description=help_text)
+        _command(name)[0](command)
+        # What the command's errors may name (elflow.cli.flags maps library keys to these).
+        options = frozenset(s for action in command._actions for s in action.option_strings)
+        command.set_defaults(command_options=options)
     return parser
 
 
@@ -82,7 +86,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return _command(args.command)[1](args)
     except ELFError as e:
-        say(f"elflow: error: {e}")
+        # Library errors name config keys and Python arguments; here, the command's flags.
+        from elflow.cli.flags import flag_names, user_values
+
+        options = getattr(args, "command_options", None)
+        message = flag_names(str(e), args.command, options, keep=user_values(args))
+        say(f"elflow: error: {message}")
         return getattr(e, "exit_code", 2)
     except BrokenPipeError:  # e.g. `elflow generate ... | head -1`: the reader has what it wants
         # So that Python's flush at exit does not fail on the closed pipe too (a captured

@@ -268,10 +268,10 @@ def parallelize(
 
 
 def resolve_device(name: str) -> DistInfo:
-    """The process's device for a ``--device`` value: auto, cpu, cuda, or cuda:K (one process)."""
+    """The process's device for a ``device`` value: auto, cpu, cuda, or cuda:K (one process)."""
     if name not in ("auto", "cpu", "cuda") and not (name[:5] == "cuda:" and name[5:].isdigit()):
-        raise ELFError(f"--device is {name!r}; use auto, cpu, cuda or cuda:K")
-    info = setup("cuda" if name.startswith("cuda") else name, "--device")
+        raise ELFError(f"device= is {name!r}; use auto, cpu, cuda or cuda:K")
+    info = setup("cuda" if name.startswith("cuda") else name, "device=")
     if name.startswith("cuda:") and not info.distributed:
         info = replace(info, device=torch.device(name))
     return info

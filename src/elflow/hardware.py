@@ -5,7 +5,7 @@ extension): the CPU presets' steps run about 1.8x faster there. Everywhere else 
 bf16 matrix products, which is ~100x slower than fp32 (a 1024^2 matmul on an AVX2-only AMD EPYC:
 0.8 GFLOP/s against 86-90), so bf16 must never be chosen silently there (docs/training.md).
 :class:`LowpLinear` is a Linear layer for low-precision inference, pre-packed for the CPU's
-matrix unit where oneDNN can (the network's bf16 sampling path, ``elflow.model.lowp_block``).
+matrix unit where oneDNN can (the bf16 inference fast path, ``elflow.fastpath``).
 :func:`keep_freed_memory` stops glibc from handing every freed activation back to the kernel.
 """
 

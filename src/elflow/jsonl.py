@@ -87,12 +87,14 @@ def read_jsonl(
     """The objects of a JSONL file (samples, sources, references), each with a string ``field``.
 
     Raises :class:`ELFError` naming ``file:line`` for a line that is not such an object (and
-    ``field_flag``, the option that names another field, when given).
+    ``field_flag``, the argument or option that names another field, when given).
     """
     path = Path(path)
     if path.is_dir():
         raise ELFError(f"{path} is a folder; give a JSONL file")
-    hint = f"; pass {field_flag} NAME for another field" if field_flag else ""
+    hint = ""
+    if field_flag:  # an argument (``source_field=``) or a command's flag
+        hint = f"; pass {field_flag}{'' if field_flag.endswith('=') else ' '}NAME for another field"
     rows = []
     for lineno, row in iter_json_objects(path):
         if not isinstance(row.get(field), str):

@@ -3,9 +3,9 @@
 A pre-norm transformer over [time tokens | SC-CFG scale tokens | mode tokens | L sequence tokens].
 All conditioning is in-context (no adaLN). The flow head predicts clean latents (x-prediction); the
 decoder head turns the final hidden states into token logits and is only evaluated when asked for
-(:meth:`ELF.decode_logits`), so denoising never pays for the V-way projection. Inference under
-bf16 autocast (eval mode, no gradients: sampling) runs the blocks through :func:`lowp_block` on a
-cached bf16 copy of their weights instead of casting every weight at every call.
+(:meth:`ELF.decode_logits`), so denoising never pays for the V-way projection. :meth:`ELF.forward`
+is the one implementation and keeps no state between calls; the bf16 inference fast path (the
+blocks on a cached bf16 copy of their weights) lives in ``fastpath.py``, applied by ``wiring.py``.
 
 The network knows nothing about noise, time grids or guidance: see ``flow.py`` and ``sampling.py``.
 Parameter names follow the authors' released state dicts so the import key map stays small.
@@ -13,8 +13,10 @@ Parameter names follow the authors' released state dicts so the import key map s
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import NamedTuple
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -23,7 +25,10 @@ from torch.utils.checkpoint import checkpoint
 
 from elflow.config import ModelConfig
 from elflow.errors import ELFError
-from elflow.hardware import LowpLinear, full_precision, memory_bytes
+from elflow.hardware import full_precision, memory_bytes
+
+if TYPE_CHECKING:
+    from elflow.io.artifact import ArtifactConfig
 
 
 class RMSNorm(nn.Module):
@@ -87,6 +92,15 @@ def rope_tables(
     return torch.polar(torch.ones_like(angles), angles)
 
 
+@functools.lru_cache(maxsize=64)
+def _shared_rope_tables(
+    num_prefix: int, length: int, head_dim: int, theta: float, device: torch.device
+) -> Tensor:
+    """:func:`rope_tables`, computed once per arguments and shared (read-only) by every caller."""
+    with torch.inference_mode(False):  # usable by a later training forward
+        return rope_tables(num_prefix, length, head_dim, theta, device)
+
+
 def apply_rope(x: Tensor, rotations: Tensor) -> Tensor:
     """Rotate adjacent pairs: (a, b) -> (a cos - b sin, b cos + a sin). x: (B, H, N, hd).
 
@@ -146,72 +160,6 @@ class Block(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
-class LowpBlock(NamedTuple):
-    """One block's weights for low-precision inference (:func:`lowp_block`): the Linear layers in
-    the autocast dtype, norm1's and norm2's weights folded into qkv and w12 (W (g * n) =
-    (W diag g) n), w12 split into the SwiGLU's gate and value halves; the QK-norm weights in fp32,
-    stacked (2, 1, hd)."""
-
-    qkv: LowpLinear
-    qk_norm: Tensor
-    proj: LowpLinear
-    gate: LowpLinear
-    value: LowpLinear
-    w3: LowpLinear
-
-    @classmethod
-    def of(cls, block: Block, dtype: torch.dtype) -> LowpBlock:
-        attn, mlp = block.attn, block.mlp
-
-        def linear(m: nn.Linear, rows: slice = slice(None), norm: RMSNorm | None = None):
-            weight = m.weight.detach()[rows].float()
-            if norm is not None:
-                weight = weight * norm.weight.detach().float()
-            return LowpLinear.of(weight, m.bias.detach()[rows], dtype)
-
-        hidden = mlp.w3.in_features
-        gate, value = slice(None, hidden), slice(hidden, None)
-        qk_norm = torch.stack([attn.q_norm.weight, attn.k_norm.weight]).detach().float()[:, None]
-        return cls(
-            linear(attn.qkv, norm=block.norm1),
-            qk_norm,
-            linear(attn.proj),
-            linear(mlp.w12, gate, block.norm2),
-            linear(mlp.w12, value, block.norm2),
-            linear(mlp.w3),
-        )
-
-
-def _rms(x: Tensor, eps: float = 1e-6) -> Tensor:
-    """rsqrt(mean(x^2) + eps) over the last dim, (..., 1), in fp32 from one read of x."""
-    mean_sq = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32).square_()
-    return mean_sq.mul_(1 / x.shape[-1]).add_(eps).rsqrt_()
-
-
-def lowp_block(
-    x: Tensor, p: LowpBlock, rotations: Tensor, mask: Tensor | None, heads: int
-) -> Tensor:
-    """:class:`Block`'s forward for inference with the weights of ``p``: the matmuls and attention
-    in their dtype; the residual stream, the RMSNorms (QK-norm included) and RoPE in fp32.
-
-    Args:
-        x: (B, N, D) fp32 residual stream (not modified).
-        rotations: (N, 1, 1, hd / 2) complex, :meth:`ELF.rotations` with ``lowp=True``.
-    """
-    B, N, D = x.shape
-    dtype = p.proj.bias.dtype
-    qkv = p.qkv((x * _rms(x)).to(dtype)).unflatten(-1, (3, heads, -1))  # (B, N, 3, H, hd)
-    qk = qkv[:, :, :2].float()  # (B, N, 2, H, hd): q and k normalised and rotated together
-    qk.mul_(_rms(qk)).mul_(p.qk_norm)
-    torch.view_as_complex(qk.unflatten(-1, (-1, 2))).mul_(rotations)
-    q, k = qk.to(dtype).transpose(1, 3).unbind(2)  # (B, H, N, hd)
-    v = qkv[:, :, 2].transpose(1, 2)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(B, N, D)
-    x = x + p.proj(out)
-    h = (x * _rms(x)).to(dtype)
-    return x.add_(p.w3(p.value(h, times=p.gate(h, silu=True))))
-
-
 class FinalLayer(nn.Module):
     """Flow head: RMSNorm then Linear(D -> E), zero-initialised."""
 
@@ -265,11 +213,6 @@ class ELF(nn.Module):
         self.activation_checkpointing = False
         """Recompute each block's activations in the backward pass instead of keeping them
         (``train.activation_checkpointing``): less memory, about one more forward per step."""
-        self.lowp_inference = True
-        """Under bf16 (or fp16) autocast in eval mode without gradients, run the blocks on cached
-        low-precision weights (:meth:`lowp_blocks`); False: per-op autocast, as in training."""
-        self._rope: dict[tuple[int, torch.device], tuple[Tensor, Tensor]] = {}
-        self._lowp: tuple[tuple, list[LowpBlock]] | None = None
 
     @torch.no_grad()
     def init_weights(self) -> None:
@@ -301,7 +244,7 @@ class ELF(nn.Module):
         gate: Tensor | float = 0.0,
         key_mask: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
-        """One network evaluation.
+        """One network evaluation: :meth:`embed`, the blocks, :meth:`heads`.
 
         Args:
             x_in: (B, L, 2E) = [z, x_selfcond], or (B, L, E) without self-conditioning.
@@ -312,6 +255,31 @@ class ELF(nn.Module):
 
         Returns:
             (x_pred (B, L, E), hidden (B, L, D)); feed ``hidden`` to :meth:`decode_logits`.
+        """
+        tokens, mask = self.embed(x_in, t, w, gate, key_mask)
+        dtype = tokens.dtype
+        rotations = self.rotations(x_in.shape[1], x_in.device)
+        recompute = self.activation_checkpointing and self.training and torch.is_grad_enabled()
+        for block in self.blocks:
+            if recompute:  # the RNG state is replayed, so dropout masks match (tested)
+                tokens = checkpoint(block, tokens, rotations, mask, use_reentrant=False)
+            else:
+                tokens = block(tokens, rotations, mask)
+        return self.heads(tokens, dtype)
+
+    def embed(
+        self,
+        x_in: Tensor,
+        t: Tensor | float,
+        w: Tensor | float | None = None,
+        gate: Tensor | float = 0.0,
+        key_mask: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor | None]:
+        """:meth:`forward`'s input side (arguments as there), outside any autocast (spec §3).
+
+        Returns:
+            (tokens (B, P+L, D) = [prefix | projected input] in the parameters' dtype, the
+            attention mask (B, 1, 1, P+L) from ``key_mask`` or None).
         """
         cfg = self.cfg
         E = cfg.encoder_dim
@@ -344,83 +312,54 @@ class ELF(nn.Module):
             # NOTE: in denoise mode the mode tokens are zero vectors that still occupy positions.
             prefix.append(self.mode_tokens * gate.to(self.mode_tokens.dtype)[:, None, None])
             tokens = torch.cat([p.expand(B, -1, -1) for p in prefix] + [x], dim=1)  # (B, P+L, D)
-        P, dtype = cfg.num_prefix_tokens, tokens.dtype
+        if key_mask is None:
+            return tokens, None
+        if key_mask.shape != (B, L):
+            raise ELFError(f"key_mask must be (B, L) = {(B, L)}, got {tuple(key_mask.shape)}")
+        full = torch.cat([key_mask.new_ones(B, cfg.num_prefix_tokens), key_mask], dim=1).bool()
+        return tokens, full[:, None, None, :]  # (B, 1, 1, P+L)
 
-        mask = None
-        if key_mask is not None:
-            if key_mask.shape != (B, L):
-                raise ELFError(f"key_mask must be (B, L) = {(B, L)}, got {tuple(key_mask.shape)}")
-            full = torch.cat([key_mask.new_ones(B, P), key_mask], dim=1).bool()  # (B, P+L)
-            mask = full[:, None, None, :]  # (B, 1, 1, P+L)
-        lowp = self._lowp_dtype(dev)
-        if lowp is not None:  # inference under autocast: the blocks on cached bf16 weights
-            with full_precision(dev):
-                rotations = self.rotations(L, dev, lowp=True)
-                for weights in self.lowp_blocks(lowp):
-                    tokens = lowp_block(tokens, weights, rotations, mask, cfg.num_heads)
-        else:
-            rotations = self.rotations(L, dev)
-            recompute = self.activation_checkpointing and self.training and torch.is_grad_enabled()
-            for block in self.blocks:
-                if recompute:  # the RNG state is replayed, so dropout masks match (tested)
-                    tokens = checkpoint(block, tokens, rotations, mask, use_reentrant=False)
-                else:
-                    tokens = block(tokens, rotations, mask)
-        hidden = tokens[:, P:].to(dtype)  # (B, L, D)
-        with full_precision(dev):
+    def heads(self, tokens: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """:meth:`forward`'s output side: (x_pred (B, L, E), hidden (B, L, D) in ``dtype``, the
+        dtype :meth:`embed` gave) from the blocks' output tokens (B, P+L, D)."""
+        hidden = tokens[:, self.cfg.num_prefix_tokens :].to(dtype)  # (B, L, D)
+        with full_precision(tokens.device):
             return self.final_layer(hidden), hidden
 
-    def rotations(self, length: int, device: torch.device, lowp: bool = False) -> Tensor:
-        """:func:`rope_tables` for ``length`` sequence tokens, computed once per (length, device);
-        ``lowp``: laid out (P + L, 1, 1, hd / 2) for :func:`lowp_block`."""
-        key = (length, torch.device(device))
-        if key not in self._rope:
-            with torch.inference_mode(False):  # usable by a later training forward
-                cfg = self.cfg
-                table = rope_tables(
-                    cfg.num_prefix_tokens, length, cfg.head_dim, cfg.rope_theta, device
-                )
-                self._rope[key] = (table, table[:, None, None])
-        return self._rope[key][lowp]
-
-    def _lowp_dtype(self, device: torch.device) -> torch.dtype | None:
-        """The autocast dtype when the blocks run on cached low-precision weights (eval mode, no
-        grad, autocast on; plain, unsharded parameters), else None (per-op autocast, as trained)."""
-        if self.training or torch.is_grad_enabled() or not self.lowp_inference:
-            return None
-        if device.type not in ("cpu", "cuda") or not torch.is_autocast_enabled(device.type):
-            return None
-        if type(self.blocks[0].attn.qkv.weight) is not nn.Parameter:  # e.g. FSDP2's DTensors
-            return None
-        return torch.get_autocast_dtype(device.type)
-
-    def lowp_blocks(self, dtype: torch.dtype) -> list[LowpBlock]:
-        """The blocks' weights cast to ``dtype``, kept until a parameter changes (in place, or
-        replaced) or the model goes back to training mode.
-
-        NOTE: holds one low-precision copy of the blocks (ELF-B: ~170 MB in bf16) while cached.
-        """
-        params = self.blocks.parameters()
-        key = (dtype, *((p.data_ptr(), p._version) for p in params))
-        if self._lowp is None or self._lowp[0] != key:
-            self._lowp = None  # free the old copy first
-            with torch.no_grad():
-                self._lowp = (key, [LowpBlock.of(block, dtype) for block in self.blocks])
-        return self._lowp[1]
-
-    def train(self, mode: bool = True) -> ELF:
-        if mode:
-            self._lowp = None  # training changes the weights: drop the low-precision copy
-        return super().train(mode)
-
-    def __getstate__(self) -> dict:
-        # Copies and pickles leave the cache behind (oneDNN's packed weights have no storage).
-        return {**super().__getstate__(), "_lowp": None}
+    def rotations(self, length: int, device: torch.device) -> Tensor:
+        """:func:`rope_tables` (P + L, hd / 2) for ``length`` sequence tokens, computed once per
+        (length, device) and shared read-only (kept outside the model: forward changes nothing)."""
+        cfg = self.cfg
+        return _shared_rope_tables(
+            cfg.num_prefix_tokens, length, cfg.head_dim, cfg.rope_theta, torch.device(device)
+        )
 
     def decode_logits(self, hidden: Tensor) -> Tensor:
         """Decoder head on hidden states (..., D) -> logits (..., V), outside any autocast."""
         with full_precision(hidden.device):
             return self.decoder(hidden.to(self.decoder.proj.weight.dtype))
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        source: str | Path,
+        *,
+        use_ema: bool = True,
+        device: torch.device | str = "cpu",
+        task: str | None = None,
+    ) -> ELF:
+        """The network of any model source, in eval mode: :func:`elflow.io.artifact.load_model`
+        without its config (an elflow folder, an authors' checkpoint, or a Hub id of either)."""
+        from elflow.io.artifact import load_model  # io.artifact imports this module
+
+        return load_model(source, use_ema=use_ema, device=device, task=task)[0]
+
+    def save_pretrained(self, folder: str | Path, config: ArtifactConfig) -> Path:
+        """Write this network and ``config`` as a model folder that :meth:`from_pretrained`
+        loads: :func:`elflow.io.artifact.save_model`, whose checks apply."""
+        from elflow.io.artifact import save_model
+
+        return save_model(folder, self, config)
 
 
 def _per_row(value: Tensor | float, batch: int, device: torch.device) -> Tensor:

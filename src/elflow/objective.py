@@ -193,7 +193,7 @@ def network_traits(forward: Forward) -> tuple[bool, bool]:
     """(deterministic, sees_w) of a forward function, read from its attributes (a DDP wrapper's
     from its ``module``): ``deterministic`` (no active dropout: the trained pass's output can
     stand for a second no-grad pass; default False, always correct) and ``sees_w`` (the network
-    has SC-CFG scale tokens; default True). :class:`elflow.network.TrainForward` sets both."""
+    has SC-CFG scale tokens; default True). :class:`elflow.wiring.TrainForward` sets both."""
     inner = getattr(forward, "module", forward)
     return bool(getattr(inner, "deterministic", False)), bool(getattr(inner, "sees_w", True))
 
@@ -212,7 +212,7 @@ def elf_loss(
     the trained pass, the SC-CFG target, the losses), which is what a reviewer checks it against.
 
     Args:
-        forward: the network's forward function (:class:`elflow.network.TrainForward`, possibly
+        forward: the network's forward function (:class:`elflow.wiring.TrainForward`, possibly
             wrapped in DDP or FSDP2: every network call then goes through the wrapper).
         check_inputs: refuse non-finite latents at once (a device read; the trainer checks
             them with its other metrics instead).

@@ -2,7 +2,8 @@
 user cache folder.
 
 A command that samples for an hour and then cannot write its ``--out`` has lost the hour; these
-checks fail first, with one line naming the flag and what to change.
+checks fail first, with one line naming the setting (``out=``; the command line: ``--out``) and
+what to change.
 """
 
 from __future__ import annotations
@@ -52,13 +53,19 @@ def _umask() -> int:
     return mask
 
 
+def _named(what: str, path: str | Path) -> str:
+    """How an error names ``path``: ``out=/x`` after an argument (``what`` ends in ``=``), else
+    ``what /x`` (``sources file /x``; ``--out /x`` for a command's flag)."""
+    return f"{what}{path}" if what.endswith("=") else f"{what} {path}"
+
+
 def input_file(path: str | Path, flag: str) -> Path:
-    """``path`` as an existing file (not a folder)."""
+    """``path`` as an existing file (not a folder); ``flag`` names it in errors (:func:`_named`)."""
     p = Path(path)
     if p.is_dir():
-        raise ELFError(f"{flag} {p} is a folder; give a file")
+        raise ELFError(f"{_named(flag, p)} is a folder; give a file")
     if not p.is_file():
-        raise ELFError(f"{flag} {p} does not exist")
+        raise ELFError(f"{_named(flag, p)} does not exist")
     return p
 
 
@@ -67,9 +74,11 @@ def output_file(path: str | Path, flag: str, *, overwrite: bool = True) -> Path:
     if missing), and, unless ``overwrite``, not there yet."""
     p = Path(path)
     if p.is_dir():
-        raise ELFError(f"{flag} {p} is a folder; give a file name")
+        raise ELFError(f"{_named(flag, p)} is a folder; give a file name")
     if p.exists() and not overwrite:
-        raise ELFError(f"{flag} {p} already exists; pass --overwrite to replace it, or a new name")
+        raise ELFError(
+            f"{_named(flag, p)} already exists; pass overwrite=True to replace it, or a new name"
+        )
     _writable_parent(p, flag)
     return p
 
@@ -80,7 +89,8 @@ def check_no_loop(path: str | Path, flag: str) -> None:
         Path(path).expanduser().resolve()
     except (RuntimeError, OSError) as e:  # Python < 3.13 raises RuntimeError, later OSError
         raise ELFError(
-            f"{flag} {path} goes through a symbolic link that loops ({e}); fix or remove the link"
+            f"{_named(flag, path)} goes through a symbolic link that loops ({e}); fix or remove "
+            "the link"
         ) from None
 
 
@@ -89,11 +99,11 @@ def output_dir(path: str | Path, flag: str) -> Path:
     check_no_loop(path, flag)
     p = Path(path)
     if p.exists() and not p.is_dir():
-        raise ELFError(f"{flag} {p} is a file; give a folder")
+        raise ELFError(f"{_named(flag, p)} is a file; give a folder")
     if not p.exists():
         _writable_parent(p, flag)
     elif not os.access(p, os.W_OK | os.X_OK):
-        raise ELFError(f"{flag} {p}: cannot write in it")
+        raise ELFError(f"{_named(flag, p)}: cannot write in it")
     return p
 
 
@@ -103,6 +113,6 @@ def _writable_parent(p: Path, flag: str) -> None:
     while not parent.exists():
         parent = parent.parent
     if not parent.is_dir():
-        raise ELFError(f"{flag} {p}: {parent} is a file, not a folder")
+        raise ELFError(f"{_named(flag, p)}: {parent} is a file, not a folder")
     if not os.access(parent, os.W_OK | os.X_OK):
-        raise ELFError(f"{flag} {p}: cannot write in {parent}")
+        raise ELFError(f"{_named(flag, p)}: cannot write in {parent}")

@@ -1,7 +1,7 @@
 """Samplers: ODE, SDE and Heun steps and the loop from noise to tokens (paper §3.3; ELF_SPEC §5).
 
 Pure tensor functions over two callables: ``denoise(z, x_prev, t) -> (x_hat, v_hat)`` (the
-guided network call, with the condition reset; :func:`elflow.network.make_denoiser` builds it
+guided network call, with the condition reset; :func:`elflow.wiring.make_denoiser` builds it
 from a model) and ``decode(z) -> tokens`` (decode mode at t = 1). Randomness comes from explicit
 per-sample generators, so a sample depends on (seed, index) only, never on the batch it is in.
 With ``trajectory=True`` :func:`sample` also returns each step's decoded x_hat (§10).
@@ -240,7 +240,7 @@ def sample(
     """Integrate from noise to t = 1 and decode (ELF_SPEC §5). One generator per sample.
 
     Args:
-        denoise, decode: the network's calls (:func:`elflow.network.sample_model` wires them).
+        denoise, decode: the network's calls (:func:`elflow.wiring.sample_model` wires them).
         shape: (L, E), one sample's latents.
         sampler: steps, method, gamma (and its schedule) and time grid; its guidance scales
             (w, cfg) and ``project_from`` are the denoiser's business.

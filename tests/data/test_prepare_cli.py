@@ -97,24 +97,24 @@ def test_errors_name_the_flags(tokenizer, tmp_path, capsys):
     with pytest.raises(ELFError, match=r"data\.valid_path '.*none\.txt' does not exist"):
         build_dataset(cfg, tokenizer, 8, split="valid")
     # A key is translated only where it stands alone, not inside a path or a quoted value.
-    from elflow.cli.prepare import flag_names
+    from elflow.cli.flags import flag_names
 
-    assert flag_names("'/x/data.path' and data.path.gz: set data.path") == (
+    assert flag_names("'/x/data.path' and data.path.gz: set data.path", "prepare") == (
         "'/x/data.path' and data.path.gz: set --data"
     )
-    assert flag_names("max_length:1: bad; set data.path", keep=("max_length",)) == (
+    assert flag_names("max_length:1: bad; set data.path", "prepare", keep=("max_length",)) == (
         "max_length:1: bad; set --data"
     )
-    assert flag_names("set model.max_length (and max_input_length) to at most 512") == (
+    assert flag_names("set model.max_length (and max_input_length) to at most 512", "prepare") == (
         "set --max-length (and --max-input-length) to at most 512"  # the encoder's limit
     )
     # A short user value (--out data, --data a) does not stop a setting around it being named,
     # nor does a path that spells the setting itself.
-    assert flag_names("data.path 'x' and out_dir", keep=("data", "out", "a")) == (
+    assert flag_names("data.path 'x' and out_dir", "prepare", keep=("data", "out", "a")) == (
         "--data 'x' and --out"
     )
     message = "data file 'data.path' is empty; point data.path at a file with text"
-    assert flag_names(message, keep=("data.path",)) == (
+    assert flag_names(message, "prepare", keep=("data.path",)) == (
         "data file 'data.path' is empty; point --data at a file with text"
     )
 

@@ -113,7 +113,7 @@ def test_cli_end_to_end(tmp_path, capsys, judge):
     )
     argv = ["--samples", str(samples), "--out", str(tmp_path / "b.json"), "--judge", "none"]
     argv += ["--refs", str(pairs), "--bootstrap", "0"]
-    with pytest.raises(ELFError, match=r"pairs\.jsonl:1: .*'text'; pass --ref-field NAME"):
+    with pytest.raises(ELFError, match=r"pairs\.jsonl:1: .*'text'; pass ref_field=NAME"):
         score_cli.run(parser.parse_args(argv))
     assert score_cli.run(parser.parse_args([*argv, "--ref-field", "en"])) == 0
     assert json.loads((tmp_path / "b.json").read_text())["bleu"] == pytest.approx(m["bleu"])

@@ -4,10 +4,8 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
-import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 from elflow.config import CHOICES, PAPER_TASKS, SamplerConfig, fewstep_sampler, field_docs
@@ -202,38 +200,16 @@ def sampler_from_args(
             "the SDE with this model's default gamma 0 is the ODE; give --gamma, e.g. 1.5, the "
             "paper's unconditional value"
         )
-    with sampler_flag_names():
-        return dataclasses.replace(base, **changes)
+    return dataclasses.replace(base, **changes)
 
 
 def checked_sampler(args: argparse.Namespace, pipe: Any, skip: tuple[str, ...] = ()):
     """The command's sampler (:func:`sampler_from_args` over the model's), checked against the
-    model (``ArtifactConfig.check_sampler``), its errors naming the flags."""
+    model (``ArtifactConfig.check_sampler``; its errors name ``sampler.<field>``, which
+    :mod:`elflow.cli.flags` writes as the flags)."""
     scfg = sampler_from_args(args, pipe.sampler, skip)
-    with sampler_flag_names():
-        pipe.config.check_sampler(scfg)
+    pipe.config.check_sampler(scfg)
     return scfg
-
-
-@contextlib.contextmanager
-def sampler_flag_names() -> Iterator[None]:
-    """Errors raised inside name sampler settings by their flags (``sampler.w`` -> ``--w``);
-    also a decorator of a command's ``run``."""
-    try:
-        yield
-    except ELFError as e:
-        e.args = (flag_names(str(e)),)
-        raise
-
-
-_SAMPLER_KEY = re.compile(
-    r"\bsampler\.(" + "|".join(f.name for f in dataclasses.fields(SamplerConfig)) + r")\b"
-)
-
-
-def flag_names(message: str) -> str:
-    """``message`` with the sampler settings it names written as flags."""
-    return _SAMPLER_KEY.sub(lambda m: "--" + m.group(1).replace("_", "-"), message)
 
 
 def comma_list(text: str | None, kind: Callable[[str], Any], flag: str) -> list:

@@ -1,61 +1,18 @@
 """`elflow prepare`: tokenise a corpus once into a memory-mappable folder (spec §4, §10).
 
 With `--encoder`, latent_std is measured on a sample of the prepared rows and written to meta.json.
-The data readers' errors name config keys (`data.path`), right for `elflow train`; here they are
-reworded once, through `FLAGS`, to name this command's flags (`--data`).
+The data readers' errors name config keys (`data.path`), right for `elflow train`; this command's
+are written with its flags (`--data`) by `elflow.cli.flags`, as every command's are.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import re
 
 from elflow.config import field_docs
 from elflow.data.config import FORMATS, DataConfig
 from elflow.errors import ELFError
-
-FLAGS = {
-    "data.path": "--data",
-    "data.format": "--format",
-    "data.text_field": "--text-field",
-    "data.source_field": "--source-field",
-    "data.target_field": "--target-field",
-    "data.hf_split": "--hf-split",
-    "data.doc_per": "--doc-per",
-    "data.packing": "--packing",
-    "data.overlong": "--overlong",
-    "data.max_rows": "--max-rows",
-    "data.tokenize_batch_size": "--batch-size",
-    "model.max_length": "--max-length",
-    "max_length": "--max-length",
-    "max_input_length": "--max-input-length",
-    "out_dir": "--out",
-    "overwrite=True": "--overwrite",
-}
-"""What a setting named in an error is called on the `elflow prepare` command line."""
-# A key only where it stands alone: not inside a longer name, a path or a quoted value.
-_SETTING = re.compile(
-    r"(?<![\w.'\"/-])("
-    + "|".join(re.escape(k) for k in sorted(FLAGS, key=len, reverse=True))
-    + r")(?![\w'\"/-]|\.\w)"
-)
-
-
-def flag_names(message: str, keep: tuple[str, ...] = ()) -> str:
-    """`message` with the settings it names written as `elflow prepare` flags.
-
-    A user's path that spells a setting (a data file called `data.path`) keeps its name where it
-    stands as a path: quoted (which the pattern never rewrites) or as `path:line`.
-    """
-
-    def flag(m: re.Match) -> str:
-        name = m.group(1)
-        if name in keep and re.match(r":\d", message[m.end() :]):
-            return name
-        return FLAGS[name]
-
-    return _SETTING.sub(flag, message)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -94,14 +51,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        return _run(args)
-    except ELFError as e:
-        e.args = (flag_names(str(e), keep=(args.data, args.out, args.tokenizer, args.encoder)),)
-        raise
-
-
-def _run(args: argparse.Namespace) -> int:
     from elflow.data.preparation import prepare
     from elflow.io.tokenizer import load_tokenizer
 

@@ -27,7 +27,6 @@ from elflow.cli.common import (
     load_pipeline,
     model_from_args,
     num_samples,
-    sampler_flag_names,
     sampler_from_args,
     sampling_bf16,
     seeds_from_args,
@@ -115,8 +114,7 @@ def run(args: argparse.Namespace) -> int:
         samplers = []
         for c in cells:
             scfg = sampler_from_args(argparse.Namespace(**c.settings), base)
-            with sampler_flag_names():
-                pipe.prepare(scfg, None if sources is not None else n, _texts(sources, args))
+            pipe.prepare(scfg, None if sources is not None else n, _texts(sources, args))
             samplers.append(scfg)
         if refs is not None and sources is not None:  # references that cannot align: now
             align_refs(sw.stub_records(sources, args.source_field), refs)

@@ -22,7 +22,7 @@ from typing import Any
 from elflow.errors import ELFError
 
 SETTINGS = ("sampler", "steps", "nfe", "gamma", "gamma_schedule", "w", "project_from")
-"""Cell settings a comparison may require to agree (``--same``)."""
+"""Cell settings a comparison may require to agree (``same=``)."""
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ def _num(value: Any) -> float:
 
 def _from_metrics(result: str, cell: str, m: dict, settings: dict) -> Scored:
     if "gen_ppl" not in m or "entropy" not in m:
-        raise ELFError(f"{result}: no gen_ppl and entropy (scored with --judge none?)")
+        raise ELFError(f"{result}: no gen_ppl and entropy (scored without a judge?)")
     lo, hi = (m.get("gen_ppl_ci") or [None, None])[:2]
     shown = {k: "" if settings.get(k) is None else str(settings[k]) for k in SETTINGS}
     return Scored(
@@ -150,10 +150,10 @@ def compare(
 ) -> list[Comparison]:
     """Every result against every later one (one result: its cells against each other)."""
     if tolerance < 0 or not math.isfinite(tolerance):
-        raise ELFError(f"--entropy-tol must be a finite number >= 0, got {tolerance}")
+        raise ELFError(f"tolerance= must be a finite number >= 0, got {tolerance}")
     unknown = [k for k in same if k not in SETTINGS]
     if unknown:
-        raise ELFError(f"--same {unknown[0]!r} is not a cell setting; use {', '.join(SETTINGS)}")
+        raise ELFError(f"{unknown[0]!r} in same= is not a cell setting; use {', '.join(SETTINGS)}")
     if len(results) == 1:
         cells = results[0]
         name = cells[0].result if cells else ""
@@ -198,7 +198,7 @@ def markdown(comparisons: Sequence[Comparison], tolerance: float) -> str:
             f"A vs B: {wins} wins, {ties} overlaps, {losses} losses for A in {len(comp.pairs)} "
             "pairs (a win: lower gen PPL beyond both 95% intervals)"
             if comp.pairs
-            else f"no pair of cells has entropies within {tolerance:g} nats; raise --entropy-tol"
+            else f"no pair of cells has entropies within {tolerance:g} nats; raise the tolerance"
         )
         blocks.append("\n".join(lines))
     return "\n\n".join(blocks) + "\n"

@@ -97,10 +97,10 @@ def grid(samplers: Sequence[str], values: Mapping[str, Sequence[Any]]) -> list[C
     """Every cell in a fixed order (samplers, then the axes in :data:`AXES` order); ``values``
     maps an axis field to its listed values, a missing field meaning ``[None]``."""
     if not samplers:
-        raise ELFError("--sampler names no sampler; give " + ", ".join(SAMPLERS))
+        raise ELFError("samplers= names no sampler; give " + ", ".join(SAMPLERS))
     for name in samplers:
         if name not in SAMPLERS:
-            raise ELFError(f"unknown sampler {name!r} in --sampler; use {', '.join(SAMPLERS)}")
+            raise ELFError(f"unknown sampler {name!r} in samplers=; use {', '.join(SAMPLERS)}")
     cells: list[Cell] = []
     for sampler in samplers:
         combos: list[tuple[tuple[str, Any], ...]] = [()]

@@ -211,7 +211,7 @@ def _hub_problem(name: str) -> str | None:
     except RepositoryNotFoundError:
         return (
             f"judge '{name}' is neither a folder here nor a model on the Hugging Face Hub (or it "
-            "is private); check the name, or use --judge smollm2-135m"
+            "is private); check the name, or use judge=smollm2-135m"
         )
     except EntryNotFoundError:
         return f"judge '{name}' on the Hub has no config.json; give a causal LM"
@@ -222,8 +222,8 @@ def _hub_problem(name: str) -> str | None:
     except Exception as e:  # DNS, refused connection, timeout, proxy: the network is down
         return (
             f"judge '{name}' is not in the local Hugging Face cache and the Hub cannot be reached "
-            f"({first_line(e, 160)}); connect once, pass a local folder, or use --judge "
-            "smollm2-135m"
+            f"({first_line(e, 160)}); connect once, pass a local folder, or use "
+            "judge=smollm2-135m"
         )
     return None
 
@@ -269,7 +269,7 @@ def load_judge(name: str = DEFAULT_JUDGE) -> Judge:
         if _offline():
             raise ELFError(
                 f"judge '{name}' is not in the local Hugging Face cache and HF_HUB_OFFLINE is set; "
-                "run once with network or pass a local folder, or use --judge smollm2-135m"
+                "run once with network or pass a local folder, or use judge=smollm2-135m"
             ) from None
         problem = _hub_problem(name)
         if problem is not None:

@@ -1,4 +1,4 @@
-"""References for BLEU and ROUGE: reading ``--refs`` and aligning them with samples (spec §6).
+"""References for BLEU and ROUGE: reading them (``refs=``), aligning them with samples (spec §6).
 
 References align by ``id`` when every sample and reference has one, by order when none has; a
 conditional sample of ``elflow sample`` matches on its ``source_id``, or, when its sources had no
@@ -31,7 +31,7 @@ def align_refs(samples: list[dict[str, Any]], refs: list[dict[str, Any]]) -> lis
         if bad:
             raise ELFError(
                 f"sample id {bad[0]} (its source's line) is past the {len(refs)} references; "
-                "give the references of the --sources file, line for line"
+                "give the references of the sources file, line for line"
             )
         return [refs[s["id"]]["text"] for s in samples]
     for rows, k, what in ((samples, key, "sample"), (refs, "id", "reference")):
@@ -51,7 +51,7 @@ def align_refs(samples: list[dict[str, Any]], refs: list[dict[str, Any]]) -> lis
         if missing:
             raise ELFError(
                 f"{len(missing)} sample ids have no reference (first: {missing[0]!r}); "
-                "check that --refs matches --samples"
+                "check that the references (refs=) match the samples"
             )
         return [by_id[s[key]] for s in samples]
     if len(samples) != len(refs):
@@ -63,8 +63,8 @@ def align_refs(samples: list[dict[str, Any]], refs: list[dict[str, Any]]) -> lis
 
 
 def read_refs(path: str, field: str) -> list[dict]:
-    """``--refs`` rows with the reference (in ``field``, ``--ref-field``) as their ``text``."""
-    rows = read_jsonl(path, field, field_flag="--ref-field")
+    """The rows of references file ``path`` with the reference (in ``field``) as their ``text``."""
+    rows = read_jsonl(path, field, field_flag="ref_field=")
     if not rows:
-        raise ELFError(f"--refs {path} holds no references")
+        raise ELFError(f"refs={path} holds no references")
     return [{**r, "text": r[field]} for r in rows]

@@ -97,7 +97,7 @@ def reference_features(
         features=True,
     )
     if res.features is None or len(res.features) < 2:
-        raise ELFError("--reference needs at least 2 non-empty texts for MAUVE")
+        raise ELFError("reference= needs at least 2 non-empty texts for MAUVE")
     return res.features
 
 
@@ -186,7 +186,7 @@ def score_samples(
         "versions": library_versions(),
     }
     if reference is not None and judge is None:
-        raise ELFError("MAUVE against --reference needs the judge's features; give a --judge")
+        raise ELFError("MAUVE against reference= needs the judge's features; give a judge=")
 
     if judge is not None:
         j = load_judge(judge) if isinstance(judge, str) else judge

@@ -58,7 +58,7 @@ def spread(per_seed: dict[str, dict[str, Any]], keys: Sequence[str]) -> dict[str
     return out
 
 
-def parse_seeds(text: str, flag: str = "--seeds") -> list[int]:
+def parse_seeds(text: str, flag: str = "seeds=") -> list[int]:
     """``"0,1,2"`` -> ``[0, 1, 2]``: integers, at least one, none twice."""
     try:
         seeds = [int(v) for v in text.split(",") if v.strip()]

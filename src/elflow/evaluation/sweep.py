@@ -12,6 +12,7 @@ included). The command is :mod:`elflow.cli.sweep`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import shutil
@@ -19,6 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from elflow.config import SamplerConfig
 from elflow.errors import ELFError
 from elflow.evaluation.grid import AXES, Cell, grid
 from elflow.evaluation.tables import COLUMNS, fmt, plot_frontier, table_row, write_tables
@@ -67,7 +69,7 @@ RESUME_KEYS = (
     "length_range",
     "refresh_from",
 )
-"""The options every cell of one sweep shares (``sweep.json``): a ``--resume`` must repeat them."""
+"""The options every cell of one sweep shares (``sweep.json``): a resume must repeat them."""
 RESUME_DEFAULTS = {
     "refs": None,
     "ref_field": "text",
@@ -102,55 +104,60 @@ def sweep_settings(shared: dict[str, Any], cells: list[Cell]) -> dict[str, Any]:
 
 
 def check_previous(out: Path, overwrite: bool, resume: bool, settings: dict) -> bool:
-    """Whether ``out`` holds an earlier sweep to clear: it is replaced only with ``--overwrite``,
-    or finished with ``--resume`` (same shared options); a training run's folder is refused."""
+    """Whether ``out`` holds an earlier sweep to clear: it is replaced only with ``overwrite``,
+    or finished with ``resume`` (same shared options); a training run's folder is refused."""
     if overwrite and resume:
-        raise ELFError("--overwrite replaces the sweep, --resume finishes it: give one")
+        raise ELFError("overwrite=True replaces the sweep, resume=True finishes it: give one")
     if (out / "metrics.jsonl").exists() or any(out.glob("checkpoint-*")):
-        raise ELFError(f"--out {out} is a training run's folder; give the sweep its own folder")
+        raise ELFError(f"out={out} is a training run's folder; give the sweep its own folder")
     found = [name for name in MARKERS if (out / name).exists()]
     if found and not (overwrite or resume):
         raise ELFError(
-            f"--out {out} already holds a sweep ({', '.join(found)}); pass --resume to finish "
-            "it, --overwrite to replace it, or a new folder"
+            f"out={out} already holds a sweep ({', '.join(found)}); pass resume=True to finish "
+            "it, overwrite=True to replace it, or a new folder"
         )
     if found and resume:
         try:
             saved = json.loads((out / SETTINGS).read_text())
         except (OSError, ValueError):
             raise ELFError(
-                f"--resume: {out} has no readable {SETTINGS} (a sweep of an older elflow); "
-                "pass --overwrite to sample it again"
+                f"resume=True: {out} has no readable {SETTINGS} (a sweep of an older elflow); "
+                "pass overwrite=True to sample it again"
             ) from None
         for key in RESUME_KEYS:
             was = saved.get(key, RESUME_DEFAULTS.get(key))  # keys added since (sweep.json)
             if key == "num_samples" and was is None and settings["sources"] is None:
                 was = 16  # an unconditional sweep recorded without -n: the default then
             if key == "seeds" and "seeds" not in saved:
-                was = [saved.get("seed", 0)]  # one seed, recorded before --seeds
+                was = [saved.get("seed", 0)]  # one seed, recorded before seeds were
             if was != settings[key]:
-                flag, was, now = _shown(key, was, settings[key])
+                name, was, now = _shown(key, was, settings[key])
                 raise ELFError(
-                    f"--resume: the sweep in {out} was run with {flag} {was}, now {now}; give "
-                    "the same options, or --overwrite"
+                    f"resume=True: the sweep in {out} was run with {name}{was}, now {now}; give "
+                    "the same options, or overwrite=True"
                 )
         dropped = [c for c in saved.get("cells", []) if c not in settings["cells"]]
         if dropped:
             raise ELFError(
-                f"--resume: the sweep in {out} also has cells {', '.join(dropped)}, which this "
+                f"resume=True: the sweep in {out} also has cells {', '.join(dropped)}, which this "
                 "grid lacks (its table would leave them out); give the same grid or a larger "
-                "one, or --overwrite"
+                "one, or overwrite=True"
             )
     return bool(found) and not resume
 
 
+SAMPLER_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplerConfig))
+
+
 def _shown(key: str, was: Any, now: Any) -> tuple[str, str, str]:
-    """The flag and the two values as a user would type them."""
+    """The setting (``seeds=``, ``sampler.time_mean=``) and the two values as a user would
+    type them."""
     if key == "seeds":
         if len(was) == 1 and len(now) == 1:
-            return "--seed", str(was[0]), str(now[0])
-        return "--seeds", ",".join(map(str, was)), ",".join(map(str, now))
-    return "--" + key.replace("_", "-"), repr(was), repr(now)
+            return "seed=", str(was[0]), str(now[0])
+        return "seeds=", ",".join(map(str, was)), ",".join(map(str, now))
+    name = f"sampler.{key}=" if key in SAMPLER_FIELDS else f"{key}="
+    return name, repr(was), repr(now)
 
 
 def stub_records(sources: list[dict], field: str) -> list[dict]:

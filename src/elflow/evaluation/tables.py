@@ -113,7 +113,7 @@ def separability(rows: Sequence[dict]) -> str | None:
     line = f"{apart} of {len(pairs)} pairs of cells differ in gen PPL beyond their 95% intervals"
     if apart == 0:
         line += (
-            "; too few samples to tell these cells apart: raise -n or add seeds (--seeds) before "
+            "; too few samples to tell these cells apart: draw more samples or add seeds before "
             "reading an order into them"
         )
     return line

@@ -163,7 +163,7 @@ def run_rows(
 
 def _free(pipe, rows, sampler, gens, projection, frames, decode_steps, on_step, callback):
     from elflow.generation.pipeline import Generation
-    from elflow.network import sample_model
+    from elflow.wiring import sample_model
 
     cond, cond_mask = None, None
     if pipe.config.conditional:
@@ -191,9 +191,9 @@ def _free(pipe, rows, sampler, gens, projection, frames, decode_steps, on_step, 
 
 
 def _infill(pipe, rows, sampler, gens, frames, decode_steps, on_step, callback) -> Infilled:
-    from elflow.infill import constrained_tokens, initial_condition, refresh_denoiser
-    from elflow.network import decode_logits, make_denoiser, sampling_w
+    from elflow.infill_maths import constrained_tokens, initial_condition, refresh_denoiser
     from elflow.sampling import sample
+    from elflow.wiring import decode_logits, make_denoiser, sampling_w
 
     cfg, model, tok = pipe.config, pipe.model, pipe.tokens
     L, dev = cfg.model.max_length, pipe.device

@@ -4,8 +4,8 @@ A template is text with gaps, ``In the beginning [___] the earth.``: ``[___]`` i
 default length, ``[___5]`` one of 5 tokens, ``[___3-8]`` one of 3 to 8 tokens (drawn per sample,
 keyed by (seed, index)). Or explicit tokens and a keep mask. Each becomes a row laid out as the
 model's training rows are (its special tokens, its padding): every position but the fill is kept.
-A target length is the template ``[___n]`` (:func:`length_template`). ``elflow.infill`` holds the
-sampling side; :meth:`elflow.ELFPipeline.infill` puts them together.
+A target length is the template ``[___n]`` (:func:`length_template`). ``elflow.infill_maths``
+holds the sampling side; :meth:`elflow.ELFPipeline.infill` puts them together.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from torch import Tensor
 
 from elflow.config import SamplerConfig, length_bounds
 from elflow.errors import ELFError
-from elflow.infill import FillVocabulary, Template
+from elflow.infill_maths import FillVocabulary, Template
 from elflow.sampling import Seeds, seed_of
 
 GAP = re.compile(r"\[___(?:(\d+)(?:-(\d+))?)?\]")

@@ -1,16 +1,16 @@
 """A text's negative log-likelihood under an ELF model, in bits per token (an elflow addition).
 
 For each text: its training row, the frozen encoder's latents x, a draw z = t1 x + (1 - t1) s eps
-from the flow's own path at t1 (default :data:`DEFAULT_T1`), the exact change of variables along the
-probability-flow ODE from z back to noise (:func:`elflow.likelihood.ode_log_density`), and the
-decoder's cross-entropy of the row's tokens at z. Together they bound -log p(text) for the model
-"integrate the flow to t1, then decode" (:func:`elflow.likelihood.nll_bound`): an estimate with
-stated assumptions, not the paper's sampler's exact likelihood. Assumptions: the velocity is the
-network's x-prediction without self-conditioning (the input's second half zeros, whose training
-target is the plain flow velocity for every w), RK4 with ``steps`` steps integrates the ODE
-accurately, and Hutchinson's trace estimate (``probes`` > 0) is unbiased for the log-density
-though noisy per text; ``probes`` = 0 takes the exact trace (one backward pass per latent
-dimension: small models only).
+from the flow's own path at t1 (default :data:`DEFAULT_T1`), the exact change of variables along
+the probability-flow ODE from z back to noise (:func:`elflow.likelihood_maths.ode_log_density`),
+and the decoder's cross-entropy of the row's tokens at z. Together they bound -log p(text) for the
+model "integrate the flow to t1, then decode" (:func:`elflow.likelihood_maths.nll_bound`): an
+estimate with stated assumptions, not the paper's sampler's exact likelihood. Assumptions: the
+velocity is the network's x-prediction without self-conditioning (the input's second half zeros,
+whose training target is the plain flow velocity for every w), RK4 with ``steps`` steps integrates
+the ODE accurately, and Hutchinson's trace estimate (``probes`` > 0) is unbiased for the
+log-density though noisy per text; ``probes`` = 0 takes the exact trace (one backward pass per
+latent dimension: small models only).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from torch import Tensor
 
 from elflow.errors import ELFError
 from elflow.flow import velocity
-from elflow.likelihood import nll_bound, ode_log_density, rademacher
+from elflow.likelihood_maths import nll_bound, ode_log_density, rademacher
 
 DEFAULT_T1 = 0.1
 """Where the flow stops and the decoder takes over. The bound is loosest near t1 = 1 (the draw's
@@ -66,11 +66,15 @@ def text_likelihood(
     cfg = pipe.config
     if cfg.conditional:
         raise ELFError("likelihood applies to unconditional models; this one is conditional")
-    for name, value, least in (("steps", steps, 1), ("samples", samples, 1), ("probes", probes, 0)):
+    for name, value, least in (
+        ("steps=", steps, 1),
+        ("samples=", samples, 1),
+        ("probes=", probes, 0),
+    ):
         if value < least:
-            raise ELFError(f"--{name} must be >= {least}, got {value}")
+            raise ELFError(f"{name} must be >= {least}, got {value}")
     if batch_size < 1:
-        raise ELFError(f"--batch-size must be >= 1, got {batch_size}")
+        raise ELFError(f"batch_size= must be >= 1, got {batch_size}")
     t1 = DEFAULT_T1 if t1 is None else t1
     if not 0.0 < t1 < 1.0:
         raise ELFError(f"t1 must be in (0, 1), got {t1}")

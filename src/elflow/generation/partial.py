@@ -53,7 +53,7 @@ class PartialSamples:
             if not isinstance(head, dict) or head.get(HEADER) != self.key:
                 raise ELFError(
                     f"{path} holds samples of another command (other settings, model, seeds or "
-                    f"-n); re-run that command to finish it, or pass --overwrite to start over"
+                    "n=); re-run that command to finish it, or pass overwrite=True to start over"
                 )
             for line in lines[1:]:
                 if not line.endswith("\n"):

@@ -29,7 +29,7 @@ from elflow.generation.infill import (
     fill_vocabulary,
     infill_batch,
 )
-from elflow.infill import FillVocabulary
+from elflow.infill_maths import FillVocabulary
 from elflow.io.artifact import ArtifactConfig, load_resolved
 from elflow.io.sources import resolve_source
 from elflow.io.tokenizer import check_tokenizer, load_tokenizer, model_tokenizer
@@ -95,7 +95,7 @@ def check_seeds(seed: Seeds, n: int) -> None:
 
 def check_batch_size(batch_size: int) -> None:
     if batch_size < 1:
-        raise ELFError(f"--batch-size must be >= 1 (batch_size=), got {batch_size}")
+        raise ELFError(f"batch_size= must be >= 1, got {batch_size}")
 
 
 class ELFPipeline:
@@ -185,7 +185,7 @@ class ELFPipeline:
         """What projected sampling needs: the model's frozen encoder and the ids that end and pad
         its rows."""
         self.config.check_projectable("sampler.project_from < 1")
-        what = "projected sampling; --project-from 1, project_from=1.0, samples without it, and"
+        what = "projected sampling; sampler.project_from=1.0 samples without it, and"
         encoder = self.frozen_encoder(what)
         return Projection(encoder, self.tokens.eos_id, self.row_pad_id)
 
@@ -200,8 +200,8 @@ class ELFPipeline:
         cfg = self.config
         if not cfg.conditional:
             raise ELFError(
-                "this model is unconditional: it takes no sources (--source, --sources); "
-                "ask for a number of samples instead"
+                "this model is unconditional: it takes no sources (sources=); ask for a number "
+                "of samples (n=) instead"
             )
         # Slice like the training rows (tokens.build_conditional_row), not HF truncation, which
         # would keep the EOS and so encode over-long sources differently than in training.
@@ -232,22 +232,19 @@ class ELFPipeline:
             if n is not None and n != len(sources):
                 raise ELFError(
                     f"asked for {n} samples with {len(sources)} sources: a conditional model "
-                    "writes one sample per source; drop n (-n)"
+                    "writes one sample per source; drop n="
                 )
             n = len(sources)
         if cfg.conditional and sources is None:
-            raise ELFError(
-                "this model is conditional: give source texts (sources=[...]; elflow sample "
-                "--source TEXT or --sources FILE)"
-            )
+            raise ELFError("this model is conditional: give source texts (sources=)")
         if not cfg.conditional and sources is not None:
             raise ELFError(
-                "this model is unconditional: it takes no sources (--source, --sources); "
-                "ask for a number of samples instead"
+                "this model is unconditional: it takes no sources (sources=); ask for a number "
+                "of samples (n=) instead"
             )
         if n is None or n < 1:
             raise ELFError(
-                f"asked for {n} samples; ask for at least 1 (-n), or give at least one source"
+                f"asked for {n} samples; ask for at least 1 (n=), or give at least one source"
             )
         projection = None
         if sampler.length_range:  # kept latents and projection go through the encoder
@@ -270,8 +267,7 @@ class ELFPipeline:
         if dtype != torch.float32:
             raise ELFError(
                 f"the model's weights are {dtype}; sampling takes fp32 weights (as loaded) and "
-                "gets bf16 speed from autocast (elflow sample --bf16, or torch.autocast around "
-                "generate)"
+                "gets bf16 speed from autocast (torch.autocast around generate)"
             )
         return sampler
 

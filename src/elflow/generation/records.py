@@ -41,8 +41,8 @@ class SampleResult:
 
 def read_sources(path: str | Path, field: str = "text") -> list[dict]:
     """Read a JSONL file of source objects, each with a string ``field``; one-line errors."""
-    path = input_file(path, "--sources")
-    rows = read_jsonl(path, field, field_flag="--source-field")
+    path = input_file(path, "sources file")
+    rows = read_jsonl(path, field, field_flag="source_field=")
     if not rows:
         raise ELFError(f"sources file {path} is empty")
     return rows
@@ -156,7 +156,9 @@ def sample_records(
     texts = None if sources is None else [s[source_field] for s in sources]
     if infill is not None:
         if scfg.length_range:
-            raise ELFError("--length-range sets a whole text's length; an infill's gaps set theirs")
+            raise ELFError(
+                "sampler.length_range sets a whole text's length; an infill's gaps set theirs"
+            )
         n = len(infill)
     if trajectory and skip:
         raise ELFError(

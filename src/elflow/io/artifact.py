@@ -353,7 +353,7 @@ def load_resolved(
     else:
         if task is not None:
             raise ELFError(
-                f"--task (task=) applies to authors' checkpoints; {resolved.name} is an elflow "
+                f"task= applies to authors' checkpoints; {resolved.name} is an elflow "
                 "model, whose config.json gives its task"
             )
         folder = resolved.path
@@ -362,7 +362,7 @@ def load_resolved(
         if use_ema and not ema.is_file() and training:
             raise ELFError(
                 f"{folder} is a training checkpoint without its {EMA_WEIGHTS}; restore "
-                "the file, or sample its training weights with --no-ema (use_ema=False)"
+                "the file, or sample its training weights with use_ema=False"
             )
         name = EMA_WEIGHTS if use_ema and ema.is_file() else WEIGHTS
         # A run folder's latest checkpoint, if damaged, gives way to the newest intact one.
@@ -414,7 +414,7 @@ def import_official(
     """Convert an authors' checkpoint into an elflow model folder (EMA weights by default)."""
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ELFError(f"--out {out} already exists and is not an empty folder; give a new folder")
+        raise ELFError(f"out={out} already exists and is not an empty folder; give a new folder")
     resolved = resolve_source(source)
     if resolved.kind != "official":
         raise ELFError(f"{source!r} is not an authors' checkpoint (it is already an elflow model)")

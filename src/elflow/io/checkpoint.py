@@ -201,7 +201,7 @@ def finish_checkpoint(pending: PendingSave, info: DistInfo) -> Path:
         barrier()
         raise ELFError(
             f"cannot write checkpoint {pending.final} ({errors[0]}); earlier checkpoints are "
-            "untouched — free disk space or choose another --out, then resume"
+            "untouched — free disk space or choose another out=, then resume"
         )
     barrier()
     return pending.final
@@ -319,8 +319,8 @@ def load_rank_state(
         if sharded:
             raise ELFError(
                 f"cannot resume {ckpt}: it was saved by {saved_world} processes, this run has "
-                f"{info.world_size}, and FSDP2 shards the optimizer state by rank; resume with "
-                f"--nproc_per_node {saved_world}"
+                f"{info.world_size}, and FSDP2 shards the optimizer state by rank; resume under "
+                f"torchrun --nproc_per_node {saved_world}"
             )
         path = ckpt / rank_file(0)
     try:
@@ -356,8 +356,8 @@ def restore_optimizer(optimizer, state: dict[str, Any]) -> None:
     except (ValueError, KeyError) as e:  # torch's own messages: group or parameter counts
         raise ELFError(
             f"the checkpoint's optimizer state does not fit this optimizer ({e}); it was saved "
-            "with other optimizer settings or an older elflow: start a new --out with --model "
-            "to continue from its weights"
+            "with other optimizer settings or an older elflow: start a new out= with train.init "
+            "set to it to continue from its weights"
         ) from None
     for group, own in zip(optimizer.param_groups, settings, strict=True):
         for key in set(group) - set(own) - {"params"}:

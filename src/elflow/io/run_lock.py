@@ -39,8 +39,8 @@ class RunLock:
             self._lock.acquire(timeout=0)
         except Timeout:
             raise ELFError(
-                f"--out {self.out} is in use by another run ({self.holder()}); wait for it to end "
-                "or give another --out"
+                f"out={self.out} is in use by another run ({self.holder()}); wait for it to end "
+                "or give another out="
             ) from None
         info = {
             "pid": os.getpid(),

@@ -57,7 +57,7 @@ def resolve_source(source: str | Path) -> ResolvedSource:
         if not (DEMO_MODEL / CONFIG).is_file() or not (DEMO_MODEL / WEIGHTS).is_file():
             raise ELFError(
                 "this installation ships no demo model; train one with `elflow train --preset "
-                "bible-tiny --out runs/bible-tiny` and pass --model runs/bible-tiny"
+                "bible-tiny --out runs/bible-tiny` and use the model runs/bible-tiny"
             )
         return ResolvedSource("elflow", DEMO_MODEL, name)
     if not path.exists():

@@ -168,8 +168,8 @@ def create_app(
 def _timed_out(limits: Limits) -> RequestError:
     return RequestError(
         504,
-        f"the request took over {limits.timeout_s:g} s (the server's "
-        "--request-timeout); ask for fewer samples or steps",
+        f"the request took over {limits.timeout_s:g} s (the server's request timeout); ask for "
+        "fewer samples or steps",
         None,
         "timeout",
     )

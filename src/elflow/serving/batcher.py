@@ -64,7 +64,7 @@ class Batcher:
         bf16: bool = False,
     ) -> None:
         if max_batch < 1 or max_queue < 1:
-            raise ELFError("--max-batch and --max-queue must be >= 1")
+            raise ELFError("max_batch= and max_queue= must be >= 1")
         self.pipe = pipe
         self.max_batch, self.max_queue, self.window_s, self.bf16 = (
             max_batch,

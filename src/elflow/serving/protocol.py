@@ -207,8 +207,6 @@ def check_completion(pipe, body: CompletionBody, limits: Limits, model_name: str
                 rows.append(Row(seed, k, prompt, _infill(text, prompt)))
             else:
                 rows.append(Row(seed, k, None, _infill(template_text(prompt, body.max_tokens))))
-    if sampler.length_range:  # the request's max_tokens is its length control
-        sampler = replace(sampler, length_range="")
     _check_room(pipe, rows)
     prompt_tokens = sum(
         len(pipe.tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts
@@ -229,7 +227,7 @@ def check_completion(pipe, body: CompletionBody, limits: Limits, model_name: str
 def _check_room(pipe, rows: list[Row]) -> None:
     """Infill rows must fit the model's length: checked now, so the batch cannot fail later."""
     cfg = pipe.config
-    infill = [r for r in rows[:1] if r.infill is not None]  # the rows of a prompt share a layout
+    infill = [r for r in rows if r.infill is not None]  # gap lengths are drawn per row
     if not infill:
         return
     try:

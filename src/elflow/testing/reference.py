@@ -28,9 +28,9 @@ from elflow.io.official import (
     official_to_elflow,
 )
 from elflow.model import ELF
-from elflow.network import TrainForward, decode_tokens, make_denoiser
 from elflow.objective import Batch, Draws, elf_loss
 from elflow.sampling import Condition, ode_step, sde_step
+from elflow.wiring import TrainForward, decode_tokens, make_denoiser
 
 BUNDLED_FIXTURE = Path(__file__).resolve().parent / "fixtures" / "elf_reference_tiny.safetensors"
 """The reference fixture shipped with elflow (``elflow check-fixture`` with no argument)."""

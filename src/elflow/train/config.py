@@ -244,7 +244,8 @@ def run_config_from_dict(data: dict[str, Any]) -> RunConfig:
 
 
 def parse_value(text: str) -> Any:
-    """Parse a ``--set`` value: JSON (numbers, true/false, null, lists) or else a bare string."""
+    """Parse a ``key=value`` setting's value: JSON (numbers, true/false, null, lists) or else a
+    bare string."""
     try:
         return json.loads(text)
     except json.JSONDecodeError:
@@ -260,20 +261,20 @@ def apply_overrides(
         _merge(data, _read_config_file(Path(file)), str(file))
     for item in sets:
         if "=" not in item:
-            raise ELFError(f"--set expects key.path=value, got {item!r}")
+            raise ELFError(f"sets= expects key.path=value, got {item!r}")
         key, value = item.split("=", 1)
         parts = key.strip().split(".")
         node = data
         for i, part in enumerate(parts[:-1]):
             if not isinstance(node.get(part), dict):
-                raise ELFError(f"unknown config key {'.'.join(parts[: i + 1])!r} in --set {item}")
+                raise ELFError(f"unknown config key {'.'.join(parts[: i + 1])!r} in {item!r}")
             node = node[part]
         if parts[-1] not in node:
             raise ELFError(f"unknown config key {key!r}; valid keys there: {sorted(node)}")
         if isinstance(node[parts[-1]], dict):
             raise ELFError(
-                f"--set {key.strip()}=... names a whole section; set its keys one at a time, "
-                f"e.g. --set {key.strip()}.{sorted(node[parts[-1]])[0]}=VALUE"
+                f"{key.strip()}=... names a whole section; set its keys one at a time, "
+                f"e.g. {key.strip()}.{sorted(node[parts[-1]])[0]}=VALUE"
             )
         node[parts[-1]] = parse_value(value)
     return check_user_config(run_config_from_dict(data), cfg)
@@ -383,7 +384,7 @@ def override_keys(
 
 def _read_config_file(path: Path) -> dict[str, Any]:
     if path.is_dir():
-        raise ELFError(f"--config {path} is a folder; give a YAML or JSON file")
+        raise ELFError(f"config file {path} is a folder; give a YAML or JSON file")
     if not path.is_file():
         raise ELFError(f"config file {path} does not exist")
     try:

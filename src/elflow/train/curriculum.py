@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from elflow.config import ObjectiveConfig, SamplerConfig, fewstep_sampler
-from elflow.distill import (
+from elflow.distill_objective import (
     DistillConfig,
     check_project_from,
     distill_loss,
@@ -35,7 +35,6 @@ from elflow.io.artifact import ArtifactConfig, load_model
 from elflow.io.sources import CONFIG, EMA_WEIGHTS, resolve_source
 from elflow.io.tokenizer import load_tokenizer
 from elflow.model import ELF
-from elflow.network import TrainForward, projector
 from elflow.objective import Batch
 from elflow.paths import output_dir
 from elflow.projection import Projection
@@ -58,6 +57,7 @@ from elflow.train.rounds import (
     weights_hash,
 )
 from elflow.train.step import StepLoss
+from elflow.wiring import TrainForward, projector
 
 MAX_EMA_INITIAL_SHARE = 0.5
 """A round whose EMA would still be mostly its starting weights at the end is refused."""
@@ -134,7 +134,7 @@ def teacher_tokenizer(source: str, tcfg: ArtifactConfig) -> str:
     here = vocab_hash(load_tokenizer(name))
     if tcfg.tokenizer_hash not in (None, here):
         raise ELFError(
-            f"--model {source} (the teacher) was trained with another vocabulary than "
+            f"teacher {source} was trained with another vocabulary than "
             f"tokenizer {name!r} "
             f"here (sha256 {tcfg.tokenizer_hash[:12]}... against {here[:12]}...); install the "
             "tokenizer it was trained with or put its files in the model's tokenizer/ folder"
@@ -181,19 +181,19 @@ def distill(
     """
     from elflow.distributed import setup
 
-    check_project_from(teacher_project_from, "--teacher-project-from")
+    check_project_from(teacher_project_from, "teacher_project_from=")
     p = float(teacher_project_from)
     _check_settings(cfg, p)
-    out = output_dir(out, "--out")  # before the teacher loads
+    out = output_dir(out, "out=")  # before the teacher loads
     teacher_steps = teacher_steps or None
     plan = parse_rounds(rounds, teacher_steps)
     info = setup(cfg.train.device)
     teacher, tcfg = load_teacher(teacher_source, info.device, teacher_task)
     if p < 1.0 and (tcfg.conditional or tcfg.packed):
         raise ELFError(
-            f"--teacher-project-from {p} needs an unconditional teacher with one text per row; "
+            f"teacher_project_from={p} needs an unconditional teacher with one text per row; "
             f"{teacher_source} is {'conditional' if tcfg.conditional else 'trained on packed rows'}"
-            ": drop the flag"
+            ": drop the setting"
         )
     cfg = student_config(
         cfg, teacher_source, tcfg, objective_keys, base_objective, fixed_keys, p, info
@@ -240,7 +240,7 @@ def _check_settings(cfg: RunConfig, p: float) -> None:
     if t.init:
         raise ELFError(
             f"train.init={t.init!r} has no use in distillation: round 1 starts from the teacher "
-            "(--model); drop the setting"
+            "(teacher_source=); drop the setting"
         )
     share = initial_share(t.ema_decay, t.ema_warmup, t.max_steps)
     if share > MAX_EMA_INITIAL_SHARE:
@@ -251,8 +251,7 @@ def _check_settings(cfg: RunConfig, p: float) -> None:
         )
     if p < 1.0 and cfg.data.packing:
         raise ELFError(
-            "--teacher-project-from needs one text per row, but data.packing is on: drop one of "
-            "them"
+            "teacher_project_from= needs one text per row, but data.packing is on: drop one of them"
         )
 
 

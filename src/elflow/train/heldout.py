@@ -24,11 +24,11 @@ from elflow.data.rows import RowDataset, build_dataset
 from elflow.distributed import DistInfo, all_reduce_sum
 from elflow.encoder import FrozenEncoder
 from elflow.errors import ELFError
-from elflow.network import TrainForward
 from elflow.objective import Batch
 from elflow.train.batches import make_batch
 from elflow.train.config import RunConfig
 from elflow.train.ema import EMA, ema_network
+from elflow.wiring import TrainForward
 
 BatchMaker = Callable[[np.ndarray, np.ndarray], Batch]
 """(row indices into the split's rows, draw keys) -> Batch."""

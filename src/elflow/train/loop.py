@@ -227,7 +227,7 @@ def _stopped(stop: StopSignal, done: int, total: int, last_ckpt: Path) -> Interr
     rest = (
         "this run is complete (a distillation curriculum continues with the same command)"
         if done == total
-        else "run the same command (with --resume auto, the default) to continue"
+        else "run the same command (with resume=auto, the default) to continue"
     )
     return Interrupted(
         f"stopped by {stop.name} after step {done} of {total}; saved {last_ckpt}; {rest}",

@@ -186,9 +186,9 @@ def short_run(cfg: RunConfig, steps: int, keep: Collection[str] = ()) -> RunConf
     weights). Apply it to the preset before the user's overrides, which then win; ``keep`` names
     the keys they set, so that a warm-up given in epochs is not doubled by one in steps.
     """
-    require(steps > 0, f"--steps must be a positive number of optimizer steps, got {steps}")
+    require(steps > 0, f"steps= must be a positive number of optimizer steps, got {steps}")
     if "train.max_steps" in keep:
-        raise ELFError("--steps N sets train.max_steps; give one of them")
+        raise ELFError("steps=N sets train.max_steps; give one of them")
     every = max(1, steps // 5)
     by_epochs = "train.warmup_epochs" in keep and "optim.warmup_steps" not in keep
     warmup = 0 if by_epochs else max(1, round(0.05 * steps))

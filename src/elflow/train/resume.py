@@ -42,7 +42,7 @@ def resolve_resume(out: Path, resume: str | None) -> Path | None:
     else:
         found = ckpt_io.find_checkpoint(Path(resume))
         if found is None:
-            raise ELFError(f"--resume {resume}: no checkpoint-<step> with state.json there")
+            raise ELFError(f"resume={resume}: no checkpoint-<step> with state.json there")
         explicit = (Path(resume) / ckpt_io.STATE).is_file()  # a checkpoint, not a run folder
     if found is None:
         return None
@@ -120,7 +120,7 @@ def architecture_changes(cfg: RunConfig, base: RunConfig) -> list[str]:
 
 
 DERIVED_KEYS = ("model.encoder_dim", "model.vocab_size")
-"""Set from the encoder and tokenizer whatever a config says (a --print-config dump has them)."""
+"""Set from the encoder and tokenizer whatever a config says (a printed config has them)."""
 
 
 def check_no_architecture(cfg: RunConfig, base: RunConfig) -> None:
@@ -129,7 +129,7 @@ def check_no_architecture(cfg: RunConfig, base: RunConfig) -> None:
     for key in architecture_changes(cfg, base):
         if key != "model.max_length":
             raise ELFError(
-                f"{key} is set (by --set or --config), but the architecture and encoder are "
+                f"{key} is set (by sets= or file=), but the architecture and encoder are "
                 f"fixed: a fine-tuning run takes them from {cfg.train.init!r} (only "
                 "model.max_length may change); drop it"
             )
@@ -201,34 +201,33 @@ def check_resumable(cfg: RunConfig, saved: RunConfig, ckpt: Path) -> None:
     if not same_init(saved.train.init, cfg.train.init):
         raise ELFError(
             f"cannot resume {ckpt}: it was started from train.init {saved.train.init or 'none'!r}, "
-            f"now {cfg.train.init or 'none'!r}; give the same --model (train.init) or use a new "
-            "--out"
+            f"now {cfg.train.init or 'none'!r}; give the same train.init or use a new out="
         )
     if saved.model != replace(
         cfg.model, encoder_dim=saved.model.encoder_dim, vocab_size=saved.model.vocab_size
     ):
         raise ELFError(
             f"cannot resume {ckpt}: it holds another architecture ({saved.model}); "
-            "use a new --out or the same model settings"
+            "use a new out= or the same model settings"
         )
     if (saved.encoder.name, saved.encoder.layer) != (cfg.encoder.name, cfg.encoder.layer):
         raise ELFError(
             f"cannot resume {ckpt}: it was trained on encoder {saved.encoder.name!r} layer "
             f"{saved.encoder.layer}, now {cfg.encoder.name!r} layer {cfg.encoder.layer}; "
-            "use the same encoder settings or a new --out"
+            "use the same encoder settings or a new out="
         )
     if saved.encoder.latent_mean != cfg.encoder.latent_mean:
         raise ELFError(
             f"cannot resume {ckpt}: it was trained with encoder.latent_mean "
             f"{saved.encoder.latent_mean}, now {cfg.encoder.latent_mean}; set "
-            f"encoder.latent_mean={saved.encoder.latent_mean} or use a new --out"
+            f"encoder.latent_mean={saved.encoder.latent_mean} or use a new out="
         )
     if saved.encoder.latent_std and cfg.encoder.latent_std != saved.encoder.latent_std:
         raise ELFError(
             f"cannot resume {ckpt}: it was trained with encoder.latent_std "
             f"{saved.encoder.latent_std}, now {cfg.encoder.latent_std}; the latent scale must not "
             f"change within a run — set encoder.latent_std={saved.encoder.latent_std} (or 0) or "
-            "use a new --out"
+            "use a new out="
         )
     was, now = saved.train.parallel, cfg.train.parallel
     if was != now:
@@ -240,8 +239,8 @@ def check_resumable(cfg: RunConfig, saved: RunConfig, ckpt: Path) -> None:
     if was != now:
         raise ELFError(
             f"cannot resume {ckpt}: it was trained with optim.optimizer={was}, now {now}; its "
-            f"optimizer state is {was}'s: set optim.optimizer={was}, or start a new --out with "
-            "--model to continue from its weights"
+            f"optimizer state is {was}'s: set optim.optimizer={was}, or start a new out= with "
+            "train.init set to it to continue from its weights"
         )
 
     def source_share(c: RunConfig) -> int:  # unconditional runs once saved an unused value
@@ -251,14 +250,14 @@ def check_resumable(cfg: RunConfig, saved: RunConfig, ckpt: Path) -> None:
         raise ELFError(
             f"cannot resume {ckpt}: it was trained with task={saved.task}, max_input_length="
             f"{saved.max_input_length}, now {cfg.task}, {cfg.max_input_length}; the rows depend "
-            "on them — set them back or use a new --out"
+            "on them — set them back or use a new out="
         )
     for key in ("global_batch", "seed"):
         old, new = getattr(saved.train, key), getattr(cfg.train, key)
         if old != new:
             raise ELFError(
                 f"cannot resume {ckpt}: train.{key} was {old}, now {new}; the data order and "
-                f"draws depend on it — set train.{key}={old} or use a new --out"
+                f"draws depend on it — set train.{key}={old} or use a new out="
             )
 
 
@@ -272,7 +271,7 @@ def check_vocabulary(
         fix = "install the tokenizer it was trained with or put its files in its tokenizer/ folder"
     elif resume_from is not None:
         recorded, what = read_config(resume_from).tokenizer_hash, f"checkpoint {resume_from}"
-        fix = "set encoder.tokenizer to the one it was trained with, or use a new --out"
+        fix = "set encoder.tokenizer to the one it was trained with, or use a new out="
     else:
         return
     here = vocab_hash(tokenizer)
@@ -293,5 +292,5 @@ def check_same_rows(ckpt: Path, state: dict, rows: int) -> None:
         raise ELFError(
             f"cannot resume {ckpt}: it was trained on {saved} rows, the data now gives {rows}; "
             "the data order depends on it — restore that data (and data.max_rows), or start a "
-            "new --out (with --model to continue from its weights)"
+            "new out= (with train.init set to it to continue from its weights)"
         )

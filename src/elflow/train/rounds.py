@@ -85,7 +85,7 @@ def check_no_later_rounds(
                     problem = (
                         f"round {k} still has to train, which changes the weights {later[0].name} "
                         f"(already trained) started from; remove {later[0].name} and the rounds "
-                        "after it, or use a new --out"
+                        "after it, or use a new out="
                     )
                 break
     raise_everywhere(problem)
@@ -97,7 +97,7 @@ def check_round_start(
     """Record what round ``k`` starts from, or check that a round already ``trained`` (its latest
     checkpoint, None when it has none) started from it.
 
-    A round folder is resumed or skipped as finished by its name; after a change of ``--rounds``
+    A round folder is resumed or skipped as finished by its name; after a change of ``rounds``
     or ``train.max_steps`` the rounds before it may have changed, and a round built on other
     weights would silently continue the wrong chain.
     """
@@ -120,17 +120,17 @@ def check_round_start(
             problem = (
                 f"round {k} ({round_dir}) was started from other weights "
                 f"({recorded.get('from')}) than the previous round's now ({start['from']}), "
-                "since --rounds or train.max_steps changed; remove that round folder and the "
-                "ones after it, or use a new --out"
+                "since rounds= or train.max_steps changed; remove that round folder and the "
+                "ones after it, or use a new out="
             )
         elif (
             isinstance(recorded, dict)
             and (was := recorded.get("teacher_project_from", 1.0)) != start["teacher_project_from"]
         ):
             problem = (
-                f"round {k} ({round_dir}) was distilled with --teacher-project-from {was}, not "
-                f"{start['teacher_project_from']}; give --teacher-project-from {was} to "
-                "continue, or use a new --out"
+                f"round {k} ({round_dir}) was distilled with teacher_project_from={was}, not "
+                f"{start['teacher_project_from']}; give teacher_project_from={was} to "
+                "continue, or use a new out="
             )
         elif trained is None:
             round_dir.mkdir(parents=True, exist_ok=True)
@@ -151,10 +151,10 @@ def claim_out(out: Path, teacher_source: str, sha: str, info: DistInfo) -> None:
         if trained and recorded is not None and recorded["teacher_sha256"] != sha:
             was = recorded.get("checkpoint", recorded.get("teacher"))
             problem = (
-                f"--out {out} holds rounds distilled from teacher {was} (weights sha256 "
+                f"out={out} holds rounds distilled from teacher {was} (weights sha256 "
                 f"{recorded['teacher_sha256'][:12]}...), not {checkpoint} ({sha[:12]}...; a run "
-                "folder gives its latest checkpoint); give that --model (teacher) to continue, or "
-                "use a new --out"
+                "folder gives its latest checkpoint); give that teacher_source= (teacher) to "
+                "continue, or use a new out="
             )
         else:  # the first start, or the same weights (perhaps moved): (re)write the record
             local = Path(teacher_source).expanduser()
@@ -187,5 +187,5 @@ def check_round_objective(ckpt: Path, objective: ObjectiveConfig, k: int) -> Non
         was = ", ".join(f"{name}={getattr(saved, name)}" for name in diff)
         raise ELFError(
             f"round {k} in {ckpt.parent} was trained with objective {was}; give the same "
-            "objective settings to continue the curriculum, or use a new --out"
+            "objective settings to continue the curriculum, or use a new out="
         )

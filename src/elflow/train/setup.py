@@ -47,7 +47,6 @@ from elflow.io.run_lock import RunLock
 from elflow.io.tokenizer import load_tokenizer
 from elflow.jsonl import is_gzip
 from elflow.model import ELF, build_model, check_fits, count_parameters
-from elflow.network import TrainForward
 from elflow.paths import output_dir
 from elflow.tokens import TokenSpec, special_token_count, token_spec, vocab_hash
 from elflow.train.config import RunConfig, check_projection
@@ -66,6 +65,7 @@ from elflow.train.resume import (
     resumed_settings,
     saved_run_config,
 )
+from elflow.wiring import TrainForward
 
 
 @dataclass(frozen=True)
@@ -132,7 +132,7 @@ def prepare_run(
     """Set up a training run in ``out`` (see the module docstring); ``resume``: 'auto', 'never'
     or a checkpoint/run folder; ``init_state``: a fresh run's initial weights."""
     t0 = time.perf_counter()
-    out = output_dir(out, "--out")
+    out = output_dir(out, "out=")
     cfg = absolute_init(cfg)
     check_projection(cfg)
     if cfg.train.init and init_state is not None:
@@ -244,8 +244,8 @@ def _start(
     if existing is not None and not continues_out:
         # Another run's checkpoints would be mixed with (and pruned by) this one's.
         raise ELFError(
-            f"--out {out} already holds checkpoints ({existing.name}); a new run (--resume "
-            f"{resume}) needs a new --out, or resume them with --resume auto"
+            f"out={out} already holds checkpoints ({existing.name}); a new run (resume="
+            f"{resume}) needs a new out=, or resume them with resume=auto"
         )
     init_source = None
     if cfg.train.init and resume_from is None:
@@ -415,7 +415,7 @@ def check_shared_folder(out: Path, info: DistInfo) -> None:
     blind = [f"{r} (on {host})" for r, (seen, host) in enumerate(sees) if not seen]
     if blind:
         raise ELFError(
-            f"process(es) {', '.join(blind)} cannot see --out {out}, where process 0 writes: "
+            f"process(es) {', '.join(blind)} cannot see out={out}, where process 0 writes: "
             "every process writes its part of each checkpoint there; give a folder on a file "
             "system every node shares"
         )
