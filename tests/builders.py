@@ -29,6 +29,45 @@ def perturb(model, seed=0):
     return model.eval()
 
 
+JUDGE_WORDS = "a b c d e f g h the cat sat on mat dog ran in park . ,".split()
+EOT = "<|endoftext|>"
+
+
+def tiny_tokenizer():
+    """A word-level tokenizer over :data:`JUDGE_WORDS`, EOT first (id 0, like SmolLM2's: EOT
+    must be found by name, not by position)."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {EOT: 0, "[UNK]": 1} | {w: i + 2 for i, w in enumerate(JUDGE_WORDS)}
+    tok = Tokenizer(WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOT, unk_token="[UNK]")
+
+
+def tiny_judge(n_positions: int = 64, seed: int = 0):
+    """A tiny random GPT-2 judge (peaky logits, so precision and masking errors show)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from elflow.evaluation.judge import from_model
+
+    tokenizer = tiny_tokenizer()
+    torch.manual_seed(seed)
+    config = GPT2Config(
+        n_layer=1,
+        n_head=2,
+        n_embd=16,
+        n_positions=n_positions,
+        vocab_size=len(tokenizer),
+        bos_token_id=0,
+        eos_token_id=0,
+        initializer_range=0.5,
+    )
+    return from_model(GPT2LMHeadModel(config).eval(), tokenizer, "tiny-gpt2", revision="test")
+
+
 def varied_network(
     seed: int = 0, scale: float = 0.1, encoder_dim: int = 8, vocab: int = 20, length: int = 12
 ):

@@ -69,6 +69,63 @@ def assets(tmp_path_factory):
     return build_assets(tmp_path_factory.mktemp("assets"))
 
 
+# --- tiny parts built once per session: read them, never change them ---------------------------
+
+
+@pytest.fixture(scope="session")
+def judge():
+    """A tiny random GPT-2 judge over a word-level vocabulary (``tests.builders.tiny_judge``)."""
+    from tests.builders import tiny_judge
+
+    return tiny_judge()
+
+
+@pytest.fixture(scope="session")
+def tiny_encoder():
+    """A tiny random BERT with MiniLM's vocabulary size (30522), wrapped as a FrozenEncoder."""
+    from transformers import BertConfig, BertModel
+
+    from elflow.encoder import FrozenEncoder
+
+    torch.manual_seed(0)
+    cfg = BertConfig(
+        hidden_size=32,
+        num_attention_heads=4,
+        num_hidden_layers=2,
+        intermediate_size=64,
+        vocab_size=30522,
+        max_position_embeddings=128,
+    )
+    model = BertModel(cfg, add_pooling_layer=False)
+    model.set_attn_implementation("sdpa")
+    return FrozenEncoder(model, latent_std=1.0)
+
+
+@pytest.fixture(scope="session")
+def uncond_model(tmp_path_factory) -> str:
+    """A tiny unconditional model folder (``tests.builders.make_uncond``): 4-step SDE, L 12."""
+    from tests.builders import make_uncond
+
+    return str(make_uncond(tmp_path_factory.mktemp("uncond") / "model"))
+
+
+@pytest.fixture(scope="session")
+def infill_model(tmp_path_factory) -> str:
+    """A tiny unconditional model with its own width-8 encoder, EOS-padded rows (infilling,
+    projection, length control; ``tests.builders.make_infill_model``)."""
+    from tests.builders import make_infill_model
+
+    return make_infill_model(tmp_path_factory.mktemp("infill"))
+
+
+@pytest.fixture(scope="session")
+def cond_model(tmp_path_factory) -> str:
+    """A tiny conditional model and its encoder (``tests.builders.make_cond``): 3-step ODE."""
+    from tests.builders import make_cond
+
+    return str(make_cond(tmp_path_factory.mktemp("cond")))
+
+
 @pytest.fixture(autouse=True)
 def _fresh_notes(monkeypatch):
     """Once-per-process notes count from each test's start, whatever ran before it."""

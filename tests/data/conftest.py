@@ -38,25 +38,3 @@ def write_jsonl(path: Path, records: list[dict], gz: bool = False) -> Path:
     else:
         path.write_text(text, encoding="utf-8")
     return path
-
-
-@pytest.fixture(scope="session")
-def tiny_encoder():
-    """A tiny random BERT with MiniLM's vocabulary size (30522), wrapped as a FrozenEncoder."""
-    import torch
-    from transformers import BertConfig, BertModel
-
-    from elflow.encoder import FrozenEncoder
-
-    torch.manual_seed(0)
-    cfg = BertConfig(
-        hidden_size=32,
-        num_attention_heads=4,
-        num_hidden_layers=2,
-        intermediate_size=64,
-        vocab_size=30522,
-        max_position_embeddings=128,
-    )
-    model = BertModel(cfg, add_pooling_layer=False)
-    model.set_attn_implementation("sdpa")
-    return FrozenEncoder(model, latent_std=1.0)

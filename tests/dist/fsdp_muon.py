@@ -3,7 +3,7 @@
 Run as ``python -m tests.dist.fsdp_muon OUT.pt`` from the repository root; it spawns 2 gloo
 processes on a CPU device mesh, trains 3 steps on the same global batches as
 :func:`train_reference`, and rank 0 writes the gathered full weights and EMA of each variant to OUT.
-The shared helpers (model, batches, loss, step loop) are imported by tests/test_optim.py, so the
+The shared helpers (model, batches, loss, step loop) are imported by tests/train/test_optim.py, so the
 1-process reference runs exactly the same code.
 """
 

@@ -14,8 +14,7 @@ from sacrebleu.metrics import BLEU
 from elflow.errors import ELFError
 from elflow.evaluation import bleu, bleu_cased, bootstrap_ci, gen_ppl, rouge, unigram_entropy
 from elflow.evaluation.metrics import bleu_from_stats, ppl_from_sums
-
-from .conftest import tiny_judge
+from tests.builders import tiny_judge
 
 TEXTS = [
     "the cat sat on the mat .",

@@ -5,17 +5,17 @@ Hugging Face cache offline, and ``push_to_hub`` failing in one line offline."""
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
 
 from elflow import ELFError, ELFPipeline, Generation
-from tests.builders import make_uncond
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return make_uncond(tmp_path_factory.mktemp("api") / "model")
+def model(uncond_model):
+    return Path(uncond_model)
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import pytest
 from tests.dist.launch import free_port
 from tests.train_helpers import run_config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def torchrun_failing(tmp: Path, out: Path, cfg: dict, rank: int, step: int, mode: str):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,14 +16,14 @@ from elflow.cli import score as score_cli
 from elflow.cli.sweep import parse_grid
 from elflow.errors import ELFError
 from elflow.evaluation import sweep, tables
-from tests.builders import MINILM, make_uncond, read
+from tests.builders import MINILM, read
 
 VOCAB = 30522
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_uncond(tmp_path_factory.mktemp("uncond") / "model")
+def model_dir(uncond_model):
+    return Path(uncond_model)
 
 
 @pytest.fixture(scope="module")

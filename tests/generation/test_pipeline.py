@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,21 +16,19 @@ from elflow.io.official import elflow_to_official
 from tests.builders import (
     MINILM,
     VOCAB,
-    make_cond,
-    make_uncond,
     perturb,
     save_tiny_encoder,
 )
 
 
 @pytest.fixture(scope="module")
-def uncond_dir(tmp_path_factory):
-    return make_uncond(tmp_path_factory.mktemp("uncond") / "model")
+def uncond_dir(uncond_model):
+    return Path(uncond_model)
 
 
 @pytest.fixture(scope="module")
-def cond_dir(tmp_path_factory):
-    return make_cond(tmp_path_factory.mktemp("cond"))
+def cond_dir(cond_model):
+    return Path(cond_model)
 
 
 def test_generate_unconditional_deterministic(uncond_dir):
@@ -75,7 +74,7 @@ def test_generate_conditional(cond_dir):
     with pytest.raises(ELFError, match="conditional"):
         pipe.generate(2)
     # The conditional model's default gamma is 0: its SDE at gamma 0 is its ODE (the command
-    # line refuses --sampler sde without --gamma there, tests/test_cli.py).
+    # line refuses --sampler sde without --gamma there, tests/cli/test_cli.py).
     ode = pipe.generate(sources=sources, seed=0)
     assert (
         pipe.generate(sources=sources, seed=0, sampler=replace(pipe.sampler, sampler="sde")) == ode

@@ -35,7 +35,6 @@ from elflow.cli.flags import (
 )
 from elflow.config import SamplerConfig
 from elflow.errors import ELFError
-from tests.builders import make_uncond
 
 PACKAGE = Path(elflow.__file__).parent
 FLAG = re.compile(r"(?<![\w-])(--[a-z][a-z0-9-]*|-n)(?![\w-])")
@@ -180,8 +179,8 @@ def test_flag_names():
 
 
 @pytest.fixture(scope="module")
-def uncond(tmp_path_factory):
-    return make_uncond(tmp_path_factory.mktemp("keys") / "model")
+def uncond(uncond_model):
+    return Path(uncond_model)
 
 
 def _cli_error(capsys, argv: list[str]) -> str:

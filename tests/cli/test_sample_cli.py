@@ -13,7 +13,7 @@ from elflow import ArtifactConfig, build_model, save_model
 from elflow.__main__ import main as elflow_main
 from elflow.config import elf_tiny
 from elflow.generation.records import token_agreement
-from tests.builders import MINILM, make_cond, make_uncond, read
+from tests.builders import MINILM, read
 from tests.dist.launch import torchrun_elflow
 
 
@@ -26,13 +26,13 @@ SETTINGS = {"sampler", "steps", "nfe", "gamma", "w", "cfg", "seed", "model", "dt
 
 
 @pytest.fixture(scope="module")
-def uncond_dir(tmp_path_factory):
-    return make_uncond(tmp_path_factory.mktemp("uncond") / "model")
+def uncond_dir(uncond_model):
+    return Path(uncond_model)
 
 
 @pytest.fixture(scope="module")
-def cond_dir(tmp_path_factory):
-    return make_cond(tmp_path_factory.mktemp("cond"))
+def cond_dir(cond_model):
+    return Path(cond_model)
 
 
 def sample(model: Path, out: Path, *extra: str) -> list[dict]:

@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from elflow.__main__ import main
 from elflow.generation import records as records_mod
 from elflow.generation.records import SampleResult
-from tests.builders import make_uncond, read
+from tests.builders import read
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return make_uncond(tmp_path_factory.mktemp("seeds") / "model")
+def model(uncond_model):
+    return Path(uncond_model)
 
 
 def test_seeds_write_one_file_of_every_seeds_records(model, tmp_path, capsys):

@@ -49,7 +49,7 @@ def _recipe_table() -> list[dict[str, str]]:
     """The rows of docs/training.md's table "The paper's recipe, field by field"."""
     from pathlib import Path
 
-    text = (Path(__file__).resolve().parents[1] / "docs" / "training.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "docs" / "training.md").read_text()
     section = text.split("### The paper's recipe, field by field", 1)[1]
     table = next(block for block in section.split("\n\n") if block.startswith("|"))
     lines = table.splitlines()

@@ -312,7 +312,7 @@ def test_pages_in_headless_chromium(tmp_path, capsys):
     from tests.builders import make_infill_model
 
     model = make_infill_model(tmp_path)  # an absolute path, with a tiny encoder to project with
-    root = str(Path(__file__).resolve().parents[1])
+    root = str(Path(__file__).resolve().parents[2])
     demo = tmp_path / "demo.html"
     argv = ["demo", "--model", model, "-n", "2", "--steps", "4", "--no-animate"]
     assert (

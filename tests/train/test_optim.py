@@ -23,7 +23,7 @@ from elflow.train.optim import (
 from tests.dist import fsdp_muon
 from tests.dist.fsdp_muon import loss_sum, make_batch, make_model, run_direct
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _names(model: nn.Module, params: list[nn.Parameter]) -> set[str]:

@@ -11,17 +11,16 @@ import torch
 from elflow import ELFError, ELFPipeline
 from elflow.generation.engine import Row, make_rows, run_rows
 from elflow.generation.infill import InfillRequest, length_template, parse_template
-from tests.builders import make_cond, make_infill_model
 
 
 @pytest.fixture(scope="module")
-def pipe(tmp_path_factory):
-    return ELFPipeline.from_pretrained(make_infill_model(tmp_path_factory.mktemp("engine")))
+def pipe(infill_model):
+    return ELFPipeline.from_pretrained(infill_model)
 
 
 @pytest.fixture(scope="module")
-def cond_pipe(tmp_path_factory):
-    return ELFPipeline.from_pretrained(make_cond(tmp_path_factory.mktemp("engine-cond")))
+def cond_pipe(cond_model):
+    return ELFPipeline.from_pretrained(cond_model)
 
 
 def _infill(text: str) -> InfillRequest:

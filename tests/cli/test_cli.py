@@ -8,18 +8,18 @@ import dataclasses
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from elflow.__main__ import COMMANDS, build_parser, main
 from elflow.cli.common import NUM_SAMPLES
 from elflow.config import SAMPLERS, SamplerConfig, field_docs
-from tests.builders import make_uncond
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return make_uncond(tmp_path_factory.mktemp("cli") / "model")
+def model(uncond_model):
+    return Path(uncond_model)
 
 
 def _subparsers() -> dict[str, argparse.ArgumentParser]:

@@ -225,7 +225,7 @@ def test_two_processes_share_muon_and_match_one_process(tmp_path):
     from tests.dist import muon_work
 
     out = tmp_path / "muon.pt"
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     proc = subprocess.run(
         [sys.executable, "-m", "tests.dist.muon_work", str(out)],
         cwd=root,

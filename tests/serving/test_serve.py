@@ -20,7 +20,7 @@ from elflow.__main__ import main
 from elflow.serving.app import create_app
 from elflow.serving.batcher import Batcher
 from elflow.serving.protocol import Limits
-from tests.builders import make_cond, make_infill_model, read
+from tests.builders import read
 
 httpx = pytest.importorskip("httpx")
 uvicorn = pytest.importorskip("uvicorn")
@@ -50,8 +50,8 @@ def serving(app):
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return make_infill_model(tmp_path_factory.mktemp("serve"))
+def model(infill_model):
+    return infill_model
 
 
 @pytest.fixture(scope="module")
@@ -110,8 +110,8 @@ def test_the_openai_client_completes_and_streams_as_elflow_sample(url, model, tm
     assert client.models.list().data[0].id == "tiny"
 
 
-def test_a_conditional_models_prompt_is_its_source(tmp_path_factory, tmp_path):
-    model = str(make_cond(tmp_path_factory.mktemp("serve-cond")))
+def test_a_conditional_models_prompt_is_its_source(cond_model, tmp_path):
+    model = cond_model
     pipe = ELFPipeline.from_pretrained(model)
     with serving(create_app(pipe, name="c")) as base:
         r = complete(base, prompt=["a source", "another source"], seed=2, steps=3)
