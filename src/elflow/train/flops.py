@@ -8,8 +8,8 @@ elementwise work is not counted): the backward of a linear layer is twice its fo
 where its input needs no gradient (the first projection, the timestep embedders' first layers);
 attention's backward is twice its forward in model FLOPs (MFU's convention), 2.5 times with the
 forward product that flash attention recomputes (``torch.utils.flop_counter``'s count).
-``tests/train/test_step_counts.py`` checks these formulas against :class:`elflow.profiling.OpCounter`'s
-count of a real step.
+``tests/train/test_step_counts.py`` checks these formulas against
+:class:`elflow.profiling.OpCounter`'s count of a real step.
 """
 
 from __future__ import annotations

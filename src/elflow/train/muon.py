@@ -48,10 +48,10 @@ def _newton_schulz(
     the decoder head's E x V) the same steps run on the Gram matrix alone: X_k = M_k X_0 with
     M_{k+1} = P(A_k) M_k and A_{k+1} = P(A_k) A_k P(A_k), all short x short. X_k and its Gram
     matrix are recomputed every ``GRAM_RESTART`` steps, which keeps near-low-rank inputs about as
-    close to the fp64 iteration as the direct one (tests/train/test_optim.py: within 1.5x; without the
-    restart we measured up to 3.5x). With 5 steps, four products touch the long side instead of
-    ten. This is the path of fp32 Newton–Schulz (``muon_ns_dtype=float32``) on any device, so
-    updates differ from the direct iteration's by rounding.
+    close to the fp64 iteration as the direct one (tests/train/test_optim.py: within 1.5x;
+    without the restart we measured up to 3.5x). With 5 steps, four products touch the long side
+    instead of ten. This is the path of fp32 Newton–Schulz (``muon_ns_dtype=float32``) on any
+    device, so updates differ from the direct iteration's by rounding.
     """
     a, b, c = ns_coefficients
     ortho = grad.to(dtype)
