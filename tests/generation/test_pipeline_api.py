@@ -94,3 +94,26 @@ def test_per_sample_seeds_batch_together_and_equal_each_alone(pipe):
         pipe(2, seed=[1, 2, 3])
     with pytest.raises(ELFError, match="an int or a list of ints"):
         pipe(1, seed=["a"])
+
+
+def test_a_sampler_is_checked_once_per_pipeline_not_per_batch(model, monkeypatch):
+    from dataclasses import replace
+
+    from elflow.io.artifact import ArtifactConfig
+
+    checked = []
+    real = ArtifactConfig.check_sampler
+    monkeypatch.setattr(
+        ArtifactConfig, "check_sampler", lambda self, s: (checked.append(s), real(self, s))
+    )
+    pipe = ELFPipeline.from_pretrained(model)
+    pipe(3, batch_size=1)
+    pipe(2, seed=4)
+    assert checked == [pipe.sampler]
+    other = replace(pipe.sampler, steps=2)
+    pipe(1, sampler=other)
+    with pytest.raises(ELFError, match="cfg"):  # a refused sampler is refused every time
+        pipe(1, sampler=replace(pipe.sampler, cfg=2.0))
+    with pytest.raises(ELFError, match="cfg"):
+        pipe(1, sampler=replace(pipe.sampler, cfg=2.0))
+    assert checked[:2] == [pipe.sampler, other] and len(checked) == 4

@@ -207,9 +207,7 @@ def checked_sampler(args: argparse.Namespace, pipe: Any, skip: tuple[str, ...] =
     """The command's sampler (:func:`sampler_from_args` over the model's), checked against the
     model (``ArtifactConfig.check_sampler``; its errors name ``sampler.<field>``, which
     :mod:`elflow.cli.flags` writes as the flags)."""
-    scfg = sampler_from_args(args, pipe.sampler, skip)
-    pipe.config.check_sampler(scfg)
-    return scfg
+    return pipe.check_sampler(sampler_from_args(args, pipe.sampler, skip))
 
 
 def comma_list(text: str | None, kind: Callable[[str], Any], flag: str) -> list:

@@ -119,6 +119,7 @@ class ELFPipeline:
         self.encoder = encoder
         self.tokens: TokenSpec = token_spec(tokenizer)
         self._lock = threading.Lock()
+        self._valid_samplers: set[SamplerConfig] = set()
 
     @property
     def device(self) -> torch.device:
@@ -253,6 +254,14 @@ class ELFPipeline:
             projection = self.projection()
         return sampler, n, projection
 
+    def check_sampler(self, sampler: SamplerConfig) -> SamplerConfig:
+        """``sampler`` checked against this model (``ArtifactConfig.check_sampler``) once: a
+        sampler that passed is remembered, so a run's batches and seeds do not check it again."""
+        if sampler not in self._valid_samplers:
+            self.config.check_sampler(sampler)
+            self._valid_samplers.add(sampler)
+        return sampler
+
     def _checked(self, sampler: SamplerConfig | None) -> SamplerConfig:
         """``sampler`` (default: the model's) checked against the model, and the weights fp32."""
         if sampler is None:
@@ -262,7 +271,7 @@ class ELFPipeline:
                 f"sampler must be a SamplerConfig, got {type(sampler).__name__} {sampler!r}; e.g. "
                 "dataclasses.replace(pipe.sampler, sampler='sde', steps=32)"
             )
-        self.config.check_sampler(sampler)
+        self.check_sampler(sampler)
         dtype = next(self.model.parameters()).dtype
         if dtype != torch.float32:
             raise ELFError(

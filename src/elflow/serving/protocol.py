@@ -142,7 +142,7 @@ def _sampler(pipe, body: CompletionBody, limits: Limits) -> SamplerConfig:
         sampler = replace(pipe.sampler, **changes)
         if body.sampler == "sde" and body.gamma is None and sampler.gamma == 0.0:
             raise ELFError("the SDE with this model's default gamma 0 is the ODE; give gamma")
-        pipe.config.check_sampler(sampler)
+        pipe.check_sampler(sampler)
     except (ELFError, ValueError) as e:
         raise RequestError(422, str(e).splitlines()[0], next(iter(changes), None)) from None
     return sampler
