@@ -143,14 +143,17 @@ def read(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def make_infill_model(root, histogram=()) -> str:
-    """A tiny unconditional model with a width-8 encoder, rows padded with EOS (as bible-tiny)."""
+def make_infill_model(
+    root, histogram=(), *, length: int = 16, sampler: SamplerConfig | None = None
+) -> str:
+    """A tiny unconditional model with a width-8 encoder, rows padded with EOS (as bible-tiny);
+    by default a 3-step SDE over L 16."""
     torch.manual_seed(0)
     save_tiny_encoder(root / "encoder")
-    cfg = elf_tiny(encoder_dim=8, vocab_size=VOCAB, max_length=16)
+    cfg = elf_tiny(encoder_dim=8, vocab_size=VOCAB, max_length=length)
     config = ArtifactConfig(
         model=cfg,
-        sampler=SamplerConfig(steps=3, sampler="sde", gamma=1.0, w=2.0),
+        sampler=sampler or SamplerConfig(steps=3, sampler="sde", gamma=1.0, w=2.0),
         encoder=str(root / "encoder"),
         tokenizer=MINILM,
         latent_std=0.5,

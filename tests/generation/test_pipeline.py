@@ -16,8 +16,8 @@ from elflow.io.official import elflow_to_official
 from tests.builders import (
     MINILM,
     VOCAB,
+    make_infill_model,
     perturb,
-    save_tiny_encoder,
 )
 
 
@@ -180,19 +180,9 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
 @pytest.fixture(scope="module")
 def projected_dir(tmp_path_factory):
     """An unconditional model whose sampler projects (a tiny BERT encoder of the model's width)."""
-    torch.manual_seed(0)
+    sampler = SamplerConfig(steps=4, sampler="sde", gamma=1.0, w=2.0, project_from=0.2)
     root = tmp_path_factory.mktemp("projected")
-    save_tiny_encoder(root / "encoder")
-    cfg = elf_tiny(encoder_dim=8, vocab_size=VOCAB, max_length=12)
-    config = ArtifactConfig(
-        model=cfg,
-        sampler=SamplerConfig(steps=4, sampler="sde", gamma=1.0, w=2.0, project_from=0.2),
-        encoder=str(root / "encoder"),
-        tokenizer=MINILM,
-        latent_std=0.5,
-        pad_with_eos=True,
-    )
-    return save_model(root / "model", perturb(build_model(cfg)), config)
+    return Path(make_infill_model(root, length=12, sampler=sampler))
 
 
 def test_projected_sampling_loads_the_encoder_and_is_deterministic(projected_dir, monkeypatch):
