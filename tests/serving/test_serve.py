@@ -195,12 +195,18 @@ def test_bad_requests_get_one_clear_line(url):
         ({"n": 99}, 422, "n 99 is over this server's 16"),
         ({"steps": 100000}, 422, "steps 100000 is over this server's 256"),
         ({"max_tokens": 0}, 422, "max_tokens"),
-        ({"max_tokens": 500}, 422, "more than the model's 16"),
+        ({"max_tokens": 500}, 422, "max_tokens 500 is over the model's 16"),
+        ({"max_tokens": 15}, 422, "more than the model's 16"),
         ({"prompt": ["a", "word " * 20], "max_tokens": 2}, 422, "more than the model's 16"),
         ({"sampler": "nope"}, 422, "must be one of"),
         ({"model": "/etc/passwd"}, 404, "is not served here"),
         ({"prompt": "a [___3] b", "max_tokens": 2}, 422, "drop max_tokens"),
         ([1, 2], 400, "a JSON object"),
+        ({"prompt": ["", "In the beginning"]}, 422, "mix free samples"),
+        ({"max_tokens": 10**9}, 422, "max_tokens 1000000000 is over the model's 16"),
+        ({"prompt": "a [___99999999999]"}, 422, "is over the model's 16"),
+        ({"prompt": ["a", "b", "c"], "n": 16, "max_tokens": 2}, 422, "over this server's 32"),
+        ({"prompt": "x", "temperature": 0.0}, 400, "'temperature' is not supported"),
     ]
     for body, status, words in cases:
         if isinstance(body, str):
@@ -216,9 +222,36 @@ def test_bad_requests_get_one_clear_line(url):
         assert words in message and "\n" not in message, (body, message)
 
 
+def test_the_neutral_values_clients_send_by_default_are_accepted(url):
+    neutral = {
+        "temperature": 1.0,
+        "top_p": 1,
+        "stop": None,
+        "logprobs": None,
+        "echo": False,
+        "presence_penalty": 0,
+        "frequency_penalty": 0.0,
+        "best_of": 1,
+        "logit_bias": {},
+    }
+    r = complete(url, prompt="", steps=1, seed=0, n=2, **neutral)
+    assert r.status_code == 200, r.text
+    assert (
+        r.json()["choices"][1]["text"]
+        == complete(url, prompt="", steps=1, seed=0, n=2).json()["choices"][1]["text"]
+    )
+
+
 def test_the_api_key_guards_the_api(pipe):
     with serving(create_app(pipe, name="k", api_key="s3cret")) as base:
         assert complete(base, prompt="").status_code == 401
+        wrong = httpx.post(
+            f"{base}/v1/completions",
+            json={"prompt": ""},
+            headers={"Authorization": "Bearer nope"},
+            timeout=60,
+        )
+        assert wrong.status_code == 401 and "API key" in wrong.json()["error"]["message"]
         assert httpx.get(f"{base}/v1/models").status_code == 401
         ok = httpx.post(
             f"{base}/v1/completions",
@@ -297,3 +330,23 @@ def test_a_running_batch_stops_at_its_next_step_when_its_clients_are_gone(pipe):
     job = Job(check_completion(pipe, body, Limits(), "tiny"), push)
     batcher.run([job])
     assert [e[0] for e in events] == ["step"] and batcher.metrics.samples == 0
+
+
+def test_a_running_batch_stops_once_all_its_requests_are_gone_streaming_or_not(pipe):
+    from elflow.serving.batcher import Job, _Stopped, stop_when_gone
+    from elflow.serving.protocol import check_completion, parse_body
+
+    done: list = []
+    jobs = [
+        Job(
+            check_completion(pipe, parse_body({"prompt": "", "seed": s}), Limits(), "t"),
+            done.append,
+        )
+        for s in (1, 2)
+    ]
+    check = stop_when_gone(jobs)
+    Batcher(pipe).cancel(jobs[0])
+    check(None)  # one request still wants its samples: the batch goes on
+    Batcher(pipe).cancel(jobs[1])
+    with pytest.raises(_Stopped):
+        check(None)

@@ -259,6 +259,8 @@ class ELFPipeline:
         sampler that passed is remembered, so a run's batches and seeds do not check it again."""
         if sampler not in self._valid_samplers:
             self.config.check_sampler(sampler)
+            if len(self._valid_samplers) >= 256:  # a server sees many; keep the memory bounded
+                self._valid_samplers.clear()
             self._valid_samplers.add(sampler)
         return sampler
 

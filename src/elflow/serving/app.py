@@ -15,7 +15,7 @@ import hmac
 import json
 import time
 from collections.abc import AsyncIterator
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from importlib import resources
 from typing import Any
 
@@ -70,8 +70,7 @@ def create_app(
     with the app unless ``start`` is False; stopped at shutdown)."""
     limits = limits or Limits()
     batcher = batcher or Batcher(pipe)
-    if limits.max_n > batcher.max_batch:
-        limits = Limits(batcher.max_batch, limits.max_steps, limits.max_prompts, limits.timeout_s)
+    limits = replace(limits, max_n=min(limits.max_n, batcher.max_batch), max_rows=batcher.max_batch)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -106,8 +105,14 @@ def create_app(
         return page
 
     @app.get("/health")
-    async def health() -> dict[str, Any]:
-        return {"status": "ok", "model": name, "queue_depth": batcher.depth()}
+    async def health():
+        alive = batcher.alive()
+        body = {
+            "status": "ok" if alive else "worker stopped",
+            "model": name,
+            "queue_depth": batcher.depth(),
+        }
+        return JSONResponse(body, status_code=200 if alive else 503)
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus() -> PlainTextResponse:
@@ -133,6 +138,8 @@ def create_app(
             completion = check_completion(pipe, body, limits, name)
         except RequestError as e:
             return refuse(e)
+        except Exception as e:  # a bug, not the request's fault: still one JSON line
+            return refuse(RequestError(500, f"the server failed on this request: {e!r}"))
         job, events = Job.on_loop(completion, asyncio.get_running_loop())
         try:
             batcher.submit(job)
@@ -147,20 +154,25 @@ def create_app(
             return StreamingResponse(
                 stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
             )
-        while True:
-            event = await _next(events, request, limits, arrived)
-            if event is None:  # the client is gone
+        answered = False
+        try:
+            while True:
+                event = await _next(events, request, limits, arrived)
+                if event is None:  # the client is gone
+                    metrics.request(499)
+                    return JSONResponse({}, status_code=499)
+                if event[0] == "timeout":
+                    return refuse(_timed_out(limits))
+                if event[0] == "error":
+                    answered = True
+                    return refuse(event[1])
+                if event[0] == "done":
+                    answered = True
+                    metrics.request(200, time.monotonic() - arrived)
+                    return response_body(pipe, completion, event[1])
+        finally:  # gone, timed out or the handler cancelled: the work stops
+            if not answered:
                 batcher.cancel(job)
-                metrics.request(499)
-                return JSONResponse({}, status_code=499)
-            if event[0] == "timeout":
-                batcher.cancel(job)
-                return refuse(_timed_out(limits))
-            if event[0] == "error":
-                return refuse(event[1])
-            if event[0] == "done":
-                metrics.request(200, time.monotonic() - arrived)
-                return response_body(pipe, completion, event[1])
 
     return app
 

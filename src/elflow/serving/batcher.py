@@ -33,6 +33,16 @@ class _Stopped(Exception):
     """Every request of a running batch is gone."""
 
 
+def stop_when_gone(jobs: list[Job]) -> Callable[[Any], None]:
+    """A step callback that stops a running batch once every one of its requests is gone."""
+
+    def check(state: Any) -> None:
+        if all(job.gone.is_set() for job in jobs):
+            raise _Stopped
+
+    return check
+
+
 @dataclass(eq=False)
 class Job:
     """One request in flight: its checked completion and where its events go."""
@@ -142,11 +152,18 @@ class Batcher:
                     self._queue.remove(job)
             return batch
 
+    def alive(self) -> bool:
+        """Whether the worker runs (or has not been started yet)."""
+        return self._thread is None or self._thread.is_alive()
+
     def _work(self) -> None:
         while self._running:
             batch = self._next_batch()
-            if batch:
+            try:
                 self.run(batch)
+            except Exception as e:  # the worker goes on; the batch learns why it failed
+                for job in batch:
+                    job.push(("error", RequestError(500, f"sampling failed: {e!r}")))
 
     def run(self, batch: list[Job]) -> None:
         """Sample ``batch`` (jobs of one key) as one batch of rows and hand each its events."""
@@ -164,18 +181,16 @@ class Batcher:
         streaming = any(job.completion.stream for job in jobs)
 
         def on_step(k: int, texts: list[str]) -> None:
-            if all(job.gone.is_set() for job in jobs):
-                raise _Stopped
             for job, a, b in spans:
                 if job.completion.stream and not job.gone.is_set():
                     job.push(("step", k, job.completion.sampler.steps, texts[a:b]))
 
         sampler = jobs[0].completion.sampler
-        projection = None
-        if sampler.project_from < 1.0 and rows[0].infill is None:
-            projection = self.pipe.projection()
         started = time.monotonic()
         try:
+            projection = None
+            if sampler.project_from < 1.0 and rows[0].infill is None:
+                projection = self.pipe.projection()
             with bf16_autocast(self.bf16, self.pipe.device):
                 out = run_rows(
                     self.pipe,
@@ -183,6 +198,7 @@ class Batcher:
                     sampler,
                     projection=projection,
                     on_step=on_step if streaming else None,
+                    callback_on_step_end=stop_when_gone(jobs),
                 )
         except _Stopped:
             return

@@ -7,7 +7,8 @@ kept text that the sample continues (a prefix infill; ``[___]`` gaps allowed any
 unconditional sample with no prompt is a free sample of the model's own length, as ``elflow
 sample`` draws it. Sample k of a request is sample k of its seed (rows of
 :mod:`elflow.generation.engine`), so it equals ``elflow sample --seed SEED`` with the same
-settings, whatever else the server batches it with.
+settings, whatever else the server batches it with (bitwise in fp32; under bf16 autocast a
+batch's shape changes the last bits).
 """
 
 from __future__ import annotations
@@ -68,6 +69,9 @@ class Limits:
     max_steps: int = 256
     max_prompts: int = 16
     timeout_s: float = 300.0
+    max_rows: int = 32
+    """Samples per request (n times the prompts): at most the batch size."""
+    max_prompt_chars: int = 20_000
 
 
 @dataclass(frozen=True)
@@ -118,10 +122,31 @@ def _validation_error(e: ValidationError) -> RequestError:
     return RequestError(422, f"{field}: {err['msg']} (got {err.get('input')!r})", field)
 
 
+NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "temperature": (None, 1, 1.0),
+    "top_p": (None, 1, 1.0),
+    "logprobs": (None,),
+    "echo": (None, False),
+    "stop": (None, [], ""),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "logit_bias": (None, {}),
+}
+"""Values of the fields in :data:`UNSUPPORTED` that ask for nothing (many clients send them by
+default): accepted and dropped."""
+
+
 def parse_body(raw: Any) -> CompletionBody:
     """The body as a :class:`CompletionBody`, or a :class:`RequestError` saying what to fix."""
     if not isinstance(raw, dict):
         raise RequestError(400, "the body must be a JSON object")
+    raw = {
+        k: v
+        for k, v in raw.items()
+        if not (k in NEUTRAL and any(v == x and type(v) is type(x) for x in NEUTRAL[k]))
+    }
     try:
         return CompletionBody.model_validate(raw)
     except ValidationError as e:
@@ -188,6 +213,31 @@ def check_completion(pipe, body: CompletionBody, limits: Limits, model_name: str
     prompts = [body.prompt] if isinstance(body.prompt, str) else list(body.prompt)
     if not prompts or len(prompts) > limits.max_prompts:
         raise RequestError(422, f"give 1 to {limits.max_prompts} prompts", "prompt")
+    if len(prompts) * body.n > limits.max_rows:
+        raise RequestError(
+            422,
+            f"{len(prompts)} prompts x n {body.n} = {len(prompts) * body.n} samples, over this "
+            f"server's {limits.max_rows} per request (its batch size)",
+            "n",
+        )
+    room = pipe.config.model.max_length
+    if body.max_tokens is not None and body.max_tokens > room:
+        raise RequestError(
+            422, f"max_tokens {body.max_tokens} is over the model's {room} tokens", "max_tokens"
+        )
+    for prompt in prompts:
+        if len(prompt) > limits.max_prompt_chars:
+            raise RequestError(
+                422,
+                f"a prompt of {len(prompt)} characters is over this server's "
+                f"{limits.max_prompt_chars}",
+                "prompt",
+            )
+        for m in GAP.finditer(prompt):
+            if int(m.group(2) or m.group(1) or 0) > room:
+                raise RequestError(
+                    422, f"gap {m.group(0)} is over the model's {room} tokens", "prompt"
+                )
     sampler = _sampler(pipe, body, limits)
     seed = body.seed if body.seed is not None else secrets.randbelow(2**31)
     conditional = pipe.config.conditional
@@ -207,6 +257,13 @@ def check_completion(pipe, body: CompletionBody, limits: Limits, model_name: str
                 rows.append(Row(seed, k, prompt, _infill(text, prompt)))
             else:
                 rows.append(Row(seed, k, None, _infill(template_text(prompt, body.max_tokens))))
+    if len({row.kind for row in rows}) > 1:
+        raise RequestError(
+            422,
+            "these prompts mix free samples (an empty prompt, no max_tokens) with continued or "
+            "filled ones; give max_tokens, or send them as separate requests",
+            "prompt",
+        )
     _check_room(pipe, rows)
     prompt_tokens = sum(
         len(pipe.tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts
@@ -220,7 +277,7 @@ def check_completion(pipe, body: CompletionBody, limits: Limits, model_name: str
         seed=seed,
         stream=body.stream,
         with_length=body.max_tokens is not None,
-        prompt_tokens=prompt_tokens * body.n,
+        prompt_tokens=prompt_tokens,
     )
 
 
