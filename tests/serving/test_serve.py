@@ -268,6 +268,15 @@ def test_serve_refuses_bad_settings_in_one_line(capsys):
     assert "--max-n 64 is over --max-batch 8" in capsys.readouterr().err
     assert main(["serve", "--model", "demo", "--port", "70000"]) == 2
     assert "is not a port" in capsys.readouterr().err
+    import socket
+
+    with socket.socket() as busy:  # a port another server holds: refused before the model loads
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        assert main(["serve", "--model", "demo", "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot listen on 127.0.0.1:{port}" in err and "another --port" in err
 
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import sys
 
 from elflow.cli.common import add_dtype_argument, sampling_bf16
@@ -94,14 +95,35 @@ def run(args: argparse.Namespace) -> int:
         ) from None
     if not 0 <= args.port < 65536:
         raise ELFError(f"--port {args.port} is not a port (0-65535)")
-    app = build(args)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning")
-    server = uvicorn.Server(config)
-    print(
-        f"elflow serve: {args.name or args.model} on http://{args.host}:{args.port} "
-        "(playground at /, API at /v1; Ctrl-C stops)",
-        file=sys.stderr,
-        flush=True,
-    )
-    server.run()
+    sock = listen(args.host, args.port)  # before the model loads: a busy port fails at once
+    try:
+        app = build(args)
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        port = sock.getsockname()[1]
+        print(
+            f"elflow serve: {args.name or args.model} on http://{args.host}:{port} "
+            "(playground at /, API at /v1; Ctrl-C stops)",
+            file=sys.stderr,
+            flush=True,
+        )
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
     return 0
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A socket bound to (host, port) (port 0: a free one), or a one-line error."""
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ELFError(
+            f"cannot listen on {host}:{port} ({e.strerror or e}); another server may hold the "
+            "port: give another --port (0 picks a free one) or --host"
+        ) from None
+    sock.listen(128)
+    return sock
