@@ -307,8 +307,9 @@ def test_the_playground_streams_the_denoising_in_chromium(url):
         page.fill("#max_tokens", "5")
         page.fill("#seed", "7")
         page.evaluate("""() => { window.frames_seen = [];
-            new MutationObserver(() => window.frames_seen.push(
-                document.getElementById('status').textContent))
+            // every text the status was set to, even two set within one task
+            new MutationObserver((records) => records.forEach((r) =>
+                r.addedNodes.forEach((n) => window.frames_seen.push(n.textContent))))
               .observe(document.getElementById('status'), {childList: true}); }""")
         page.click("#run")
         page.wait_for_selector("#status[data-state='done']", timeout=60_000)
