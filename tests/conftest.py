@@ -102,11 +102,11 @@ def tiny_encoder():
 
 
 @pytest.fixture(scope="session")
-def uncond_model(tmp_path_factory) -> str:
+def uncond_model(tmp_path_factory) -> Path:
     """A tiny unconditional model folder (``tests.builders.make_uncond``): 4-step SDE, L 12."""
     from tests.builders import make_uncond
 
-    return str(make_uncond(tmp_path_factory.mktemp("uncond") / "model"))
+    return make_uncond(tmp_path_factory.mktemp("uncond") / "model")
 
 
 @pytest.fixture(scope="session")
@@ -119,11 +119,11 @@ def infill_model(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
-def cond_model(tmp_path_factory) -> str:
+def cond_model(tmp_path_factory) -> Path:
     """A tiny conditional model and its encoder (``tests.builders.make_cond``): 3-step ODE."""
     from tests.builders import make_cond
 
-    return str(make_cond(tmp_path_factory.mktemp("cond")))
+    return make_cond(tmp_path_factory.mktemp("cond"))
 
 
 @pytest.fixture(autouse=True)

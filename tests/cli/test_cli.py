@@ -8,7 +8,6 @@ import dataclasses
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -19,7 +18,7 @@ from elflow.config import SAMPLERS, SamplerConfig, field_docs
 
 @pytest.fixture(scope="module")
 def model(uncond_model):
-    return Path(uncond_model)
+    return uncond_model
 
 
 def _subparsers() -> dict[str, argparse.ArgumentParser]:

@@ -180,7 +180,7 @@ def test_flag_names():
 
 @pytest.fixture(scope="module")
 def uncond(uncond_model):
-    return Path(uncond_model)
+    return uncond_model
 
 
 def _cli_error(capsys, argv: list[str]) -> str:

@@ -25,43 +25,33 @@ def main(argv: list[str]) -> int:
 SETTINGS = {"sampler", "steps", "nfe", "gamma", "w", "cfg", "seed", "model", "dtype"}
 
 
-@pytest.fixture(scope="module")
-def uncond_dir(uncond_model):
-    return Path(uncond_model)
-
-
-@pytest.fixture(scope="module")
-def cond_dir(cond_model):
-    return Path(cond_model)
-
-
 def sample(model: Path, out: Path, *extra: str) -> list[dict]:
     argv = ["--model", str(model), "--out", str(out), "--device", "cpu", *extra]
     assert main(argv) == 0
     return read(out)
 
 
-def test_batch_size_does_not_change_samples(uncond_dir, tmp_path):
+def test_batch_size_does_not_change_samples(uncond_model, tmp_path):
     args = ["--num-samples", "5", "--steps", "3", "--save-tokens"]
-    one = sample(uncond_dir, tmp_path / "b1.jsonl", *args, "--seed", "7", "--batch-size", "1")
-    four = sample(uncond_dir, tmp_path / "b4.jsonl", *args, "--seed", "7", "--batch-size", "4")
+    one = sample(uncond_model, tmp_path / "b1.jsonl", *args, "--seed", "7", "--batch-size", "1")
+    four = sample(uncond_model, tmp_path / "b4.jsonl", *args, "--seed", "7", "--batch-size", "4")
     assert [r["id"] for r in one] == list(range(5))
     assert one == four
-    other = sample(uncond_dir, tmp_path / "s8.jsonl", *args, "--seed", "8")
+    other = sample(uncond_model, tmp_path / "s8.jsonl", *args, "--seed", "8")
     assert [r["tokens"] for r in other] != [r["tokens"] for r in one]
 
 
-def test_settings_on_every_line(uncond_dir, tmp_path):
-    recs = sample(uncond_dir, tmp_path / "s.jsonl", "--num-samples", "3", "--sampler", "heun")
+def test_settings_on_every_line(uncond_model, tmp_path):
+    recs = sample(uncond_model, tmp_path / "s.jsonl", "--num-samples", "3", "--sampler", "heun")
     assert len(recs) == 3
     for rec in recs:
         assert SETTINGS <= rec.keys() and isinstance(rec["text"], str)
         # model defaults for the unset options, nfe of Heun = 2N - 1, no CFG on this model
         assert (rec["sampler"], rec["steps"], rec["w"], rec["seed"]) == ("heun", 4, 2.0, 0)
         assert rec["nfe"] == 7 and rec["gamma"] is None and rec["cfg"] is None
-        assert rec["model"] == str(uncond_dir) and rec["ema"] is True and rec["dtype"] == "fp32"
+        assert rec["model"] == str(uncond_model) and rec["ema"] is True and rec["dtype"] == "fp32"
         assert (rec["time_grid"], rec["time_mean"], rec["time_std"]) == ("logit_normal", -1.5, 0.8)
-    few = sample(uncond_dir, tmp_path / "f.jsonl", "--num-samples", "1", "--preset", "fewstep")
+    few = sample(uncond_model, tmp_path / "f.jsonl", "--num-samples", "1", "--preset", "fewstep")
     assert (few[0]["sampler"], few[0]["steps"], few[0]["gamma"], few[0]["w"]) == (
         "sde",
         8,
@@ -70,7 +60,7 @@ def test_settings_on_every_line(uncond_dir, tmp_path):
     )
 
 
-def test_time_grid_options(uncond_dir, tmp_path, monkeypatch):
+def test_time_grid_options(uncond_model, tmp_path, monkeypatch):
     import elflow.sampling
 
     seen = []
@@ -82,16 +72,16 @@ def test_time_grid_options(uncond_dir, tmp_path, monkeypatch):
 
     monkeypatch.setattr(elflow.sampling, "logit_normal_grid", spy)
     args = ["--num-samples", "4", "--save-tokens"]
-    late = sample(uncond_dir, tmp_path / "late.jsonl", *args, "--time-mean", "0.5")
+    late = sample(uncond_model, tmp_path / "late.jsonl", *args, "--time-mean", "0.5")
     assert (late[0]["time_mean"], late[0]["time_std"]) == (0.5, 0.8)
     assert seen == [(0.5, 0.8)]
-    uni = sample(uncond_dir, tmp_path / "uni.jsonl", *args, "--time-grid", "uniform")
+    uni = sample(uncond_model, tmp_path / "uni.jsonl", *args, "--time-grid", "uniform")
     assert (uni[0]["time_grid"], uni[0]["time_mean"], uni[0]["time_std"]) == ("uniform", None, None)
     assert seen == [(0.5, 0.8)]  # the uniform grid draws no logit-normal times
     # the Python API takes the same options and gives the same samples
     from elflow.generation.pipeline import ELFPipeline
 
-    pipe = ELFPipeline.from_pretrained(uncond_dir)
+    pipe = ELFPipeline.from_pretrained(uncond_model)
     grid = replace(pipe.sampler, time_mean=0.5, time_std=0.3)
     assert pipe.generate(4, sampler=grid) == pipe.generate_full(4, sampler=grid).texts
     assert seen[-1] == (0.5, 0.3)
@@ -105,7 +95,7 @@ class CallCounter:
         model.register_forward_hook(lambda m, args, out: self.rows.append(args[0].shape[0]))
 
 
-def test_conditional_source_and_one_batched_cfg_call(cond_dir, tmp_path, monkeypatch):
+def test_conditional_source_and_one_batched_cfg_call(cond_model, tmp_path, monkeypatch):
     import elflow.cli.sample as gen
 
     sources = tmp_path / "src.jsonl"
@@ -120,7 +110,7 @@ def test_conditional_source_and_one_batched_cfg_call(cond_dir, tmp_path, monkeyp
         return pipe
 
     monkeypatch.setattr(gen, "load_pipeline", counted)
-    recs = sample(cond_dir, tmp_path / "c.jsonl", "--sources", str(sources), "--batch-size", "2")
+    recs = sample(cond_model, tmp_path / "c.jsonl", "--sources", str(sources), "--batch-size", "2")
     assert [r["source"] for r in recs] == [x["text"] for x in lines]
     assert recs[0]["source_id"] == "a" and "source_id" not in recs[1]
     assert (recs[0]["cfg"], recs[0]["steps"], recs[0]["nfe"]) == (2.0, 3, 6)  # CFG counts twice
@@ -129,25 +119,25 @@ def test_conditional_source_and_one_batched_cfg_call(cond_dir, tmp_path, monkeyp
     # (unguided) decode over B rows.
     assert counters[0].rows == [4, 4, 4, 2]
     counters.clear()
-    sample(cond_dir, tmp_path / "c1.jsonl", "--sources", str(sources), "--cfg", "1")
+    sample(cond_model, tmp_path / "c1.jsonl", "--sources", str(sources), "--cfg", "1")
     assert counters[0].rows == [2, 2, 2, 2]
 
 
-def test_bf16_runs_and_agreement_is_reported(uncond_dir, tmp_path, monkeypatch, capsys):
+def test_bf16_runs_and_agreement_is_reported(uncond_model, tmp_path, monkeypatch, capsys):
     from elflow import errors, hardware
 
     args = ["--num-samples", "4", "--steps", "3", "--save-tokens"]
-    fp32 = sample(uncond_dir, tmp_path / "fp32.jsonl", *args)
+    fp32 = sample(uncond_model, tmp_path / "fp32.jsonl", *args)
     monkeypatch.setenv(hardware.ENV, "0")  # a CPU that emulates bf16: warned, still correct
     monkeypatch.setattr(errors, "_NOTED", set())
     hardware.cpu_has_native_bf16.cache_clear()
     capsys.readouterr()
-    bf16 = sample(uncond_dir, tmp_path / "bf16.jsonl", *args, "--dtype", "bf16")
+    bf16 = sample(uncond_model, tmp_path / "bf16.jsonl", *args, "--dtype", "bf16")
     hardware.cpu_has_native_bf16.cache_clear()
     assert "--dtype bf16 on a CPU that emulates bf16" in capsys.readouterr().err
     assert all(r["dtype"] == "bf16" for r in bf16)
     # The old spelling still works, with a note; the default on a CPU is fp32.
-    old = sample(uncond_dir, tmp_path / "old.jsonl", *args, "--bf16")
+    old = sample(uncond_model, tmp_path / "old.jsonl", *args, "--bf16")
     assert "--bf16 is now --dtype bf16" in capsys.readouterr().err
     assert old == bf16 and all(r["dtype"] == "fp32" for r in fp32)
     agree = token_agreement(fp32, bf16)
@@ -155,10 +145,10 @@ def test_bf16_runs_and_agreement_is_reported(uncond_dir, tmp_path, monkeypatch, 
     assert 0.0 <= agree <= 1.0
 
 
-def test_trajectory_html_and_terminal(uncond_dir, tmp_path, capsys):
+def test_trajectory_html_and_terminal(uncond_model, tmp_path, capsys):
     page = tmp_path / "t.html"
     args = ["--num-samples", "2", "--steps", "3"]
-    recs = sample(uncond_dir, tmp_path / "t.jsonl", *args, "--trajectory", str(page))
+    recs = sample(uncond_model, tmp_path / "t.jsonl", *args, "--trajectory", str(page))
     text = page.read_text()
     start = text.index('id="elflow-data">') + len('id="elflow-data">')
     data = json.loads(text[start : text.index("</script>", start)])
@@ -166,7 +156,7 @@ def test_trajectory_html_and_terminal(uncond_dir, tmp_path, capsys):
     assert all(len(frame) == 2 for frame in data["words"])  # every step of every sample
     assert [" ".join(w) for w in data["words"][-1]] == [" ".join(r["text"].split()) for r in recs]
     capsys.readouterr()
-    sample(uncond_dir, tmp_path / "t2.jsonl", *args, "--trajectory", "-")
+    sample(uncond_model, tmp_path / "t2.jsonl", *args, "--trajectory", "-")
     out = capsys.readouterr().out
     assert "[final]" in out and all(" ".join(r["text"].split()) in out for r in recs)
 
@@ -178,28 +168,28 @@ def _one_line_error(capsys, argv) -> str:
     return err
 
 
-def test_bad_input_is_one_line(uncond_dir, cond_dir, tmp_path, capsys):
+def test_bad_input_is_one_line(uncond_model, cond_model, tmp_path, capsys):
     out = ["--out", str(tmp_path / "x.jsonl"), "--device", "cpu"]
     bad = tmp_path / "bad.jsonl"
     bad.write_text("not json\n")
-    err = _one_line_error(capsys, ["--model", str(cond_dir), *out, "--sources", str(bad)])
+    err = _one_line_error(capsys, ["--model", str(cond_model), *out, "--sources", str(bad)])
     assert "bad.jsonl:1: malformed JSON" in err and "JSONL" in err
     nofield = tmp_path / "nofield.jsonl"
     nofield.write_text('{"src": "x"}\n')
-    err = _one_line_error(capsys, ["--model", str(cond_dir), *out, "--sources", str(nofield)])
+    err = _one_line_error(capsys, ["--model", str(cond_model), *out, "--sources", str(nofield)])
     assert "'text'" in err and "--source-field" in err
     good = tmp_path / "good.jsonl"
     good.write_text('{"text": "x"}\n')
-    argv = ["--model", str(cond_dir), *out, "--sources", str(good), "--length", "4"]
+    argv = ["--model", str(cond_model), *out, "--sources", str(good), "--length", "4"]
     assert "--length applies to unconditional models" in _one_line_error(capsys, argv)
-    argv = ["--model", str(cond_dir), *out, "--sources", str(good), "--num-samples", "-1"]
+    argv = ["--model", str(cond_model), *out, "--sources", str(good), "--num-samples", "-1"]
     assert "--num-samples must be >= 1, got -1" in _one_line_error(capsys, argv)
-    assert "steps" in _one_line_error(capsys, ["--model", str(uncond_dir), *out, "--steps", "0"])
+    assert "steps" in _one_line_error(capsys, ["--model", str(uncond_model), *out, "--steps", "0"])
     assert "conditional" in _one_line_error(
-        capsys, ["--model", str(uncond_dir), *out, "--cfg", "2"]
+        capsys, ["--model", str(uncond_model), *out, "--cfg", "2"]
     )
     assert "--time-std must be positive" in _one_line_error(
-        capsys, ["--model", str(uncond_dir), *out, "--time-std", "0"]
+        capsys, ["--model", str(uncond_model), *out, "--time-std", "0"]
     )
     cfg = elf_tiny(encoder_dim=8, vocab_size=100, max_length=8)
     model = tmp_path / "small_vocab"
@@ -210,20 +200,20 @@ def test_bad_input_is_one_line(uncond_dir, cond_dir, tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_two_processes_write_the_one_process_file(uncond_dir, tmp_path):
-    args = ["--model", str(uncond_dir), "--num-samples", "5", "--steps", "3", "--seed", "3"]
+def test_two_processes_write_the_one_process_file(uncond_model, tmp_path):
+    args = ["--model", str(uncond_model), "--num-samples", "5", "--steps", "3", "--seed", "3"]
     args += ["--batch-size", "2", "--device", "cpu", "--save-tokens"]
-    one = sample(uncond_dir, tmp_path / "one.jsonl", *args[2:])
+    one = sample(uncond_model, tmp_path / "one.jsonl", *args[2:])
     t0 = time.perf_counter()
     torchrun_elflow(["sample", *args, "--out", str(tmp_path / "two.jsonl")])
     assert time.perf_counter() - t0 < 60
     assert read(tmp_path / "two.jsonl") == one
 
 
-def test_an_interrupted_out_resumes_to_the_uninterrupted_file(uncond_dir, tmp_path, monkeypatch):
+def test_an_interrupted_out_resumes_to_the_uninterrupted_file(uncond_model, tmp_path, monkeypatch):
     from elflow.generation import records as records_mod
 
-    args = ["--model", str(uncond_dir), "--num-samples", "7", "--steps", "3", "--batch-size", "2"]
+    args = ["--model", str(uncond_model), "--num-samples", "7", "--steps", "3", "--batch-size", "2"]
     args += ["--seeds", "0,1"]
     assert main([*args, "--out", str(tmp_path / "straight.jsonl")]) == 0
     out = tmp_path / "resumed.jsonl"

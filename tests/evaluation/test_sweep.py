@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,7 +22,7 @@ VOCAB = 30522
 
 @pytest.fixture(scope="module")
 def model_dir(uncond_model):
-    return Path(uncond_model)
+    return uncond_model
 
 
 @pytest.fixture(scope="module")

@@ -21,18 +21,8 @@ from tests.builders import (
 )
 
 
-@pytest.fixture(scope="module")
-def uncond_dir(uncond_model):
-    return Path(uncond_model)
-
-
-@pytest.fixture(scope="module")
-def cond_dir(cond_model):
-    return Path(cond_model)
-
-
-def test_generate_unconditional_deterministic(uncond_dir):
-    pipe = ELFPipeline.from_pretrained(uncond_dir)
+def test_generate_unconditional_deterministic(uncond_model):
+    pipe = ELFPipeline.from_pretrained(uncond_model)
     a = pipe.generate(3, seed=1)
     b = pipe.generate(3, seed=1, batch_size=1)
     assert len(a) == 3 and all(isinstance(t, str) for t in a)
@@ -44,15 +34,15 @@ def test_generate_unconditional_deterministic(uncond_dir):
     )
 
 
-def test_generate_overrides_and_trajectory(uncond_dir):
-    pipe = ELFPipeline.from_pretrained(uncond_dir)
+def test_generate_overrides_and_trajectory(uncond_model):
+    pipe = ELFPipeline.from_pretrained(uncond_model)
     heun = replace(pipe.sampler, steps=5, sampler="heun", length=6)
     out = pipe.generate_full(2, seed=0, sampler=heun, trajectory=True)
     assert out.tokens.shape == (2, 6)
     assert len(out.trajectory) == 5 and all(len(frame) == 2 for frame in out.trajectory)
     with pytest.raises(ELFError, match="max_length"):
         pipe.generate(1, sampler=replace(pipe.sampler, length=13))
-    half = ELFPipeline.from_pretrained(uncond_dir)
+    half = ELFPipeline.from_pretrained(uncond_model)
     half.model.to(torch.bfloat16)
     with pytest.raises(ELFError, match=r"weights are torch.bfloat16; sampling takes fp32"):
         half.generate(1)
@@ -64,8 +54,8 @@ def test_generate_overrides_and_trajectory(uncond_dir):
         pipe.encode_sources(["x"])
 
 
-def test_generate_conditional(cond_dir):
-    pipe = ELFPipeline.from_pretrained(cond_dir)
+def test_generate_conditional(cond_model):
+    pipe = ELFPipeline.from_pretrained(cond_model)
     sources = ["the package provides a library", "a tool for text"]
     out = pipe.generate_full(sources=sources, seed=0)
     assert len(out.texts) == 2 and out.tokens.shape == (2, 16 - 8)
@@ -85,22 +75,22 @@ def test_generate_conditional(cond_dir):
     assert sde != pipe.generate(sources=sources, seed=0)
 
 
-def test_a_given_encoder_must_fit_the_model(cond_dir):
+def test_a_given_encoder_must_fit_the_model(cond_model):
     from elflow.encoder import FrozenEncoder
     from elflow.generation.pipeline import model_encoder
 
-    config = ELFPipeline.from_pretrained(cond_dir).config
+    config = ELFPipeline.from_pretrained(cond_model).config
     other = FrozenEncoder.from_pretrained(config.encoder)  # the paper's 0.2, not the model's 0.5
     with pytest.raises(ELFError, match=r"latent_std \(8, 0, 0.0, 0.2\), but the model"):
-        ELFPipeline.from_pretrained(cond_dir, encoder=other)
-    own = ELFPipeline.from_pretrained(cond_dir, encoder=model_encoder(config))
+        ELFPipeline.from_pretrained(cond_model, encoder=other)
+    own = ELFPipeline.from_pretrained(cond_model, encoder=model_encoder(config))
     assert own.generate(sources=["a tool"], seed=0) == ELFPipeline.from_pretrained(
-        cond_dir
+        cond_model
     ).generate(sources=["a tool"], seed=0)
 
 
-def test_generate_refuses_misused_arguments(uncond_dir, cond_dir):
-    cond = ELFPipeline.from_pretrained(cond_dir)
+def test_generate_refuses_misused_arguments(uncond_model, cond_model):
+    cond = ELFPipeline.from_pretrained(cond_model)
     with pytest.raises(ELFError, match="wrap a single source in a list"):
         cond.generate(sources="hello")  # not one sample per character
     with pytest.raises(ELFError, match="source 1 is a NoneType, not a string"):
@@ -111,7 +101,7 @@ def test_generate_refuses_misused_arguments(uncond_dir, cond_dir):
         cond.generate(5, sources=["hello"])
     with pytest.raises(ELFError, match=r"give source texts \(sources=\)"):
         cond.generate(2)
-    uncond = ELFPipeline.from_pretrained(uncond_dir)
+    uncond = ELFPipeline.from_pretrained(uncond_model)
     with pytest.raises(ELFError, match="conditional tasks only"):
         uncond.generate(2, sampler=replace(uncond.sampler, cfg=2.0))
 
@@ -136,15 +126,15 @@ def test_tokenizer_hash_mismatch(tmp_path):
         ELFPipeline.from_pretrained(tmp_path / "m")
 
 
-def test_cli_generate_info_import(uncond_dir, tmp_path, capsys):
-    assert main(["generate", str(uncond_dir), "-n", "2", "--steps", "2"]) == 0
+def test_cli_generate_info_import(uncond_model, tmp_path, capsys):
+    assert main(["generate", str(uncond_model), "-n", "2", "--steps", "2"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 2
-    assert main(["generate", str(uncond_dir), "--steps", "2"]) == 0
+    assert main(["generate", str(uncond_model), "--steps", "2"]) == 0
     assert len(capsys.readouterr().out.splitlines()) == 4  # the default count
-    assert main(["generate", str(uncond_dir), "--steps", "0"]) == 2
+    assert main(["generate", str(uncond_model), "--steps", "0"]) == 2
     assert "elflow: error: --steps must be >= 1, got 0" in capsys.readouterr().err  # the option
-    assert main(["info", str(uncond_dir)]) == 0
+    assert main(["info", str(uncond_model)]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["model"]["vocab_size"] == VOCAB and info["parameters"] > 0
     # import: an authors' pickle -> an elflow folder
@@ -157,17 +147,17 @@ def test_cli_generate_info_import(uncond_dir, tmp_path, capsys):
     capsys.readouterr()
     assert main(["info", str(tmp_path / "checkpoint_3"), "--task", "de-en"]) == 0
     assert json.loads(capsys.readouterr().out)["task"] == "conditional"
-    assert main(["info", str(uncond_dir), "--task", "de-en"]) == 2
+    assert main(["info", str(uncond_model), "--task", "de-en"]) == 2
     assert "applies to authors' checkpoints" in capsys.readouterr().err
 
 
-def test_tokenizer_by_name_and_home_relative_folder(uncond_dir, tmp_path, monkeypatch):
+def test_tokenizer_by_name_and_home_relative_folder(uncond_model, tmp_path, monkeypatch):
     from elflow.io.tokenizer import load_tokenizer
 
     load_tokenizer(MINILM).save_pretrained(tmp_path / "tok")
     monkeypatch.setenv("HOME", str(tmp_path))
     assert len(load_tokenizer("~/tok")) == VOCAB  # "~" is a folder here, not a Hub id
-    pipe = ELFPipeline.from_pretrained(uncond_dir, tokenizer="~/tok")  # a name, not an object
+    pipe = ELFPipeline.from_pretrained(uncond_model, tokenizer="~/tok")  # a name, not an object
     assert len(pipe.tokenizer) == VOCAB
 
 
@@ -205,11 +195,11 @@ def test_projected_sampling_loads_the_encoder_and_is_deterministic(projected_dir
     assert a.tokens.shape == plain.tokens.shape == (3, 12)
 
 
-def test_projection_rows_are_the_training_rows(projected_dir, uncond_dir):
+def test_projection_rows_are_the_training_rows(projected_dir, uncond_model):
     from elflow.projection import text_rows
 
     texts = ["in the beginning", "", "a much longer verse that will not fit in twelve tokens"]
-    for folder, pad_with_eos in ((projected_dir, True), (uncond_dir, False)):
+    for folder, pad_with_eos in ((projected_dir, True), (uncond_model, False)):
         pipe = ELFPipeline.from_pretrained(folder)
         assert pipe.config.pad_with_eos is pad_with_eos
         pad = pipe.tokens.eos_id if pad_with_eos else pipe.tokens.pad_id
@@ -220,8 +210,8 @@ def test_projection_rows_are_the_training_rows(projected_dir, uncond_dir):
         assert torch.equal(again[0], ids) and torch.equal(again[1], mask)
 
 
-def test_projected_sampling_is_refused_where_it_cannot_run(cond_dir, projected_dir, tmp_path):
-    cond = ELFPipeline.from_pretrained(cond_dir)
+def test_projected_sampling_is_refused_where_it_cannot_run(cond_model, projected_dir, tmp_path):
+    cond = ELFPipeline.from_pretrained(cond_model)
     with pytest.raises(ELFError, match="one unconditional text per row, but this model is cond"):
         cond.generate(sources=["a tool"], sampler=replace(cond.sampler, project_from=0.3))
     packed = ELFPipeline.from_pretrained(projected_dir)

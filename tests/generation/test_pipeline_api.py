@@ -5,7 +5,6 @@ Hugging Face cache offline, and ``push_to_hub`` failing in one line offline."""
 from __future__ import annotations
 
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,7 +14,7 @@ from elflow import ELFError, ELFPipeline, Generation
 
 @pytest.fixture(scope="module")
 def model(uncond_model):
-    return Path(uncond_model)
+    return uncond_model
 
 
 @pytest.fixture(scope="module")

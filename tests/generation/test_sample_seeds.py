@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from elflow.__main__ import main
@@ -14,7 +12,7 @@ from tests.builders import read
 
 @pytest.fixture(scope="module")
 def model(uncond_model):
-    return Path(uncond_model)
+    return uncond_model
 
 
 def test_seeds_write_one_file_of_every_seeds_records(model, tmp_path, capsys):

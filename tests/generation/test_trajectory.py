@@ -24,6 +24,7 @@ from elflow.generation.trajectory import (
     plain,
     render_html,
 )
+from tests.builders import CHROMIUM, CHROMIUM_FLAGS
 
 EVIL = '</script><script>alert("x")</script> & <b>bold</b>'
 FRAMES = [
@@ -225,9 +226,6 @@ def test_settings_in_plain_words(tmp_path):
     assert model_label("embedded-language-flows/ELF-B-owt-torch").startswith("embedded-language")
 
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-
-
 class Dom(HTMLParser):
     """The settings table's rows, the step label, and the classes of the words the page's
     script drew, from Chromium's serialised DOM."""
@@ -270,12 +268,7 @@ def chromium_dom(page: Path, tmp: Path) -> Dom:
         [
             CHROMIUM,
             "--headless",
-            "--no-sandbox",
-            "--disable-gpu",
-            "--disable-background-networking",
-            "--disable-component-update",
-            "--disable-sync",
-            "--no-first-run",
+            *CHROMIUM_FLAGS,
             f"--user-data-dir={tmp / 'chromium-profile'}",
             "--dump-dom",
             page.as_uri(),

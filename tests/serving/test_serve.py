@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import shutil
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -20,7 +19,7 @@ from elflow.__main__ import main
 from elflow.serving.app import create_app
 from elflow.serving.batcher import Batcher
 from elflow.serving.protocol import Limits
-from tests.builders import read
+from tests.builders import CHROMIUM, CHROMIUM_FLAGS, read
 
 httpx = pytest.importorskip("httpx")
 uvicorn = pytest.importorskip("uvicorn")
@@ -111,7 +110,7 @@ def test_the_openai_client_completes_and_streams_as_elflow_sample(url, model, tm
 
 
 def test_a_conditional_models_prompt_is_its_source(cond_model, tmp_path):
-    model = cond_model
+    model = str(cond_model)
     pipe = ELFPipeline.from_pretrained(model)
     with serving(create_app(pipe, name="c")) as base:
         r = complete(base, prompt=["a source", "another source"], seed=2, steps=3)
@@ -279,24 +278,13 @@ def test_serve_refuses_bad_settings_in_one_line(capsys):
     assert f"cannot listen on 127.0.0.1:{port}" in err and "another --port" in err
 
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-
-
 @pytest.mark.browser
 @pytest.mark.skipif(CHROMIUM is None, reason="needs chromium (apt-get install chromium)")
 def test_the_playground_streams_the_denoising_in_chromium(url):
     sync_api = pytest.importorskip("playwright.sync_api")
     want = complete(url, prompt="And God said", max_tokens=5, seed=7).json()["choices"][0]["text"]
-    args = [
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        "--no-first-run",
-    ]
     with sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=args)
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_FLAGS)
         page = browser.new_page()
         seen: list[str] = []
         page.on("console", lambda m: seen.append(m.text))
