@@ -221,6 +221,74 @@ def test_bad_requests_get_one_clear_line(url):
         assert words in message and "\n" not in message, (body, message)
 
 
+def test_a_body_over_max_body_bytes_gets_413_before_it_is_read(pipe):
+    import http.client
+    import socket
+
+    app = app_for(pipe, limits=Limits(max_body_bytes=2000))
+    with serving(app) as base:
+        # Content-Length over the limit: refused at once, though not a byte of the body came
+        host, port = base.removeprefix("http://").split(":")
+        head = (
+            f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: "
+            "application/json\r\nContent-Length: 10000000000\r\n\r\n"
+        )
+        with socket.create_connection((host, int(port)), timeout=30) as sock:
+            sock.sendall(head.encode())
+            answer = http.client.HTTPResponse(sock)
+            answer.begin()
+            assert answer.status == 413
+            message = json.loads(answer.read())["error"]["message"]
+        assert message == (
+            "the request body is 10000000000 bytes, over this server's limit of 2000 bytes"
+        )
+        big = complete(base, prompt="word " * 500, max_tokens=2)
+        assert big.status_code == 413, big.text
+        assert big.json()["error"]["type"] == "invalid_request_error"
+
+        def chunks(body: bytes, size: int = 300):  # a generator: chunked transfer encoding
+            for i in range(0, len(body), size):
+                yield body[i : i + size]
+
+        post = f"{base}/v1/completions"
+        chunked = httpx.post(post, content=chunks(b" " * 5000 + b"{}"), timeout=30)
+        assert chunked.status_code == 413, chunked.text
+        message = chunked.json()["error"]["message"]
+        assert message == "the request body is over this server's limit of 2000 bytes"
+        # a body of exactly the limit is read and served, with a length or chunked
+        body = {"prompt": "", "steps": 1, "seed": 0, "user": ""}
+        pad = 2000 - len(json.dumps(body).encode())
+        exact = json.dumps({**body, "user": "u" * pad}).encode()
+        assert len(exact) == 2000
+        headers = {"Content-Type": "application/json"}
+        for content in (exact, chunks(exact)):
+            ok = httpx.post(post, content=content, headers=headers, timeout=60)
+            assert ok.status_code == 200, ok.text
+        metrics = httpx.get(f"{base}/metrics").text
+    assert 'elflow_requests_total{status="413"} 3' in metrics
+    assert 'elflow_requests_total{status="200"} 2' in metrics
+
+
+def test_a_chunked_body_is_read_no_further_than_the_limit():
+    import asyncio
+
+    from starlette.requests import Request
+
+    from elflow.serving.app import _read_body
+    from elflow.serving.protocol import RequestError
+
+    received = []
+
+    async def receive():  # 100 chunks of 500 bytes, as a client streams them
+        received.append(1)
+        return {"type": "http.request", "body": b" " * 500, "more_body": len(received) < 100}
+
+    scope = {"type": "http", "method": "POST", "headers": [(b"transfer-encoding", b"chunked")]}
+    with pytest.raises(RequestError) as e:
+        asyncio.run(_read_body(Request(scope, receive), 2000))
+    assert e.value.status == 413 and len(received) == 5  # 2,500 bytes read, not 50,000
+
+
 def test_the_neutral_values_clients_send_by_default_are_accepted(url):
     neutral = {
         "temperature": 1.0,
@@ -265,6 +333,8 @@ def test_the_api_key_guards_the_api(pipe):
 def test_serve_refuses_bad_settings_in_one_line(capsys):
     assert main(["serve", "--model", "demo", "--max-n", "64", "--max-batch", "8"]) == 2
     assert "--max-n 64 is over --max-batch 8" in capsys.readouterr().err
+    assert main(["serve", "--model", "demo", "--max-body-bytes", "0"]) == 2
+    assert "--max-body-bytes must be >= 1" in capsys.readouterr().err
     assert main(["serve", "--model", "demo", "--port", "70000"]) == 2
     assert "is not a port" in capsys.readouterr().err
     import socket
@@ -276,6 +346,17 @@ def test_serve_refuses_bad_settings_in_one_line(capsys):
         assert main(["serve", "--model", "demo", "--port", str(port)]) == 2
     err = capsys.readouterr().err
     assert f"cannot listen on 127.0.0.1:{port}" in err and "another --port" in err
+
+
+def test_serve_flags_reach_the_limits(model):
+    from elflow.__main__ import build_parser
+    from elflow.cli.serve import build
+
+    parser = build_parser()
+    argv = ["serve", "--model", model, "--device", "cpu", "--max-n", "4"]
+    app = build(parser.parse_args([*argv, "--max-body-bytes", "2000"]))
+    assert app.state.limits.max_body_bytes == 2000 and app.state.limits.max_n == 4
+    assert build(parser.parse_args(argv)).state.limits.max_body_bytes == Limits().max_body_bytes
 
 
 @pytest.mark.browser

@@ -47,6 +47,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-n", type=int, default=16, help="samples per request (default 16)")
     p.add_argument("--max-steps", type=int, default=256, help="steps per request (default 256)")
     p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=4 * 1024 * 1024,
+        help="bytes of a request body; a larger one gets 413 unread (default 4194304, 4 MiB)",
+    )
+    p.add_argument(
         "--request-timeout",
         type=float,
         default=300.0,
@@ -62,7 +68,7 @@ def build(args: argparse.Namespace):
     from elflow.serving.batcher import Batcher
     from elflow.serving.protocol import Limits
 
-    for flag in ("max_batch", "max_queue", "max_n", "max_steps"):
+    for flag in ("max_batch", "max_queue", "max_n", "max_steps", "max_body_bytes"):
         if getattr(args, flag) < 1:
             raise ELFError(f"--{flag.replace('_', '-')} must be >= 1")
     if args.request_timeout <= 0 or args.batch_window_ms < 0:
@@ -81,7 +87,9 @@ def build(args: argparse.Namespace):
         window_s=args.batch_window_ms / 1000,
         bf16=sampling_bf16(args, info.device),
     )
-    limits = Limits(args.max_n, args.max_steps, 16, args.request_timeout)
+    limits = Limits(
+        args.max_n, args.max_steps, 16, args.request_timeout, max_body_bytes=args.max_body_bytes
+    )
     name = args.name or args.model
     return create_app(pipe, name=name, api_key=args.api_key, limits=limits, batcher=batcher)
 

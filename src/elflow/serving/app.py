@@ -83,6 +83,7 @@ def create_app(
         title="elflow", version=_version(), lifespan=lifespan, docs_url=None, redoc_url=None
     )
     app.state.batcher = batcher
+    app.state.limits = limits
     metrics = batcher.metrics
     page = resources.files("elflow.serving").joinpath("playground.html").read_text("utf-8")
 
@@ -131,7 +132,7 @@ def create_app(
             return refuse(unauthorised)
         try:
             try:
-                raw = json.loads(await request.body())
+                raw = json.loads(await _read_body(request, limits.max_body_bytes))
             except ValueError as e:
                 raise RequestError(400, f"the body is not valid JSON: {e}") from None
             body = parse_body(raw)
@@ -175,6 +176,27 @@ def create_app(
                 batcher.cancel(job)
 
     return app
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The request's body, read no further than ``limit`` bytes: a 413 :class:`RequestError` at
+    once for a ``Content-Length`` over it, or (a chunked body) as soon as the bytes read pass it."""
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise RequestError(
+            413,
+            f"the request body is {int(length)} bytes, over this server's limit of {limit} bytes",
+        )
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise RequestError(
+                413, f"the request body is over this server's limit of {limit} bytes"
+            )
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _timed_out(limits: Limits) -> RequestError:

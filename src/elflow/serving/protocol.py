@@ -72,6 +72,10 @@ class Limits:
     max_rows: int = 32
     """Samples per request (n times the prompts): at most the batch size."""
     max_prompt_chars: int = 20_000
+    max_body_bytes: int = 4 * 1024 * 1024
+    """Bytes of a request body, refused with 413 before more is read. 4 MiB holds the largest
+    body of valid prompts (16 of 20,000 characters, each written as JSON's longest escape, 12
+    bytes for a character outside the BMP) with room to spare."""
 
 
 @dataclass(frozen=True)
