@@ -4,6 +4,7 @@ survives whole, exact fill lengths, the span-conditioning training rows, and the
 from __future__ import annotations
 
 import json
+import tracemalloc
 from dataclasses import replace
 
 import numpy as np
@@ -14,13 +15,16 @@ from elflow import ELFPipeline
 from elflow.__main__ import main
 from elflow.errors import ELFError
 from elflow.generation.infill import (
+    MAX_GAP,
     Gap,
     InfillRequest,
+    _target,
     build_template,
     fill_vocabulary,
     kept_texts,
     length_requests,
     parse_template,
+    placeholder_id,
     survives,
 )
 from elflow.infill_maths import Template, constrained_tokens
@@ -67,6 +71,97 @@ def test_a_template_row_keeps_everything_but_the_gap(tokenizer):
         build_template(
             tokenizer, [InfillRequest(parts=[Gap(19, 19)])], length=L, pad_id=0, eos_id=102
         )
+
+
+TOO_LONG = (
+    "infill request {i} needs {n} tokens, more than the model's 16; shorten its text or its gaps"
+)
+
+
+def _peak_bytes(call) -> int:
+    """The most Python memory ``call()`` held at once (it is to raise ELFError)."""
+    tracemalloc.start()
+    try:
+        with pytest.raises(ELFError):
+            call()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def test_gap_counts_parse_as_numbers_and_absurd_ones_are_one_line():
+    assert parse_template("[___1000000000000]") == [Gap(10**12, 10**12)]  # a number, no list
+    assert parse_template("a [___0005-0007]") == ["a ", Gap(5, 7)]
+    assert parse_template(f"[___{MAX_GAP}]") == [Gap(MAX_GAP, MAX_GAP)]
+    digits = "9" * 5000  # int() alone refuses over 4300 digits, with a ValueError of its own
+    with pytest.raises(ELFError, match="a gap of 5000 digits in ") as e:
+        parse_template(f"in the beginning [___{digits}] the earth.")
+    assert "\n" not in str(e.value) and len(str(e.value)) < 300  # the template shown shortened
+    with pytest.raises(ELFError, match=f"a gap holds at most {MAX_GAP} tokens"):
+        parse_template(f"[___1-{MAX_GAP + 1}]")
+    with pytest.raises(ELFError, match="1 <= A <= B"):
+        parse_template("[___" + "0" * 40 + "]")  # leading zeros are not digits that count
+
+
+def test_a_huge_gap_is_counted_not_laid_out(tokenizer):
+    """A gap of 10**9 tokens is refused with the message of a gap one token too long, its
+    length counted (kept tokens, gaps and a conditional model's source head) before anything
+    the size of a gap is made."""
+
+    def rows(text, source=None, max_input_length=0):
+        request = InfillRequest(parts=parse_template(text), source=source)
+        return build_template(
+            tokenizer,
+            [request],
+            length=L,
+            pad_id=0,
+            eos_id=102,
+            indices=[7],
+            max_input_length=max_input_length,
+        )
+
+    for text, n in (("a [___14]", 17), ("a [___1000000000]", 10**9 + 3)):  # [CLS] a ... [SEP]
+        with pytest.raises(ELFError) as e:
+            rows(text)
+        assert str(e.value) == TOO_LONG.format(i=7, n=n)
+    assert _peak_bytes(lambda: rows("a [___1000000000]")) < 4 * 2**20  # a list would be GBs
+    assert _peak_bytes(lambda: rows("[___1000000000-1000000009] b [___2]")) < 4 * 2**20
+    assert len(tokenizer("ein werkzeug")["input_ids"]) > 4  # a source head of 4 tokens
+    rows("a [___9]", "ein werkzeug", max_input_length=4)  # 4 + 12 tokens: fits exactly
+    for text, n in (("a [___10]", 4 + 13), ("a [___1000000000]", 4 + 10**9 + 3)):
+        with pytest.raises(ELFError) as e:
+            rows(text, "ein werkzeug", max_input_length=4)
+        assert str(e.value) == TOO_LONG.format(i=7, n=n)
+    request = InfillRequest(parts=parse_template("a [___1000000000] b [___3-5]"))
+    target = _target(tokenizer, request, placeholder_id(tokenizer), 0, 0)
+    assert len(target.ids) == 6 and 10**9 + 4 + 3 <= len(target) <= 10**9 + 4 + 5
+    for parts, match in (
+        (["a [MASK] ", Gap(2, 2)], r"its text holds the placeholder token '\[MASK\]' itself"),
+        ([Gap(10**30, 10**30)], f"a gap of {10**30} to {10**30} tokens is over {MAX_GAP}"),
+    ):  # a bare StopIteration and torch's overflow before
+        with pytest.raises(ELFError, match=match):
+            build_template(tokenizer, [InfillRequest(parts=parts)], length=L, pad_id=0, eos_id=102)
+
+
+def test_a_huge_gap_is_one_line_from_the_pipeline_and_the_command_line(model, tmp_path, capsys):
+    pipe = ELFPipeline.from_pretrained(model)
+    with pytest.raises(ELFError) as e:  # one token over, and every lazy load made now
+        pipe.infill(["a [___2]", "a [___14]"])
+    assert str(e.value) == TOO_LONG.format(i=1, n=17)
+    with pytest.raises(ELFError) as e:
+        pipe.infill(["a [___2]", "a [___1000000000]"])
+    assert str(e.value) == TOO_LONG.format(i=1, n=10**9 + 3)
+    assert _peak_bytes(lambda: pipe.infill(["a [___1000000000]"])) < 4 * 2**20
+    requests = tmp_path / "huge.jsonl"
+    requests.write_text(json.dumps({"text": "a [___1000000000]"}) + "\n")
+    capsys.readouterr()
+    assert main(["sample", "--model", model, "--infill", str(requests), "--device", "cpu"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    # The last line, and the only one of elflow's (a library's log lines may come before it).
+    (error,) = [x for x in captured.err.splitlines() if x.startswith("elflow:")]
+    assert captured.err.endswith(error + "\n")
+    assert error == "elflow: error: " + TOO_LONG.format(i=0, n=10**9 + 3)
 
 
 def test_gap_lengths_are_drawn_per_sample_and_seed(tokenizer):

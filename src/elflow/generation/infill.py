@@ -49,14 +49,32 @@ class InfillRequest:
     source: str | None = None
 
 
+MAX_GAP = 10**18 - 1
+"""The most tokens a gap may name (18 digits): far over any model's length, and a gap's length
+is drawn as a 64-bit integer."""
+
+
+def _gap_count(digits: str, text: str) -> int:
+    """A gap's token count, refused in one line when it has more digits than :data:`MAX_GAP`
+    (before ``int``, which would refuse thousands of digits with a ValueError of its own)."""
+    significant = digits.lstrip("0")
+    if len(significant) > len(str(MAX_GAP)):
+        shown = text if len(text) <= 80 else f"{text[:60]}...{text[-16:]}"
+        raise ELFError(
+            f"a gap of {len(significant)} digits in {shown!r}: a gap holds at most "
+            f"{MAX_GAP} tokens ([___N]), and a model far fewer"
+        )
+    return int(significant or "0")
+
+
 def parse_template(text: str, default: int = DEFAULT_FILL) -> list[str | Gap]:
     """``"a [___2-4] b"`` -> ``["a ", Gap(2, 4), " b"]``; one-line errors for bad gaps."""
     parts: list[str | Gap] = []
     at = 0
     for m in GAP.finditer(text):
         parts.append(text[at : m.start()])
-        lo = int(m.group(1)) if m.group(1) else default
-        hi = int(m.group(2)) if m.group(2) else lo
+        lo = _gap_count(m.group(1), text) if m.group(1) else default
+        hi = _gap_count(m.group(2), text) if m.group(2) else lo
         if not 1 <= lo <= hi:
             raise ELFError(f"gap {m.group(0)!r} in {text!r}: give 1 <= A <= B tokens ([___A-B])")
         parts.append(Gap(lo, hi))
@@ -114,29 +132,64 @@ def length_generator(seed: int, index: int) -> torch.Generator:
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
 
 
-def _layout(tokenizer, request: InfillRequest, hole: int, seed: int, index: int):
-    """(ids, keep) of one target: the template tokenised with ``hole`` at each gap, each hole
-    expanded to its drawn length."""
+@dataclass(frozen=True)
+class _Target:
+    """One target before it is laid out: its tokens (each gap's placeholder once), whether each
+    is kept, and how many tokens each stands for (a gap: its drawn length; else 1). Its length
+    is known, and checked, before anything the size of a gap is made."""
+
+    ids: list[int]
+    keep: list[int]
+    counts: list[int] | None = None
+    """None: one token each (an explicit request)."""
+
+    def __len__(self) -> int:
+        return len(self.ids) if self.counts is None else sum(self.counts)
+
+    def expand(self) -> tuple[list[int], list[int]]:
+        """(ids, keep) with each gap expanded to its drawn length."""
+        if self.counts is None:
+            return self.ids, self.keep
+        out_ids: list[int] = []
+        keep: list[int] = []
+        for token, kept, n in zip(self.ids, self.keep, self.counts, strict=True):
+            out_ids += [token] * n
+            keep += [kept] * n
+        return out_ids, keep
+
+
+def _target(tokenizer, request: InfillRequest, hole: int, seed: int, index: int) -> _Target:
+    """One target, unexpanded: the template tokenised with ``hole`` at each gap, each hole's
+    length drawn (:meth:`_Target.expand` lays it out)."""
     if request.parts is None:
         if request.ids is None or request.keep is None or len(request.ids) != len(request.keep):
             raise ELFError("an explicit infill request needs 'ids' and 'keep' of one length")
-        return list(request.ids), [int(bool(k)) for k in request.keep]
+        return _Target(list(request.ids), [int(bool(k)) for k in request.keep])
     marker = tokenizer.convert_ids_to_tokens(hole)
     text = "".join(f" {marker} " if isinstance(p, Gap) else p for p in request.parts)
     ids = tokenizer(text, add_special_tokens=True)["input_ids"]
     gaps = iter([p for p in request.parts if isinstance(p, Gap)])
     gen = length_generator(seed, index)  # seed: this sample's
-    out_ids, keep = [], []
+    keep, counts = [], []
     for token in ids:
         if token != hole:
-            out_ids.append(token)
             keep.append(1)
+            counts.append(1)
             continue
-        gap = next(gaps)
-        n = int(torch.randint(gap.lo, gap.hi + 1, (1,), generator=gen))
-        out_ids += [hole] * n
-        keep += [0] * n
-    return out_ids, keep
+        gap = next(gaps, None)
+        if gap is None:
+            raise ELFError(
+                f"infill request {index}: its text holds the placeholder token {marker!r} "
+                "itself; mark what to fill with [___] or [___N] only"
+            )
+        if gap.hi > MAX_GAP:
+            raise ELFError(
+                f"infill request {index}: a gap of {gap.lo} to {gap.hi} tokens is over "
+                f"{MAX_GAP}; shorten its gaps"
+            )
+        keep.append(0)
+        counts.append(int(torch.randint(gap.lo, gap.hi + 1, (1,), generator=gen)))
+    return _Target(ids, keep, counts)
 
 
 def build_template(
@@ -162,7 +215,7 @@ def build_template(
     source = torch.zeros(B, length, dtype=torch.bool) if max_input_length else None
     indices = range(B) if indices is None else indices
     for b, request in enumerate(requests):
-        target, kept = _layout(tokenizer, request, hole, seed_of(seed, b), indices[b])
+        planned = _target(tokenizer, request, hole, seed_of(seed, b), indices[b])
         head: list[int] = []
         if source is not None:
             if request.source is None:
@@ -171,12 +224,14 @@ def build_template(
             head = head[:max_input_length]
         elif request.source is not None:
             raise ELFError("this model is unconditional: drop the infill requests' 'source'")
-        row = head + target
-        if len(row) > length:
+        needed = len(head) + len(planned)  # counted: a gap is expanded only once it fits
+        if needed > length:
             raise ELFError(
-                f"infill request {indices[b]} needs {len(row)} tokens, more than the "
+                f"infill request {indices[b]} needs {needed} tokens, more than the "
                 f"model's {length}; shorten its text or its gaps"
             )
+        target, kept = planned.expand()
+        row = head + target
         n = len(row)
         ids[b, :n] = torch.tensor(row)
         keep[b, len(head) : n] = torch.tensor(kept, dtype=torch.bool)
