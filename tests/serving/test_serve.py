@@ -204,6 +204,8 @@ def test_bad_requests_get_one_clear_line(url):
         ({"prompt": ["", "In the beginning"]}, 422, "mix free samples"),
         ({"max_tokens": 10**9}, 422, "max_tokens 1000000000 is over the model's 16"),
         ({"prompt": "a [___99999999999]"}, 422, "is over the model's 16"),
+        ({"prompt": "a [___" + "9" * 5000 + "]"}, 422, "is over the model's 16"),
+        ({"prompt": "a [___000016]"}, 422, "more than the model's 16"),
         ({"prompt": ["a", "b", "c"], "n": 16, "max_tokens": 2}, 422, "over this server's 32"),
         ({"prompt": "x", "temperature": 0.0}, 400, "'temperature' is not supported"),
     ]

@@ -238,10 +238,11 @@ def check_completion(pipe, body: CompletionBody, limits: Limits, model_name: str
                 "prompt",
             )
         for m in GAP.finditer(prompt):
-            if int(m.group(2) or m.group(1) or 0) > room:
-                raise RequestError(
-                    422, f"gap {m.group(0)} is over the model's {room} tokens", "prompt"
-                )
+            # Compared as digits first: int() of thousands of digits would itself fail.
+            digits = (m.group(2) or m.group(1) or "0").lstrip("0") or "0"
+            if len(digits) > len(str(room)) or int(digits) > room:
+                gap = m.group(0) if len(m.group(0)) <= 40 else f"{m.group(0)[:30]}...]"
+                raise RequestError(422, f"gap {gap} is over the model's {room} tokens", "prompt")
     sampler = _sampler(pipe, body, limits)
     seed = body.seed if body.seed is not None else secrets.randbelow(2**31)
     conditional = pipe.config.conditional
