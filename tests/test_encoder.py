@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -297,6 +298,28 @@ def test_from_pretrained_t5_folder(tmp_path):
     assert half.dtype == torch.bfloat16
     out = half(ids, am, torch.ones_like(am) * (torch.arange(L) < S))
     assert out.dtype == torch.float32 and torch.isfinite(out).all()
+
+
+def test_from_pretrained_refuses_missing_weights_and_ignores_a_missing_pooler(tmp_path, caplog):
+    from safetensors.torch import load_file, save_file
+
+    hf = _tiny_hf("bert", "eager")  # saved without a pooler: a BertModel's default has one
+    hf.save_pretrained(tmp_path / "bert")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        enc = FrozenEncoder.from_pretrained(str(tmp_path / "bert"))
+    assert isinstance(enc.model, BertModel) and not caplog.records  # no loading report
+    ids, am, _ = _batch()
+    with torch.no_grad():
+        torch.testing.assert_close(enc(ids, am), FrozenEncoder(hf)(ids, am))
+    # The same folder with a layer's weights gone: refused in one line, not initialised at random.
+    weights = load_file(tmp_path / "bert" / "model.safetensors")
+    dropped = {k: v for k, v in weights.items() if ".layer.1.output." not in k}
+    assert len(dropped) < len(weights)
+    save_file(dropped, tmp_path / "bert" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ELFError, match=r"lack \d+ of the model's tensors \(encoder\.layer\.1") as e:
+        FrozenEncoder.from_pretrained(str(tmp_path / "bert"))
+    assert "\n" not in str(e.value)
 
 
 def test_from_pretrained_errors(tmp_path, monkeypatch):

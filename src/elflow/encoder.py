@@ -9,8 +9,11 @@ compute their target latents without the source (spec §3 step 10a).
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import logging
 import os
+import re
 from collections.abc import Iterable, Mapping
 
 import torch
@@ -117,6 +120,29 @@ def _offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in {"1", "true", "yes", "on"}
 
 
+_UNUSED_KEY = re.compile(r"(^|\.)pooler\.")
+"""Weights a checkpoint may lack without harm: ELF reads the hidden states, never the pooler
+(a BERT checkpoint saved without it loads with a freshly initialised one)."""
+
+
+def _not_a_load_report(record: logging.LogRecord) -> bool:
+    return "LOAD REPORT" not in str(record.msg)
+
+
+@contextlib.contextmanager
+def _quiet_load_report():
+    """transformers' weight-loading report left out: what matters in it (missing weights) is
+    checked and refused in one line instead; unused pooler weights are no news. (A filter, not
+    a logger level: transformers runs extra checks, and warns, when that logger's level is
+    raised.)"""
+    log = logging.getLogger("transformers.modeling_utils")
+    log.addFilter(_not_a_load_report)
+    try:
+        yield
+    finally:
+        log.removeFilter(_not_a_load_report)
+
+
 class FrozenEncoder(nn.Module):
     """A pretrained encoder held fixed: no gradients, always in eval mode."""
 
@@ -203,15 +229,27 @@ class FrozenEncoder(nn.Module):
             kwargs["dtype"] = dtype
         model_cls = T5EncoderModel if is_t5 else AutoModel
         try:
-            model = model_cls.from_pretrained(
-                source, config=config, trust_remote_code=False, **kwargs
-            )
+            with _quiet_load_report():
+                model, info = model_cls.from_pretrained(
+                    source,
+                    config=config,
+                    trust_remote_code=False,
+                    output_loading_info=True,
+                    **kwargs,
+                )
         except Exception as e:  # OSError, a refused pickle, a damaged safetensors file, ...
             reason = first_line(e)
             hint = "" if "pickle holding" in reason else "; check the folder has the model weights"
             raise ELFError(
                 f"cannot load encoder weights from '{name_or_path}' ({reason}){hint}"
             ) from e
+        missing = [k for k in info.get("missing_keys", ()) if not _UNUSED_KEY.search(k)]
+        if missing:
+            shown = ", ".join(sorted(missing)[:3]) + (", ..." if len(missing) > 3 else "")
+            raise ELFError(
+                f"encoder weights in '{name_or_path}' lack {len(missing)} of the model's tensors "
+                f"({shown}); the folder holds another model's or incomplete weights"
+            )
         encoder = cls(model, latent_mean=latent_mean, latent_std=latent_std, layer=layer)
         encoder.name = original_name  # recorded next to measured statistics (e.g. latent_std)
         return encoder
