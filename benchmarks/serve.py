@@ -25,6 +25,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
+import torch
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -125,6 +127,28 @@ def direct_rates(args: argparse.Namespace, clients: list[int]) -> dict[int, floa
     return out
 
 
+def compute_ceiling(args: argparse.Namespace) -> dict[str, float]:
+    """What batching can reach at most on this processor: one sample's FLOPs (counted), and
+    the fp32 matrix-product peak (a 2048 x 2048 product timed for two seconds)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from elflow.cli.common import load_pipeline
+
+    pipe = load_pipeline(args.model, "cpu")
+    sampler = pipe.sampler if not args.steps else replace(pipe.sampler, steps=args.steps)
+    n = 8
+    with FlopCounterMode(display=False) as counter:
+        pipe.generate(n, sampler=sampler, seed=1, batch_size=n)
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    a @ b
+    k, start = 0, time.perf_counter()
+    while time.perf_counter() - start < 2.0:
+        a @ b
+        k += 1
+    peak = 2 * 2048**3 * k / (time.perf_counter() - start)
+    return {"flops_per_sample": counter.get_total_flops() / n, "peak_flops": peak}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="demo")
@@ -137,6 +161,9 @@ def main(argv: list[str] | None = None) -> int:
         "--timeout", type=float, default=600.0, help="a request unanswered this long is lost"
     )
     p.add_argument("--no-direct", action="store_true", help="skip the in-process comparison")
+    p.add_argument(
+        "--no-ceiling", action="store_true", help="skip counting the compute ceiling of batching"
+    )
     args = p.parse_args(argv)
     port = free_port()
     proc = start_server(args, port)
@@ -167,6 +194,15 @@ def main(argv: list[str] | None = None) -> int:
         print(
             "in-process: samples/s of the model's pipeline in batches of min(clients, "
             "--max-batch), no server (the ceiling batching can reach on this hardware)"
+        )
+    if not args.no_ceiling and one:
+        c = compute_ceiling(args)
+        used = one * c["flops_per_sample"]
+        print(
+            f"compute: {c['flops_per_sample'] / 1e9:.1f} GFLOP a sample (matrix products, "
+            f"counted); one client ran at {used / 1e9:.1f} GFLOP/s, this processor's fp32 "
+            f"matrix-product peak is {c['peak_flops'] / 1e9:.1f} GFLOP/s (2048 x 2048), so "
+            f"batching can give at most {c['peak_flops'] / used:.2f}x one client here"
         )
     return 0
 
