@@ -237,6 +237,23 @@ def profile(args) -> dict:
         "kernels_per_step_outside": w.kernels - m.kernels,
         "flops_per_token": {k: v / tokens for k, v in m.flops.items()},
         "traffic_bytes_per_token": m.traffic_bytes / tokens,
+        "activation_traffic_per_token": sum(m.activation_traffic.values()) / tokens,
+        "activation_traffic_per_token_by_part": {
+            **{k: sum(c.counts.activation_traffic.values()) / tokens for k, c in parts.items()},
+            "objective": (
+                sum(m.activation_traffic.values())
+                - sum(sum(c.counts.activation_traffic.values()) for c in parts.values())
+            )
+            / tokens,
+        },
+        "activation_traffic_per_token_by_op": {
+            k: v / tokens for k, v in m.activation_traffic.most_common(12)
+        },
+        "activation_traffic_per_token_by_part_op": {
+            k: {op: v / tokens for op, v in c.counts.activation_traffic.most_common(8)}
+            for k, c in parts.items()
+        },
+        "weight_traffic_per_micro_batch": m.weight_traffic_bytes / g.accum,
         "saved_bytes_per_token": {k: v / tokens for k, v in saved.counts.saved_bytes.items()},
         "comm_bytes_per_step": dict(w.comm_bytes),
         "comm_calls_per_step": dict(w.comm_calls),
@@ -320,6 +337,17 @@ def rows(report: dict) -> list[tuple[str, str]]:
         )
     traffic = report.get("traffic_bytes_per_token")
     out.append(("elementwise traffic per token", "—" if traffic is None else _fmt_bytes(traffic)))
+    act = report.get("activation_traffic_per_token")
+    if act is not None:
+        out.append(("  on activations (grows with the tokens)", _fmt_bytes(act)))
+        for part, n in report.get("activation_traffic_per_token_by_part", {}).items():
+            out.append((f"    in the {part}", _fmt_bytes(n)))
+        out.append(
+            (
+                "  on weights, per micro-batch",
+                _fmt_bytes(report.get("weight_traffic_per_micro_batch", 0)),
+            )
+        )
     sb = report["saved_bytes_per_token"]
     total_saved = sum(sb.values()) or 1
     out.append(("saved activations per token", _fmt_bytes(sum(sb.values()))))

@@ -154,6 +154,11 @@ class Counts:
     """Bytes read and written by the computing ops other than matrix products and attention:
     the memory-bound work's traffic (eager, unfused), a GPU's elementwise time times its
     bandwidth."""
+    weight_traffic_bytes: int = 0
+    """The part of :attr:`traffic_bytes` on weights and their autocast copies: a cost per
+    micro-batch, not per token (at a cluster's micro-batch of 65k tokens, small)."""
+    activation_traffic: Counter = field(default_factory=Counter)
+    """:attr:`traffic_bytes` less the weights' part, by op name: what grows with the tokens."""
 
     @property
     def num_ops(self) -> int:
@@ -223,6 +228,12 @@ class OpCounter(TorchDispatchMode):
 
         return read
 
+    def _is_weight(self, t) -> bool:
+        return isinstance(t, Tensor) and _storage(t) in self._weights
+
+    def _weight_bytes(self, obj) -> int:
+        return sum(t.numel() * t.element_size() for t in _tensors(obj) if self._is_weight(t))
+
     def _pack(self, t: Tensor) -> Tensor:
         key = _storage(t)
         if key and key not in self._weights and key not in self._saved:
@@ -245,8 +256,14 @@ class OpCounter(TorchDispatchMode):
             c.kernels += 1
             if not flops:
                 moved = _nbytes(args) + _nbytes(kwargs.get("out")) + _nbytes(out)
+                on_weights = self._weight_bytes(args) + self._weight_bytes(out)
+                if func._overloadpacket is aten._to_copy and self._is_weight(args[0]):
+                    on_weights += _nbytes(out)  # the weight's copy (a weight from here on)
+                name = func.overloadpacket.__name__
                 c.traffic_bytes += moved
-                c.traffic[func.overloadpacket.__name__] += moved
+                c.traffic[name] += moved
+                c.weight_traffic_bytes += on_weights
+                c.activation_traffic[name] += moved - on_weights
         if flops:
             first = next(_tensors(args), None)
             dtype = first.dtype if first is not None else torch.float32

@@ -327,3 +327,21 @@ def test_non_finite_weights_are_never_checkpointed(tmp_path, assets, monkeypatch
     assert len(err) == 1 and "the weights hold NaN or inf values" in err[0], err
     assert "checkpoint-3" in err[0]
     assert sorted(p.name for p in (tmp_path / "run").glob("checkpoint-*")) == ["checkpoint-3"]
+
+
+def test_elementwise_traffic_splits_weights_from_activations():
+    weight = torch.randn(64, 32)
+    x = torch.randn(5, 64, 32)
+    with OpCounter(weights=[weight]) as counter:
+        y = x + 1.0  # activations only: 5*64*32 floats read and written
+        z = y * weight.to(
+            torch.bfloat16
+        )  # a weight's copy (read fp32, write bf16), then a mixed op
+    c = counter.counts
+    act, w = x.numel() * 4, weight.numel()
+    assert c.activation_traffic["add"] == 2 * act
+    assert c.activation_traffic["_to_copy"] == 0
+    assert c.activation_traffic["mul"] == 2 * act  # y read, z written; the weight's copy is not
+    assert c.weight_traffic_bytes == 4 * w + 2 * w + 2 * w  # the cast's read and write, mul's read
+    assert c.traffic_bytes == sum(c.activation_traffic.values()) + c.weight_traffic_bytes
+    assert z.dtype == torch.float32
