@@ -322,6 +322,52 @@ def test_from_pretrained_refuses_missing_weights_and_ignores_a_missing_pooler(tm
     assert "\n" not in str(e.value)
 
 
+def test_from_pretrained_refuses_misshapen_and_foreign_weights(tmp_path):
+    from safetensors.torch import load_file, save_file
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    hf = _tiny_hf("bert", "eager")
+    hf.save_pretrained(tmp_path / "bert")
+    weights = load_file(tmp_path / "bert" / "model.safetensors")
+    key = "embeddings.word_embeddings.weight"
+    weights[key] = torch.zeros(120, 32)
+    save_file(weights, tmp_path / "bert" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ELFError, match=rf"do not fit its config: {key} is \[120, 32\] in the "):
+        FrozenEncoder.from_pretrained(str(tmp_path / "bert"))
+    # UMT5 keeps a relative-attention bias in every block: it loads as UMT5, all weights used.
+    torch.manual_seed(0)
+    cfg = UMT5Config(d_model=32, d_kv=8, num_heads=4, num_layers=2, d_ff=64, vocab_size=100)
+    UMT5EncoderModel(cfg).save_pretrained(tmp_path / "umt5")
+    enc = FrozenEncoder.from_pretrained(str(tmp_path / "umt5"))
+    assert isinstance(enc.model, UMT5EncoderModel)
+    # A T5 checkpoint with more blocks than its config names: refused, not silently cut.
+    t5 = _tiny_hf("t5", "eager")
+    t5.save_pretrained(tmp_path / "t5")
+    config = (tmp_path / "t5" / "config.json").read_text()
+    (tmp_path / "t5" / "config.json").write_text(
+        config.replace('"num_layers": 2', '"num_layers": 1')
+    )
+    with pytest.raises(ELFError, match=r"hold \d+ encoder tensors the model has no place for"):
+        FrozenEncoder.from_pretrained(str(tmp_path / "t5"))
+
+
+def test_the_load_report_is_shown_when_loading_fails(tmp_path, monkeypatch, caplog):
+    log = logging.getLogger("transformers.modeling_utils")
+
+    def failing(*args, **kwargs):
+        log.warning("BertModel LOAD REPORT: a table of keys")
+        raise RuntimeError("For details look at the above report!")
+
+    _tiny_hf("bert", "eager").save_pretrained(tmp_path / "bert")
+    monkeypatch.setattr(BertModel, "from_pretrained", failing)
+    caplog.clear()
+    with pytest.raises(ELFError, match="look at the above report"):
+        FrozenEncoder.from_pretrained(str(tmp_path / "bert"))
+    assert [r.getMessage() for r in caplog.records] == ["BertModel LOAD REPORT: a table of keys"]
+    log.warning("another LOAD REPORT")  # outside a load: untouched
+    assert caplog.records[-1].getMessage() == "another LOAD REPORT"
+
+
 def test_from_pretrained_errors(tmp_path, monkeypatch):
     with pytest.raises(ELFError, match="does not exist"):
         FrozenEncoder.from_pretrained(str(tmp_path / "missing"))

@@ -14,6 +14,7 @@ import importlib
 import logging
 import os
 import re
+import threading
 from collections.abc import Iterable, Mapping
 
 import torch
@@ -125,22 +126,73 @@ _UNUSED_KEY = re.compile(r"(^|\.)pooler\.")
 (a BERT checkpoint saved without it loads with a freshly initialised one)."""
 
 
-def _not_a_load_report(record: logging.LogRecord) -> bool:
-    return "LOAD REPORT" not in str(record.msg)
+_HELD = threading.local()
+
+
+class _HoldLoadReport(logging.Filter):
+    """Holds back transformers' weight-loading report in a thread that asked for it (see
+    :func:`_quiet_load_report`); every other record, and every other thread's, passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        held = getattr(_HELD, "records", None)
+        if held is None or "LOAD REPORT" not in str(record.msg):
+            return True
+        held.append(record)
+        return False
+
+
+_LOAD_LOG = logging.getLogger("transformers.modeling_utils")
+_LOAD_LOG.addFilter(_HoldLoadReport())  # installed once; it acts only inside the context below
 
 
 @contextlib.contextmanager
 def _quiet_load_report():
-    """transformers' weight-loading report left out: what matters in it (missing weights) is
-    checked and refused in one line instead; unused pooler weights are no news. (A filter, not
-    a logger level: transformers runs extra checks, and warns, when that logger's level is
-    raised.)"""
-    log = logging.getLogger("transformers.modeling_utils")
-    log.addFilter(_not_a_load_report)
+    """transformers' weight-loading report held back in this thread: what matters in it
+    (missing, misshapen or foreign weights) is checked and refused in one line instead, and
+    unused pooler weights are no news. If loading raises, the report is logged after all (the
+    error points to it). A filter, not a logger level: transformers runs extra checks, and
+    warns, when that logger's level is raised."""
+    _HELD.records = held = []
     try:
         yield
+    except BaseException:
+        _HELD.records = None
+        for record in held:
+            _LOAD_LOG.handle(record)
+        raise
     finally:
-        log.removeFilter(_not_a_load_report)
+        _HELD.records = None
+
+
+def _few(keys) -> str:
+    keys = sorted(keys)
+    return ", ".join(keys[:3]) + (", ..." if len(keys) > 3 else "")
+
+
+def _refuse_bad_weights(info: Mapping, name: str, t5: bool) -> None:
+    """One line for weights the model lacks, weights of the wrong shape, or (a T5-family stack)
+    encoder blocks the loading class has no place for."""
+    where = f"the encoder weights of '{name}'"
+    missing = [k for k in info.get("missing_keys", ()) if not _UNUSED_KEY.search(k)]
+    if missing:
+        raise ELFError(
+            f"{where} lack {len(missing)} of the model's tensors ({_few(missing)}); "
+            "they are another model's or incomplete"
+        )
+    mismatched = sorted(info.get("mismatched_keys", ()))
+    if mismatched:
+        key, theirs, ours = mismatched[0]
+        more = f" (and {len(mismatched) - 1} more)" if len(mismatched) > 1 else ""
+        raise ELFError(
+            f"{where} do not fit its config: {key} is {list(theirs)} in the checkpoint and "
+            f"{list(ours)} in the model{more}"
+        )
+    foreign = [k for k in info.get("unexpected_keys", ()) if t5 and k.startswith("encoder.")]
+    if foreign:
+        raise ELFError(
+            f"{where} hold {len(foreign)} encoder tensors the model has no place for "
+            f"({_few(foreign)}); the checkpoint is of another architecture than its config says"
+        )
 
 
 class FrozenEncoder(nn.Module):
@@ -189,7 +241,13 @@ class FrozenEncoder(nn.Module):
         layer: int = 0,
     ) -> FrozenEncoder:
         """Load a local folder or a Hub id; T5-family configs load only the encoder stack."""
-        from transformers import AutoConfig, AutoModel, T5EncoderModel
+        from transformers import (
+            AutoConfig,
+            AutoModel,
+            MT5EncoderModel,
+            T5EncoderModel,
+            UMT5EncoderModel,
+        )
 
         if attn_implementation not in (None, *_MASKABLE_ATTN):
             raise ELFError(
@@ -227,7 +285,9 @@ class FrozenEncoder(nn.Module):
             kwargs["attn_implementation"] = attn_implementation
         if dtype is not None:
             kwargs["dtype"] = dtype
-        model_cls = T5EncoderModel if is_t5 else AutoModel
+        model_cls = {"t5": T5EncoderModel, "mt5": MT5EncoderModel, "umt5": UMT5EncoderModel}.get(
+            config.model_type, AutoModel
+        )
         try:
             with _quiet_load_report():
                 model, info = model_cls.from_pretrained(
@@ -235,6 +295,7 @@ class FrozenEncoder(nn.Module):
                     config=config,
                     trust_remote_code=False,
                     output_loading_info=True,
+                    ignore_mismatched_sizes=True,  # refused below, in one line
                     **kwargs,
                 )
         except Exception as e:  # OSError, a refused pickle, a damaged safetensors file, ...
@@ -243,13 +304,7 @@ class FrozenEncoder(nn.Module):
             raise ELFError(
                 f"cannot load encoder weights from '{name_or_path}' ({reason}){hint}"
             ) from e
-        missing = [k for k in info.get("missing_keys", ()) if not _UNUSED_KEY.search(k)]
-        if missing:
-            shown = ", ".join(sorted(missing)[:3]) + (", ..." if len(missing) > 3 else "")
-            raise ELFError(
-                f"encoder weights in '{name_or_path}' lack {len(missing)} of the model's tensors "
-                f"({shown}); the folder holds another model's or incomplete weights"
-            )
+        _refuse_bad_weights(info, name_or_path, is_t5)
         encoder = cls(model, latent_mean=latent_mean, latent_std=latent_std, layer=layer)
         encoder.name = original_name  # recorded next to measured statistics (e.g. latent_std)
         return encoder
