@@ -128,16 +128,15 @@ def direct_rates(args: argparse.Namespace, clients: list[int]) -> dict[int, floa
 
 
 def compute_ceiling(args: argparse.Namespace) -> dict[str, float]:
-    """What batching can reach at most on this processor: one sample's FLOPs (counted), and
-    the fp32 matrix-product peak (a 2048 x 2048 product timed for two seconds)."""
-    from torch.utils.flop_counter import FlopCounterMode
-
+    """What batching can reach at most on this processor: one sample's FLOPs (counted, attention
+    included), and the fp32 matrix-product peak (a 2048 x 2048 product timed for two seconds)."""
     from elflow.cli.common import load_pipeline
+    from elflow.profiling import OpCounter
 
     pipe = load_pipeline(args.model, "cpu")
     sampler = pipe.sampler if not args.steps else replace(pipe.sampler, steps=args.steps)
     n = 8
-    with FlopCounterMode(display=False) as counter:
+    with OpCounter() as counter:  # torch's formulas, with the CPU attention kernels'
         pipe.generate(n, sampler=sampler, seed=1, batch_size=n)
     a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
     a @ b
@@ -146,7 +145,7 @@ def compute_ceiling(args: argparse.Namespace) -> dict[str, float]:
         a @ b
         k += 1
     peak = 2 * 2048**3 * k / (time.perf_counter() - start)
-    return {"flops_per_sample": counter.get_total_flops() / n, "peak_flops": peak}
+    return {"flops_per_sample": sum(counter.counts.flops.values()) / n, "peak_flops": peak}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -199,10 +198,11 @@ def main(argv: list[str] | None = None) -> int:
         c = compute_ceiling(args)
         used = one * c["flops_per_sample"]
         print(
-            f"compute: {c['flops_per_sample'] / 1e9:.1f} GFLOP a sample (matrix products, "
-            f"counted); one client ran at {used / 1e9:.1f} GFLOP/s, this processor's fp32 "
-            f"matrix-product peak is {c['peak_flops'] / 1e9:.1f} GFLOP/s (2048 x 2048), so "
-            f"batching can give at most {c['peak_flops'] / used:.2f}x one client here"
+            f"compute: {c['flops_per_sample'] / 1e9:.1f} GFLOP a sample (matrix products and "
+            f"attention, counted); one client ran at {used / 1e9:.1f} GFLOP/s, this "
+            f"processor's fp32 matrix-product peak is {c['peak_flops'] / 1e9:.1f} GFLOP/s "
+            f"(2048 x 2048), so batching can give at most {c['peak_flops'] / used:.2f}x one "
+            "client here"
         )
     return 0
 

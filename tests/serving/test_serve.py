@@ -240,6 +240,7 @@ def test_a_body_over_max_body_bytes_gets_413_before_it_is_read(pipe):
             answer = http.client.HTTPResponse(sock)
             answer.begin()
             assert answer.status == 413
+            assert answer.getheader("connection") == "close"  # the rest is not drained
             message = json.loads(answer.read())["error"]["message"]
         assert message == (
             "the request body is 10000000000 bytes, over this server's limit of 2000 bytes"

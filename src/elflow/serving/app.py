@@ -138,7 +138,8 @@ def create_app(
             body = parse_body(raw)
             completion = check_completion(pipe, body, limits, name)
         except RequestError as e:
-            return refuse(e)
+            # An unread body over the cap: close the connection rather than drain the rest.
+            return refuse(e, {"Connection": "close"} if e.status == 413 else None)
         except Exception as e:  # a bug, not the request's fault: still one JSON line
             return refuse(RequestError(500, f"the server failed on this request: {e!r}"))
         job, events = Job.on_loop(completion, asyncio.get_running_loop())
@@ -189,13 +190,14 @@ async def _read_body(request: Request, limit: int) -> bytes:
         )
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise RequestError(
-                413, f"the request body is over this server's limit of {limit} bytes"
-            )
-        chunks.append(chunk)
+    async with contextlib.aclosing(request.stream()) as stream:
+        async for chunk in stream:
+            size += len(chunk)
+            if size > limit:
+                raise RequestError(
+                    413, f"the request body is over this server's limit of {limit} bytes"
+                )
+            chunks.append(chunk)
     return b"".join(chunks)
 
 
