@@ -183,6 +183,8 @@ def profile(args) -> dict:
     # passes, each counted on its own; what is left is the objective's own work (draws, noising,
     # targets, losses, row selection) and the batch's transfer.
     parts = {name: OpCounter(weights, host=host) for name in ("encoder", "network", "backward")}
+    for part in parts.values():
+        part.share_weights(micro)
     encoder_forward, network_forward = run.encoder.forward, run.model.forward
     tensor_backward = torch.Tensor.backward
 

@@ -155,8 +155,10 @@ class Counts:
     the memory-bound work's traffic (eager, unfused), a GPU's elementwise time times its
     bandwidth."""
     weight_traffic_bytes: int = 0
-    """The part of :attr:`traffic_bytes` on weights and their autocast copies: a cost per
-    micro-batch, not per token (at a cluster's micro-batch of 65k tokens, small)."""
+    """The part of :attr:`traffic_bytes` on weights, their autocast copies and their gradients
+    (tensors of a matrix weight's shape; vector weights' gradients are left with the
+    activations): a cost per micro-batch, not per token (at a cluster's
+    micro-batch of 65k tokens, small)."""
     activation_traffic: Counter = field(default_factory=Counter)
     """:attr:`traffic_bytes` less the weights' part, by op name: what grows with the tokens."""
 
@@ -190,7 +192,10 @@ class OpCounter(TorchDispatchMode):
     ) -> None:
         super().__init__()
         self.counts = Counts()
+        weights = list(weights)
         self._weights = {_storage(p) for p in weights}
+        self._weight_shapes = {tuple(p.shape) for p in weights if p.ndim >= 2}
+        self._copies: list[Tensor] = []  # held: a freed copy's address must not name a weight
         self._host = {_storage(t) for t in host}
         self._saved: dict[int, tuple[int, str]] = {}
         self._hooks = (
@@ -228,8 +233,21 @@ class OpCounter(TorchDispatchMode):
 
         return read
 
+    def share_weights(self, other: OpCounter) -> None:
+        """Use ``other``'s record of the weights and their copies, so that a counter entered
+        inside ``other`` (one region of its work) splits weights from activations as it does."""
+        self._weights, self._weight_shapes, self._copies = (
+            other._weights,
+            other._weight_shapes,
+            other._copies,
+        )
+
     def _is_weight(self, t) -> bool:
-        return isinstance(t, Tensor) and _storage(t) in self._weights
+        # A weight, a copy of one, or a tensor of a matrix weight's shape (its gradient, the
+        # gradient's casts and accumulation): activations have a batch axis no matrix has.
+        return isinstance(t, Tensor) and (
+            _storage(t) in self._weights or tuple(t.shape) in self._weight_shapes
+        )
 
     def _weight_bytes(self, obj) -> int:
         return sum(t.numel() * t.element_size() for t in _tensors(obj) if self._is_weight(t))
@@ -257,8 +275,6 @@ class OpCounter(TorchDispatchMode):
             if not flops:
                 moved = _nbytes(args) + _nbytes(kwargs.get("out")) + _nbytes(out)
                 on_weights = self._weight_bytes(args) + self._weight_bytes(out)
-                if func._overloadpacket is aten._to_copy and self._is_weight(args[0]):
-                    on_weights += _nbytes(out)  # the weight's copy (a weight from here on)
                 name = func.overloadpacket.__name__
                 c.traffic_bytes += moved
                 c.traffic[name] += moved
@@ -277,6 +293,7 @@ class OpCounter(TorchDispatchMode):
             c.comm_calls[comm[0]] += 1
         if func._overloadpacket is aten._to_copy and _storage(args[0]) in self._weights:
             self._weights.add(_storage(out))  # an autocast (or explicit) copy of a weight
+            self._copies.append(out)
         return out
 
 

@@ -345,3 +345,29 @@ def test_elementwise_traffic_splits_weights_from_activations():
     assert c.weight_traffic_bytes == 4 * w + 2 * w + 2 * w  # the cast's read and write, mul's read
     assert c.traffic_bytes == sum(c.activation_traffic.values()) + c.weight_traffic_bytes
     assert z.dtype == torch.float32
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_activation_traffic_per_token_does_not_depend_on_the_batch(autocast):
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        torch.nn.Embedding(50, 16),
+        torch.nn.Linear(16, 24),
+        torch.nn.SiLU(),
+        torch.nn.Linear(24, 50),
+    )
+    per_token, on_weights = [], []
+    for rows in (2, 8):
+        ids = torch.randint(0, 50, (rows, 12))
+        with OpCounter(weights=net.parameters()) as counter:
+            with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+                logits = net(ids)
+            torch.nn.functional.cross_entropy(
+                logits.float().flatten(0, 1), ids.flatten()
+            ).backward()
+        c = counter.counts
+        per_token.append(sum(c.activation_traffic.values()) / ids.numel())
+        on_weights.append(c.weight_traffic_bytes)
+        net.zero_grad(set_to_none=True)
+    assert per_token[0] == pytest.approx(per_token[1], rel=0.02), per_token
+    assert on_weights[0] == on_weights[1] > 0  # casts, gradients: once a micro-batch
