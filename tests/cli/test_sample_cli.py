@@ -235,6 +235,8 @@ def test_an_interrupted_out_resumes_to_the_uninterrupted_file(uncond_model, tmp_
     assert partials[0].exists() and not out.exists()
     monkeypatch.setattr(records_mod, "_batch", real)
     calls["n"] = 0
+    with partials[0].open("a") as f:  # a writer killed in the middle of a line
+        f.write('{"seed": 1, "id": 2, "text": "cut sh')
     assert main([*args, "--out", str(out)]) == 0
     assert out.read_bytes() == (tmp_path / "straight.jsonl").read_bytes()
     assert not list(tmp_path.glob(".resumed.jsonl.partial-*"))

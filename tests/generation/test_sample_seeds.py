@@ -53,3 +53,41 @@ def test_sample_warns_in_one_line_when_all_empty_or_identical(
     else:
         assert len(err) == 1 and err[0].startswith(expected)
     assert [r["text"] for r in read(out)] == texts  # the file is written all the same
+
+
+def test_partial_files_survive_a_cut_line_and_name_real_damage(tmp_path):
+    import json
+
+    from elflow.errors import ELFError
+    from elflow.generation.partial import PartialSamples
+
+    out = tmp_path / "out.jsonl"
+    first = PartialSamples(out, "key")
+    first.write([{"seed": 0, "id": 0, "text": "a"}, {"seed": 0, "id": 1, "text": "b"}])
+    first.close()
+    (path,) = first.files()
+    with path.open("a") as f:
+        f.write('{"seed": 0, "id": 2, "te')  # killed mid-line
+    again = PartialSamples(out, "key")
+    assert [r["id"] for r in again.load()] == [0, 1]
+    again.write([{"seed": 0, "id": 2, "text": "c"}])
+    again.close()
+    lines = path.read_text().splitlines()
+    assert [json.loads(line).get("id") for line in lines[1:]] == [0, 1, 2]
+    # A damaged line that is not the last: one line naming the file and the line, file kept.
+    path.write_text("\n".join([lines[0], lines[1], "{oops", lines[2]]) + "\n")
+    with pytest.raises(ELFError, match=r"partial-0 line 3 is not JSON .*delete it to sample") as e:
+        PartialSamples(out, "key").load()
+    assert "\n" not in str(e.value) and path.exists()
+    path.write_text(lines[0] + '\n["not", "a record"]\n')
+    with pytest.raises(ELFError, match="line 2 is not a sample record"):
+        PartialSamples(out, "key").load()
+    path.write_bytes(lines[0].encode() + b"\n\xff\xfe\x00garbage\n")
+    with pytest.raises(ELFError, match="is not text: it is damaged"):
+        PartialSamples(out, "key").load()
+    path.write_text('{"elflow-partial')  # killed while writing its header: nothing in it
+    fresh = PartialSamples(out, "key")
+    assert fresh.load() == []
+    fresh.write([{"seed": 0, "id": 0, "text": "a"}])
+    fresh.close()
+    assert json.loads(path.read_text().splitlines()[0]) == {"elflow-partial-samples": "key"}

@@ -40,12 +40,17 @@ class PartialSamples:
 
     def load(self) -> list[dict]:
         """Every record the partial files hold (each (seed, id) once); a file of another
-        command is a one-line error; a line cut short by a crash is dropped."""
+        command is a one-line error; a line cut short by a crash is dropped (and cut off the
+        file before anything is appended to it); any other damage is a one-line error naming
+        the line."""
         found: dict[tuple, dict] = {}
         for path in self.files():
-            lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
-            if not lines:
-                continue
+            try:
+                lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+            except UnicodeDecodeError:
+                raise ELFError(_damaged(path, "is not text")) from None
+            if not lines or not lines[0].endswith("\n"):
+                continue  # empty, or killed while its header was written
             try:
                 head = json.loads(lines[0])
             except json.JSONDecodeError:
@@ -55,10 +60,15 @@ class PartialSamples:
                     f"{path} holds samples of another command (other settings, model, seeds or "
                     "n=); re-run that command to finish it, or pass overwrite=True to start over"
                 )
-            for line in lines[1:]:
+            for number, line in enumerate(lines[1:], start=2):
                 if not line.endswith("\n"):
                     break  # the last line of a killed writer
-                rec = json.loads(line)
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ELFError(_damaged(path, f"line {number} is not JSON ({e.msg})")) from None
+                if not isinstance(rec, dict) or "id" not in rec:
+                    raise ELFError(_damaged(path, f"line {number} is not a sample record"))
                 found.setdefault((rec.get("seed"), rec["id"]), rec)
         return list(found.values())
 
@@ -66,6 +76,7 @@ class PartialSamples:
         """Append finished records to this process's file (flushed to disk at once)."""
         if self._file is None:
             path = self.out.parent / f".{self.out.name}.partial-{self.rank}"
+            _cut_unfinished_line(path)
             new = not path.exists() or path.stat().st_size == 0
             self._file = path.open("a", encoding="utf-8")
             if new:
@@ -85,3 +96,29 @@ class PartialSamples:
         self.close()
         for path in self.files():
             path.unlink(missing_ok=True)
+
+
+def _damaged(path: Path, what: str) -> str:
+    return (
+        f"{path} {what}: it is damaged; delete it to sample its records again (the other "
+        "partial files are kept), or pass overwrite=True to start over"
+    )
+
+
+def _cut_unfinished_line(path: Path) -> None:
+    """Cut a line a killed writer left unfinished off the end of ``path``, so that appended
+    records start on a line of their own."""
+    if not path.exists():
+        return
+    with path.open("rb+") as f:
+        size = end = f.seek(0, os.SEEK_END)
+        while end > 0:  # back from the end, a block at a time, to the last newline
+            start = max(0, end - 65536)
+            f.seek(start)
+            newline = f.read(end - start).rfind(b"\n")
+            if newline >= 0:
+                end = start + newline + 1
+                break
+            end = start
+        if end < size:
+            f.truncate(end)
