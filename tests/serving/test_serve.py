@@ -16,6 +16,7 @@ import pytest
 
 from elflow import ELFPipeline
 from elflow.__main__ import main
+from elflow.errors import ELFError
 from elflow.serving.app import create_app
 from elflow.serving.batcher import Batcher
 from elflow.serving.protocol import Limits
@@ -208,6 +209,8 @@ def test_bad_requests_get_one_clear_line(url):
         ({"prompt": "a [___000016]"}, 422, "more than the model's 16"),
         ({"prompt": ["a", "b", "c"], "n": 16, "max_tokens": 2}, 422, "over this server's 32"),
         ({"prompt": "x", "temperature": 0.0}, 400, "'temperature' is not supported"),
+        ('{"prompt": "Hello \\ud800", "max_tokens": 2}', 422, "unpaired surrogate escape"),
+        ({"w": -1.0}, 422, "w must be"),
     ]
     for body, status, words in cases:
         if isinstance(body, str):
@@ -221,6 +224,7 @@ def test_bad_requests_get_one_clear_line(url):
         assert r.status_code == status, (body, r.text)
         message = r.json()["error"]["message"]
         assert words in message and "\n" not in message, (body, message)
+    assert complete(url, steps=2, w=-1.0).json()["error"]["param"] == "w"  # the field at fault
 
 
 def test_a_body_over_max_body_bytes_gets_413_before_it_is_read(pipe):
@@ -360,6 +364,10 @@ def test_serve_flags_reach_the_limits(model):
     app = build(parser.parse_args([*argv, "--max-body-bytes", "2000"]))
     assert app.state.limits.max_body_bytes == 2000 and app.state.limits.max_n == 4
     assert build(parser.parse_args(argv)).state.limits.max_body_bytes == Limits().max_body_bytes
+    # The model's own step count is a request's default: it must fit --max-steps too.
+    steps = ELFPipeline.from_pretrained(model).sampler.steps
+    with pytest.raises(ELFError, match=f"runs {steps} steps, over --max-steps {steps - 1}"):
+        build(parser.parse_args([*argv, "--max-steps", str(steps - 1)]))
 
 
 @pytest.mark.browser

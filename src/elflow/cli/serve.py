@@ -80,6 +80,11 @@ def build(args: argparse.Namespace):
         )
     info = resolve_device(args.device)
     pipe = load_pipeline(args.model, info.device, use_ema=not args.no_ema)
+    if pipe.sampler.steps > args.max_steps:
+        raise ELFError(
+            f"the model's sampler runs {pipe.sampler.steps} steps, over --max-steps "
+            f"{args.max_steps}: a request that names no steps would run them; raise --max-steps"
+        )
     batcher = Batcher(
         pipe,
         max_batch=args.max_batch,

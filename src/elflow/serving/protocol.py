@@ -13,6 +13,7 @@ batch's shape changes the last bits).
 
 from __future__ import annotations
 
+import re
 import secrets
 import time
 from dataclasses import dataclass, replace
@@ -173,7 +174,14 @@ def _sampler(pipe, body: CompletionBody, limits: Limits) -> SamplerConfig:
             raise ELFError("the SDE with this model's default gamma 0 is the ODE; give gamma")
         pipe.check_sampler(sampler)
     except (ELFError, ValueError) as e:
-        raise RequestError(422, str(e).splitlines()[0], next(iter(changes), None)) from None
+        # The library names config keys (sampler.w); a request names its own fields (w).
+        message = re.sub(r"\bsampler\.(?=\w)", "", str(e).splitlines()[0])
+        named = [k for k in changes if re.search(rf"\b{k}\b", message)]
+        raise RequestError(422, message, (named or [*changes, None])[0]) from None
+    if sampler.steps > limits.max_steps:  # the model's default too, not only a request's
+        raise RequestError(
+            422, f"steps {sampler.steps} is over this server's {limits.max_steps}", "steps"
+        )
     return sampler
 
 
@@ -230,6 +238,15 @@ def check_completion(pipe, body: CompletionBody, limits: Limits, model_name: str
             422, f"max_tokens {body.max_tokens} is over the model's {room} tokens", "max_tokens"
         )
     for prompt in prompts:
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError:
+            raise RequestError(
+                422,
+                "a prompt holds an unpaired surrogate escape (\\ud800-\\udfff); "
+                "fix the text (it is not valid Unicode)",
+                "prompt",
+            ) from None
         if len(prompt) > limits.max_prompt_chars:
             raise RequestError(
                 422,
