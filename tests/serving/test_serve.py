@@ -90,7 +90,12 @@ def test_the_openai_client_completes_and_streams_as_elflow_sample(url, model, tm
         model="tiny", prompt="In the beginning", max_tokens=4, seed=3, n=2
     )
     assert [c.index for c in got.choices] == [0, 1] and got.choices[0].finish_reason == "length"
-    assert got.usage.completion_tokens > 0 and got.object == "text_completion"
+    assert got.object == "text_completion"
+    # usage: the prompt's tokens, and what the two choices added to it (4 tokens each, counted
+    # again from the decoded text: a word piece may merge or split)
+    assert got.usage.prompt_tokens == 3  # in / the / beginning
+    assert 2 * 2 <= got.usage.completion_tokens <= 2 * 6, got.usage
+    assert got.usage.total_tokens == got.usage.prompt_tokens + got.usage.completion_tokens
     infill = tmp_path / "infill.jsonl"
     infill.write_text(json.dumps({"text": "In the beginning [___4]"}) + "\n")
     want = cli_texts(tmp_path, model, ["--infill", str(infill), "--seed", "3"])

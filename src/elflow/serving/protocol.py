@@ -287,9 +287,7 @@ def check_completion(pipe, body: CompletionBody, limits: Limits, model_name: str
             "prompt",
         )
     _check_room(pipe, rows)
-    prompt_tokens = sum(
-        len(pipe.tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts
-    )
+    prompt_tokens = sum(_count(pipe, GAP.sub(" ", p)) for p in prompts)  # the text, not [___]
     return Completion(
         id=f"cmpl-{secrets.token_hex(12)}",
         created=int(time.time()),
@@ -324,8 +322,25 @@ def _check_room(pipe, rows: list[Row]) -> None:
         raise RequestError(422, f"{e} (max_tokens, prompt)", "max_tokens") from None
 
 
+def _count(pipe, text: str) -> int:
+    return len(pipe.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else 0
+
+
+def _kept(pipe, row: Row) -> int:
+    """Tokens of a row's text that the sample keeps from the prompt (a continued or filled
+    unconditional prompt's text comes back in the choice's text)."""
+    if row.infill is None or row.infill.parts is None:
+        return 0
+    return sum(_count(pipe, part) for part in row.infill.parts if isinstance(part, str))
+
+
 def usage(pipe, completion: Completion, texts: list[str]) -> dict[str, int]:
-    tokens = sum(len(pipe.tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts)
+    """OpenAI's token counts: the prompts' text (gap markup left out), and what each choice
+    added to its prompt (its text less the kept prompt)."""
+    tokens = sum(
+        max(0, _count(pipe, t) - _kept(pipe, row))
+        for t, row in zip(texts, completion.rows, strict=True)
+    )
     return {
         "prompt_tokens": completion.prompt_tokens,
         "completion_tokens": tokens,
