@@ -215,6 +215,18 @@ def test_a_sampler_setting_and_a_batch_size(uncond, tmp_path, capsys):
     assert line.endswith("error: --batch-size must be >= 1, got 0")
 
 
+def test_a_bad_value_in_a_models_config_names_the_file_not_a_flag(uncond, tmp_path, capsys):
+    import json
+    import shutil
+
+    folder = Path(shutil.copytree(uncond, tmp_path / "model"))
+    config = json.loads((folder / "config.json").read_text())
+    config["sampler"]["steps"] = -4
+    (folder / "config.json").write_text(json.dumps(config))
+    line = _cli_error(capsys, ["sample", "--model", folder, "-n", "1"])
+    assert line.endswith(f"error: {folder / 'config.json'}: 'sampler.steps' must be >= 1, got -4")
+
+
 def test_distillation_rounds(tmp_path, capsys):
     from elflow.distill_objective import parse_rounds
 

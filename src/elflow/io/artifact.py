@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -405,7 +406,13 @@ def read_config(folder: Path) -> ArtifactConfig:
         data = json.loads((folder / CONFIG).read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise ELFError(f"cannot read {folder / CONFIG}: {e}") from None
-    return ArtifactConfig.from_json(data)
+    try:
+        return ArtifactConfig.from_json(data)
+    except ELFError as e:
+        # Named as the file spells them ('sampler.steps'), not as a command's flags: the fix
+        # is in the file, not on the command line.
+        message = re.sub(r"(?<![\w.'\"])((?:sampler|model)\.\w+)", r"'\1'", str(e))
+        raise ELFError(f"{folder / CONFIG}: {message}") from None
 
 
 def import_official(
