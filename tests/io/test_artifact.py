@@ -447,3 +447,11 @@ def test_weights_files_follow_the_umask(tmp_path):
         os.umask(old)
     for name in ("model.safetensors", "ema.safetensors", "config.json"):
         assert stat.S_IMODE((tmp_path / "m" / name).stat().st_mode) == 0o640, name
+
+
+def test_a_file_that_is_no_torch_file_says_so(tmp_path):
+    script = tmp_path / "checkpoint_1"
+    script.write_text("#!/bin/sh\necho hi\n")
+    with pytest.raises(ELFError, match=r"not a torch file \(it starts with b'#!/b'") as e:
+        read_official_checkpoint(script)
+    assert "pickle" not in str(e.value).split("it starts with")[0]

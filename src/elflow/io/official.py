@@ -193,7 +193,14 @@ def _unreadable(path: Path, e: Exception) -> ELFError:
     """One line for a file ``torch.load(weights_only=True)`` refuses (its own text runs to many
     lines and suggests allowing what it refused, which elflow never does)."""
     reason = first_line(e)
-    if "pickle holding" not in reason:
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except OSError:
+        head = b"PK"  # unreadable: say what the loader said
+    if head and not head.startswith((b"PK", b"\x80")):  # neither a zip archive nor a pickle
+        reason = f"not a torch file (it starts with {head!r}, not a zip archive or a pickle)"
+    elif "pickle holding" not in reason:
         detail = reason if str(e).strip() else "empty?"
         reason = f"not a torch file, or a truncated one ({type(e).__name__}: {detail})"
     return ELFError(f"cannot read {path} as a weights-only torch checkpoint: {reason}")
