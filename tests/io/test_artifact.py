@@ -455,3 +455,17 @@ def test_a_file_that_is_no_torch_file_says_so(tmp_path):
     with pytest.raises(ELFError, match=r"not a torch file \(it starts with b'#!/b'") as e:
         read_official_checkpoint(script)
     assert "pickle" not in str(e.value).split("it starts with")[0]
+
+
+def test_weights_of_another_model_are_one_short_line():
+    from elflow.io.official import load_state_dict_strict
+
+    model = build_model(CFG)
+    wider = build_model(dataclasses.replace(CFG, hidden_size=2 * CFG.hidden_size)).state_dict()
+    with pytest.raises(ELFError, match=r"shapes do not match the network \(\d+ tensors\)") as e:
+        load_state_dict_strict(model, wider)
+    assert len(str(e.value)) < 500 and "more; the weights are of another model" in str(e.value)
+    deeper = build_model(dataclasses.replace(CFG, depth=CFG.depth + 2)).state_dict()
+    with pytest.raises(ELFError, match=r"no missing keys, \d+ unexpected keys \[blocks\.") as e:
+        load_state_dict_strict(model, deeper)
+    assert len(str(e.value)) < 500 and ", ... " in str(e.value)

@@ -189,6 +189,14 @@ def read_official_checkpoint(path: str | Path, use_ema: bool = True) -> dict[str
     return dict(weights)
 
 
+def _listed(keys: list[str], what: str) -> str:
+    """'2 missing keys [a, b]', the first three named."""
+    if not keys:
+        return f"no {what}s"
+    more = f", ... {len(keys) - 3} more" if len(keys) > 3 else ""
+    return f"{len(keys)} {what}{'s' if len(keys) > 1 else ''} [{', '.join(keys[:3])}{more}]"
+
+
 def _unreadable(path: Path, e: Exception) -> ELFError:
     """One line for a file ``torch.load(weights_only=True)`` refuses (its own text runs to many
     lines and suggests allowing what it refused, which elflow never does)."""
@@ -207,14 +215,16 @@ def _unreadable(path: Path, e: Exception) -> ELFError:
 
 
 def load_state_dict_strict(model: torch.nn.Module, state: Mapping[str, Tensor]) -> None:
-    """Load ``state`` into ``model``, listing missing/unexpected keys and shape mismatches."""
+    """Load ``state`` into ``model``; one line naming the first few missing or unexpected keys
+    and shape mismatches, with their counts."""
     own = model.state_dict()
     missing = sorted(set(own) - set(state))
     unexpected = sorted(set(state) - set(own))
     if missing or unexpected:
         raise ELFError(
-            f"checkpoint does not match the network: missing keys {missing or '[]'}, "
-            f"unexpected keys {unexpected or '[]'}"
+            f"checkpoint does not match the network: {_listed(missing, 'missing key')}, "
+            f"{_listed(unexpected, 'unexpected key')}; the weights are of another model, or "
+            "its config.json was edited"
         )
     wrong = [
         f"{k}: checkpoint {tuple(state[k].shape)} vs network {tuple(own[k].shape)}"
@@ -222,5 +232,9 @@ def load_state_dict_strict(model: torch.nn.Module, state: Mapping[str, Tensor]) 
         if state[k].shape != own[k].shape
     ]
     if wrong:
-        raise ELFError(f"checkpoint tensor shapes do not match the network: {'; '.join(wrong)}")
+        shown = "; ".join(wrong[:3]) + (f"; and {len(wrong) - 3} more" if len(wrong) > 3 else "")
+        raise ELFError(
+            f"checkpoint tensor shapes do not match the network ({len(wrong)} tensors): {shown}; "
+            "the weights are of another model, or its config.json was edited"
+        )
     model.load_state_dict(state, strict=True)
