@@ -425,7 +425,8 @@ def test_resume_from_another_architecture_is_an_error(tmp_path, assets, capsys):
     other = run_config(assets, model={"hidden_size": 48})
     assert train_cli(tmp_path, tmp_path / "run", other) == 2
     errs = error_lines(capsys.readouterr().err)
-    assert len(errs) == 1 and "another architecture" in errs[0]
+    assert len(errs) == 1 and "another architecture, model.hidden_size " in errs[0]
+    assert "(now 48)" in errs[0] and "ModelConfig(" not in errs[0]
     with pytest.raises(ELFError, match="no checkpoint"):
         from elflow.train.resume import resolve_resume
 

@@ -9,6 +9,7 @@ since its weights only make sense in its own latent space.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import fields, replace
 from pathlib import Path
 
@@ -203,11 +204,17 @@ def check_resumable(cfg: RunConfig, saved: RunConfig, ckpt: Path) -> None:
             f"cannot resume {ckpt}: it was started from train.init {saved.train.init or 'none'!r}, "
             f"now {cfg.train.init or 'none'!r}; give the same train.init or use a new out="
         )
-    if saved.model != replace(
+    now_model = replace(
         cfg.model, encoder_dim=saved.model.encoder_dim, vocab_size=saved.model.vocab_size
-    ):
+    )
+    if saved.model != now_model:
+        changed = [
+            f"model.{f.name} {getattr(saved.model, f.name)} (now {getattr(now_model, f.name)})"
+            for f in dataclasses.fields(saved.model)
+            if getattr(saved.model, f.name) != getattr(now_model, f.name)
+        ]
         raise ELFError(
-            f"cannot resume {ckpt}: it holds another architecture ({saved.model}); "
+            f"cannot resume {ckpt}: it holds another architecture, {', '.join(changed)}; "
             "use a new out= or the same model settings"
         )
     if (saved.encoder.name, saved.encoder.layer) != (cfg.encoder.name, cfg.encoder.layer):
