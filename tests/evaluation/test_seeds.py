@@ -69,6 +69,8 @@ def test_seed_groups_refuse_a_sample_counted_twice():
     assert [g.tolist() for g in seed_groups(records).values()] == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
     with pytest.raises(ELFError, match="sample 0 of seed 10 appears twice"):
         seed_groups(records + records[:1])
+    with pytest.raises(ELFError, match="appears twice"):  # one seed's file given twice
+        seed_groups(records[:3] + records[:3])
 
 
 def test_seed_flags():

@@ -26,11 +26,12 @@ from elflow.errors import ELFError
 def seed_groups(samples: Sequence[dict[str, Any]]) -> dict[Any, np.ndarray] | None:
     """Seed -> (K,) indices of its samples, in order of first appearance; None unless every
     sample has a ``seed`` and there are at least two seeds. A (seed, id) pair seen twice (a file
-    concatenated twice) is refused: it would count samples twice."""
+    concatenated or given twice), with one seed or several, is refused: it would count samples
+    twice."""
     seeds = [s.get("seed") for s in samples]
-    if not seeds or any(v is None for v in seeds) or len(set(seeds)) < 2:
+    if not seeds or any(v is None for v in seeds):
         return None
-    if all("id" in s for s in samples):
+    if all("id" in s for s in samples):  # one seed or several: a sample counted twice is wrong
         seen: set[tuple[Any, Any]] = set()
         for s in samples:
             key = (s["seed"], s["id"])
@@ -40,6 +41,8 @@ def seed_groups(samples: Sequence[dict[str, Any]]) -> dict[Any, np.ndarray] | No
                     "score each seed's samples once"
                 )
             seen.add(key)
+    if len(set(seeds)) < 2:
+        return None
     values = np.array([str(v) for v in seeds])
     return {v: np.flatnonzero(values == str(v)) for v in dict.fromkeys(seeds)}
 
