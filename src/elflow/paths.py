@@ -3,7 +3,8 @@ user cache folder.
 
 A command that samples for an hour and then cannot write its ``--out`` has lost the hour; these
 checks fail first, with one line naming the setting (``out=``; the command line: ``--out``) and
-what to change.
+what to change. An output file's missing parent folders are made by the check itself (every
+command alike), so nothing written later can fail for want of them.
 """
 
 from __future__ import annotations
@@ -69,9 +70,14 @@ def input_file(path: str | Path, flag: str) -> Path:
     return p
 
 
-def output_file(path: str | Path, flag: str, *, overwrite: bool = True) -> Path:
-    """``path`` as a file that can be written: not a folder, in a writable folder (made later
-    if missing), and, unless ``overwrite``, not there yet."""
+def output_file(
+    path: str | Path, flag: str, *, overwrite: bool = True, make_parent: bool = True
+) -> Path:
+    """``path`` as a file that can be written: not a folder, in a writable folder, and, unless
+    ``overwrite``, not there yet. Its missing parent folders are made now (``make_parent``;
+    a caller checking several outputs first passes False and calls :func:`make_parents` after),
+    as every command makes them; a parent that is a file is a one-line error."""
+    check_no_loop(path, flag)
     p = Path(path)
     if p.is_dir():
         raise ELFError(f"{_named(flag, p)} is a folder; give a file name")
@@ -80,7 +86,23 @@ def output_file(path: str | Path, flag: str, *, overwrite: bool = True) -> Path:
             f"{_named(flag, p)} already exists; pass overwrite=True to replace it, or a new name"
         )
     _writable_parent(p, flag)
+    if make_parent:
+        make_parents(p, flag)
     return p
+
+
+def make_parents(path: str | Path, flag: str) -> None:
+    """Make the missing parent folders of the output file ``path`` (checked by
+    :func:`output_file`), with a one-line error when that fails."""
+    parent = Path(path).absolute().parent
+    if parent.is_dir():
+        return
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ELFError(
+            f"{_named(flag, path)}: cannot make the folder {parent} ({e.strerror or e})"
+        ) from None
 
 
 def check_no_loop(path: str | Path, flag: str) -> None:
@@ -111,6 +133,8 @@ def _writable_parent(p: Path, flag: str) -> None:
     """The nearest existing ancestor of ``p`` is a folder we may create entries in."""
     parent = p.absolute().parent
     while not parent.exists():
+        if parent.is_symlink():  # a link to nothing: mkdir could not make it
+            raise ELFError(f"{_named(flag, p)}: {parent} is a link to nothing; fix or remove it")
         parent = parent.parent
     if not parent.is_dir():
         raise ELFError(f"{_named(flag, p)}: {parent} is a file, not a folder")

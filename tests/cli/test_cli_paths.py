@@ -9,6 +9,7 @@ import shutil
 import pytest
 
 from elflow.__main__ import main
+from elflow.errors import ELFError
 from tests.builders import make_uncond
 
 
@@ -362,3 +363,109 @@ def test_score_refuses_empty_references(tmp_path, capsys):
     code, err = run_cli(capsys, *argv, "--refs", refs)
     assert code == 2 and f"--refs {refs} holds no references" in err
     assert not (tmp_path / "m.json").exists()
+
+
+# Every output flag alike: checked before any model loads, its missing parent folders made then,
+# a path through a file refused in one line (sample --out once failed only after sampling, on its
+# internal partial file; likelihood --out after the whole computation).
+OUTPUT_FLAGS = {
+    "sample --out": ("sample", "--num-samples", "1", "--steps", "2", "--out"),
+    "sample --trajectory": ("sample", "--num-samples", "1", "--steps", "2", "--trajectory"),
+    "likelihood --out": ("likelihood", "--texts", "TEXTS", "--steps", "2", "--out"),
+    "demo --html": ("demo", "--num-samples", "1", "--steps", "2", "--no-animate", "--html"),
+}
+
+
+def _no_loading(monkeypatch, seen: list):
+    """load_pipeline records which folders existed when it was called, then stops the command."""
+    from elflow.cli import common, demo, sample
+
+    def stop(*args, **kwargs):
+        seen.append(True)
+        raise ELFError("stopped at loading")
+
+    for module in (common, demo, sample):
+        monkeypatch.setattr(module, "load_pipeline", stop)
+
+
+def _argv(name, tmp_path, target):
+    texts = _samples(tmp_path / "texts.jsonl")
+    return [str(texts) if a == "TEXTS" else a for a in OUTPUT_FLAGS[name]] + [target]
+
+
+@pytest.mark.parametrize("name", list(OUTPUT_FLAGS))
+def test_outputs_make_missing_folders_before_loading(tmp_path, capsys, monkeypatch, name):
+    seen = []
+    _no_loading(monkeypatch, seen)
+    target = tmp_path / "a" / "b" / "out.file"
+    code, err = run_cli(capsys, *_argv(name, tmp_path, target), "--model", tmp_path / "m")
+    assert code == 2 and err.endswith("stopped at loading") and seen
+    assert target.parent.is_dir() and not target.exists()
+
+
+@pytest.mark.parametrize("name", [*OUTPUT_FLAGS, "score --out", "compare --out"])
+def test_an_output_through_a_file_is_one_line_before_loading(tmp_path, capsys, monkeypatch, name):
+    seen = []
+    _no_loading(monkeypatch, seen)
+    blocker = tmp_path / "file"
+    blocker.write_text("kept\n")
+    target = blocker / "sub" / "out.file"
+    if name == "score --out":
+        argv = ["score", "--samples", _samples(tmp_path / "s.jsonl"), "--judge", "none", "--out"]
+        argv.append(target)
+    elif name == "compare --out":
+        argv = ["compare", tmp_path / "absent.json", "--out", target]
+    else:
+        argv = [*_argv(name, tmp_path, target), "--model", tmp_path / "m"]
+    code, err = run_cli(capsys, *argv)
+    flag = name.split()[1]
+    assert code == 2 and err == f"elflow: error: {flag} {target}: {blocker} is a file, not a folder"
+    assert not seen and blocker.read_text() == "kept\n"
+
+
+def test_sample_out_in_a_missing_folder(tmp_path, uncond_model, capsys):
+    out = tmp_path / "nodir" / "deeper" / "s.jsonl"
+    argv = ("sample", "--model", uncond_model, "-n", "2", "--steps", "2", "--out", out)
+    assert run_cli(capsys, *argv) == (0, "")
+    assert len(out.read_text().splitlines()) == 2
+    assert [p.name for p in out.parent.iterdir()] == ["s.jsonl"]  # no partial files left
+
+
+def test_likelihood_out_in_a_missing_folder_and_kept_unless_overwrite(
+    tmp_path, infill_model, capsys, monkeypatch
+):
+    texts = _samples(tmp_path / "t.jsonl")
+    out = tmp_path / "nodir3" / "l.json"
+    argv = ("likelihood", "--model", infill_model, "--texts", texts, "--steps", "2", "--out", out)
+    assert run_cli(capsys, *argv) == (0, "")
+    assert len(json.loads(out.read_text())["per_text"]) == 2
+    out.write_text("earlier\n")
+    seen = []
+    _no_loading(monkeypatch, seen)
+    code, err = run_cli(capsys, *argv)
+    assert code == 2 and err.endswith(
+        f"--out {out} already exists; pass --overwrite to replace it, or a new name"
+    )
+    assert not seen and out.read_text() == "earlier\n"
+    assert run_cli(capsys, *argv, "--overwrite")[1].endswith("stopped at loading")
+
+
+def test_demo_replaces_its_own_page_but_no_other_file(tmp_path, uncond_model, capsys):
+    mine = tmp_path / "mine.html"
+    mine.write_text("<p>my own page</p>\n")
+    base = ("demo", "--model", uncond_model, "-n", "1", "--steps", "2", "--no-animate", "--html")
+    code, err = run_cli(capsys, *base, mine)
+    assert code == 2 and err == (
+        f"elflow: error: --html {mine} already exists and is not an elflow trajectory page; pass "
+        "--overwrite to replace it, or a new name"
+    )
+    assert mine.read_text() == "<p>my own page</p>\n"
+    page = tmp_path / "elflow-demo.html"
+    assert run_cli(capsys, *base, page) == (0, "")
+    first = page.read_text()
+    assert first.startswith("<!DOCTYPE html>")
+    page.write_text(first.replace("sample 0", "an earlier run"))
+    assert run_cli(capsys, *base, page) == (0, "")  # run again: its own earlier page is rewritten
+    assert page.read_text() == first
+    assert run_cli(capsys, *base, mine, "--overwrite") == (0, "")
+    assert mine.read_text() == first

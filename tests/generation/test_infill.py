@@ -376,3 +376,82 @@ def test_per_sample_seeds_reach_infilling_and_length_control(model):
     lengths = replace(pipe.sampler, length_range="2:4")
     mixed = pipe(2, seed=[4, 6], sampler=lengths)
     assert torch.equal(mixed.tokens[1], pipe(2, seed=6, sampler=lengths).tokens[1])
+
+
+def _cli_error(argv, capsys) -> str:
+    """The one line ``elflow`` writes for a refused command (exit 2, nothing on stdout)."""
+    capsys.readouterr()
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    (error,) = [x for x in captured.err.splitlines() if x.startswith("elflow:")]
+    assert captured.err.endswith(error + "\n")  # the last line: no traceback after it
+    return error.removeprefix("elflow: error: ")
+
+
+def test_cli_infills_explicit_ids_and_keep_as_the_library_does(infill_model, tmp_path, capsys):
+    """A line of ``ids`` and ``keep`` (as the docs offer) is sampled, not refused for lacking
+    'text'; its text is the library's for the same request and seed."""
+    explicit = {"ids": [101, 1996, 2935, 103, 103, 1996, 3011, 102]}
+    explicit["keep"] = [True, True, True, False, False, True, True, True]
+    lines = [explicit, {"text": "the lord [___2] the earth."}]
+    requests = tmp_path / "ids.jsonl"
+    requests.write_text(json.dumps(lines[0]) + "\n\n" + json.dumps(lines[1]) + "\n")
+    capsys.readouterr()
+    argv = ["sample", "--model", infill_model, "--infill", str(requests), "--device", "cpu"]
+    assert main([*argv, "--seed", "3"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    pipe = ELFPipeline.from_pretrained(infill_model)
+    assert printed == pipe.infill(lines, seed=3).texts
+    out = tmp_path / "out.jsonl"
+    assert main([*argv, "--seed", "3", "--out", str(out), "-n", "1"]) == 0
+    (record,) = [json.loads(x) for x in out.read_text().splitlines()]
+    assert record["text"] == printed[0] and record["template"] is None
+    assert record["kept_survived"] and len(record["fills"]) == 1
+
+
+@pytest.mark.parametrize(
+    ("line", "error"),
+    [
+        ({"ids": [101, 2000.5, 102], "keep": [1, 0, 1]}, "'ids'[1] is 2000.5, not a token id"),
+        ({"ids": [101, "x", 102], "keep": [1, 0, 1]}, "'ids'[1] is \"x\", not a token id"),
+        ({"ids": [True, 5, 102], "keep": [1, 0, 1]}, "'ids'[0] is true, not a token id"),
+        ({"ids": [101, 5, 102], "keep": [1, "yes", 1]}, "'keep'[1] is \"yes\"; give true or"),
+        ({"ids": [101, 5, 102], "keep": [1, 0, 2]}, "'keep'[2] is 2; give true or false"),
+        ({"ids": "101 5", "keep": [1, 0]}, "'ids' is \"101 5\"; give a list"),
+        ({"ids": [101, 5], "keep": [1, 0, 1]}, "'ids' and 'keep' of one length, not 2 and 3"),
+        ({"ids": [101, 5, 102]}, "needs both 'ids' and 'keep'"),
+        ({"txt": "a [___2]"}, "give a template in 'text' (text with [___] gaps) or 'ids' and"),
+        ({"text": "a [___2]", "ids": [101], "keep": [1]}, "or 'ids' and 'keep', not both"),
+    ],
+)
+def test_cli_refuses_a_bad_infill_line_in_one_line(infill_model, tmp_path, capsys, line, error):
+    requests = tmp_path / "bad.jsonl"
+    requests.write_text(json.dumps({"text": "a [___2]"}) + "\n" + json.dumps(line) + "\n")
+    argv = ["sample", "--model", infill_model, "--infill", str(requests), "--device", "cpu"]
+    message = _cli_error(argv, capsys)
+    assert message.startswith(f"{requests}:2: ") and error in message
+    assert "--" not in message.split(": ", 1)[1]  # keys, not flags
+
+
+def test_ids_outside_the_vocabulary_are_one_line(infill_model, tokenizer, tmp_path, capsys):
+    """An id past the vocabulary (or negative) is refused where the row is built, not an
+    IndexError deep in the model."""
+    assert len(tokenizer) == VOCAB
+    for bad in (999999, -5, VOCAB):
+        request = InfillRequest(ids=[101, bad, 102], keep=[True, False, True])
+        with pytest.raises(ELFError) as e:
+            build_template(tokenizer, [request], length=L, pad_id=0, eos_id=102, indices=[4])
+        assert str(e.value) == f"infill request 4: id {bad} is outside the vocabulary (0..30521)"
+    edge = InfillRequest(ids=torch.tensor([0, VOCAB - 1, 102]), keep=[True, False, True])
+    t = build_template(tokenizer, [edge], length=L, pad_id=0, eos_id=102)
+    assert t.ids[0, :3].tolist() == [0, VOCAB - 1, 102]  # both ends of it, a tensor's ids too
+    with pytest.raises(ELFError, match=r"^infill request 1: 'keep'\[0\] is \"y\"; give true"):
+        ELFPipeline.from_pretrained(infill_model).infill(
+            ["a [___2]", {"ids": [101, 5], "keep": ["y", 0]}]
+        )
+    requests = tmp_path / "far.jsonl"
+    requests.write_text(json.dumps({"ids": [101, 999999, 102], "keep": [1, 0, 1]}) + "\n")
+    argv = ["sample", "--model", infill_model, "--infill", str(requests), "--device", "cpu"]
+    message = _cli_error(argv, capsys)
+    assert message == "infill request 0: id 999999 is outside the vocabulary (0..30521)"

@@ -5,6 +5,10 @@ shipped model: a 32-step projected SDE, which needs its MiniLM encoder; ``--proj
 samples without it) while animating the trajectory in the terminal, and writes the
 self-contained HTML trajectory page. ``--score`` also scores the samples with the offline SmolLM2
 judge (paper protocol) beside the model card's figures for real held-out verses.
+
+The page (``--html``, default ``elflow-demo.html``) replaces an earlier elflow trajectory page, so
+the demo can be run again as it is documented; any other existing file is refused in one line,
+before sampling, unless ``--overwrite``.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import argparse
 import math
 import sys
 import time
+from pathlib import Path
 
 from elflow.cli.common import (
     add_device_argument,
@@ -32,7 +37,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_argument(p, "an unconditional model to show", default="demo")
     add_num_samples(p, conditional_too=False)
     p.add_argument("--seed", type=int, default=0, help="sample i depends on (seed, i) only")
-    p.add_argument("--html", default="elflow-demo.html", help="trajectory page to write")
+    p.add_argument(
+        "--html",
+        default="elflow-demo.html",
+        help="trajectory page to write (an earlier elflow page there is replaced)",
+    )
+    p.add_argument(
+        "--overwrite", action="store_true", help="replace an existing --html that is another file"
+    )
     p.add_argument("--no-animate", action="store_true", help="print only the final samples")
     p.add_argument("--delay", type=float, default=0.08, help="seconds per animation frame")
     p.add_argument("--score", action="store_true", help="score with the offline SmolLM2 judge")
@@ -47,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     model = model_from_args(args)
-    html = output_file(args.html, "--html")
+    html = _check_html(args.html, args.overwrite)
     n = num_samples(args, with_sources=False)
     if not (math.isfinite(args.delay) and args.delay >= 0):
         raise ELFError(f"--delay must be a number of seconds >= 0, got {args.delay}")
@@ -65,12 +77,38 @@ def run(args: argparse.Namespace) -> int:
             print(f"{i}: {text}")
     settings = settings_record(pipe, scfg, seed=args.seed, bf16=False, model=model, ema=True)
     meta = page_settings(settings)
-    html.parent.mkdir(parents=True, exist_ok=True)
     html.write_text(render_html(frames, meta, labels=labels), encoding="utf-8")
     print(f"\n{n} samples in {time.perf_counter() - t0:.1f} s; trajectory page: {args.html}")
     if args.score:
         _score(out.texts, model)
     return 0
+
+
+# How every page render_html writes begins; a file that does not is not an earlier page.
+_PAGE_START = (
+    '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>elflow trajectory'
+)
+
+
+def _check_html(path: str, overwrite: bool) -> Path:
+    """``--html`` as a file to write: a new name, an earlier elflow trajectory page (the demo
+    rewrites its own page each run), or anything else only with ``overwrite``."""
+    html = output_file(path, "--html")
+    if html.is_file() and not overwrite and not _earlier_page(html):
+        raise ELFError(
+            f"--html {html} already exists and is not an elflow trajectory page; pass "
+            "--overwrite to replace it, or a new name"
+        )
+    return html
+
+
+def _earlier_page(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            start = f.read(len(_PAGE_START.encode()))
+    except OSError:
+        return False
+    return start == _PAGE_START.encode()
 
 
 def _score(texts: list[str], model: str) -> None:

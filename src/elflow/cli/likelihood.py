@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
     from elflow.jsonl import read_jsonl
 
     model = model_from_args(args)
-    if args.out:
+    if args.out:  # before any work; its missing parent folders are made now, as everywhere
         output_file(args.out, "--out", overwrite=args.overwrite)
     rows = read_jsonl(input_file(args.texts, "--texts"), args.text_field, field_flag="--text-field")
     texts = [r[args.text_field] for r in rows]

@@ -23,7 +23,9 @@ def add_import_arguments(p: argparse.ArgumentParser) -> None:
 
 def run_import(args: argparse.Namespace) -> int:
     from elflow.io.artifact import import_official
+    from elflow.paths import output_dir
 
+    output_dir(args.out, "--out")  # before the checkpoint is read
     out = import_official(model_from_args(args), args.out, task=args.task, use_ema=not args.no_ema)
     print(f"wrote {out}")
     return 0

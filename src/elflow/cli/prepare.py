@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 from elflow.config import field_docs
 from elflow.data.config import FORMATS, DataConfig
@@ -53,7 +54,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from elflow.data.preparation import prepare
     from elflow.io.tokenizer import load_tokenizer
+    from elflow.paths import output_dir
 
+    if not Path(args.out).exists():  # (an existing one is the preparation's to judge)
+        output_dir(args.out, "--out")  # a creatable folder, before the tokenizer loads
     name = args.tokenizer or args.encoder
     if not name:
         raise ELFError("pass --tokenizer (or --encoder, whose tokenizer is then used)")

@@ -34,7 +34,7 @@ from elflow.cli.common import (
     sources_from_args,
 )
 from elflow.errors import ELFError
-from elflow.paths import output_file
+from elflow.paths import make_parents, output_file
 
 
 def add_arguments(p: argparse.ArgumentParser, old_positional: bool = False) -> None:
@@ -79,33 +79,52 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def _check_outputs(args: argparse.Namespace) -> None:
+    """``--out`` and ``--trajectory``, before the model loads: both checked, then their missing
+    parent folders made (the partial files of ``--out`` go beside it as soon as sampling
+    starts)."""
     if args.out == "-":
         raise ELFError("--out - : leave --out out to print the texts, or give a JSONL file name")
+    outputs = {}
     if args.out is not None:
-        output_file(args.out, "--out", overwrite=args.overwrite)
+        outputs["--out"] = output_file(
+            args.out, "--out", overwrite=args.overwrite, make_parent=False
+        )
     if args.trajectory not in (None, "-"):
+        outputs["--trajectory"] = output_file(
+            args.trajectory, "--trajectory", overwrite=args.overwrite, make_parent=False
+        )
         page = Path(args.trajectory).expanduser().resolve()
         if args.out is not None and page == Path(args.out).expanduser().resolve():
             raise ELFError("--trajectory and --out name the same file; give the page its own")
-        output_file(args.trajectory, "--trajectory", overwrite=args.overwrite)
+    for flag, path in outputs.items():
+        make_parents(path, flag)
 
 
 def _infill_requests(args: argparse.Namespace, sources: list[dict] | None):
     """``--infill``'s requests (the first ``-n``) and their template texts, or (None, None)."""
     if args.infill is None:
         return None, None
-    from elflow.generation.infill import requests_from_records
-    from elflow.jsonl import read_jsonl
+    from elflow.generation.infill import request_from_record
+    from elflow.jsonl import iter_json_objects
     from elflow.paths import input_file
 
     if sources is not None:
         raise ELFError("--infill lines carry their own 'source'; drop --source/--sources")
-    rows = read_jsonl(input_file(args.infill, "--infill"))
-    if not rows:
+    path = input_file(args.infill, "--infill")
+    requests, templates = [], []
+    for lineno, row in iter_json_objects(path):  # a template in 'text', or 'ids' and 'keep'
+        try:
+            request = request_from_record(row)
+        except ELFError as e:
+            raise ELFError(f"{path}:{lineno}: {e}") from None
+        requests.append(request)
+        templates.append(row["text"] if request.parts is not None else None)
+    if not requests:
         raise ELFError(f"--infill {args.infill} holds no texts")
     if args.num_samples is not None:
-        rows = rows[: num_samples(args, with_sources=True)]
-    return requests_from_records(rows), [r.get("text") for r in rows]
+        n = num_samples(args, with_sources=True)
+        requests, templates = requests[:n], templates[:n]
+    return requests, templates
 
 
 def _partial(args, info, sampler, n, seeds, sources, infill):

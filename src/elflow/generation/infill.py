@@ -11,9 +11,11 @@ holds the sampling side; :meth:`elflow.ELFPipeline.infill` puts them together.
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from numbers import Integral
 
 import torch
 from torch import Tensor
@@ -158,13 +160,61 @@ class _Target:
         return out_ids, keep
 
 
+def _shown(value) -> str:
+    """A value as a JSON file spells it (``true``, ``"x"``), shortened, for a message."""
+    try:
+        text = json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 40 else f"{text[:30]}...{text[-6:]}"
+
+
+def _listed(values, name: str) -> list:
+    """``values`` (a list, tuple, tensor or array) as a list; a one-line error otherwise."""
+    if values is None:
+        raise ELFError("an explicit infill request needs both 'ids' and 'keep'")
+    if hasattr(values, "tolist") and not isinstance(values, str | bytes):
+        values = values.tolist()  # a tensor or an array
+    if not isinstance(values, list | tuple):
+        raise ELFError(f"'{name}' is {_shown(values)}; give a list, one value per token")
+    return list(values)
+
+
+def explicit_tokens(ids, keep) -> tuple[list[int], list[int]]:
+    """An explicit request's ``ids`` (integers) and ``keep`` (true/false, or 1/0), checked and
+    as lists of ints (keep: 1 = kept); a one-line :class:`ELFError` that names neither the
+    request nor the file (callers add where). The vocabulary's bounds are checked later, with
+    the tokenizer (:func:`_target`)."""
+    ids, keep = _listed(ids, "ids"), _listed(keep, "keep")
+    for i, x in enumerate(ids):
+        if isinstance(x, bool) or not isinstance(x, Integral):
+            raise ELFError(f"'ids'[{i}] is {_shown(x)}, not a token id; give integers")
+    for i, k in enumerate(keep):
+        if not isinstance(k, bool) and not (isinstance(k, Integral) and k in (0, 1)):
+            raise ELFError(f"'keep'[{i}] is {_shown(k)}; give true or false (or 1 or 0)")
+    if len(ids) != len(keep):
+        raise ELFError(
+            f"an explicit infill request needs 'ids' and 'keep' of one length, not "
+            f"{len(ids)} and {len(keep)}"
+        )
+    return [int(x) for x in ids], [int(bool(k)) for k in keep]
+
+
 def _target(tokenizer, request: InfillRequest, hole: int, seed: int, index: int) -> _Target:
     """One target, unexpanded: the template tokenised with ``hole`` at each gap, each hole's
     length drawn (:meth:`_Target.expand` lays it out)."""
     if request.parts is None:
-        if request.ids is None or request.keep is None or len(request.ids) != len(request.keep):
-            raise ELFError("an explicit infill request needs 'ids' and 'keep' of one length")
-        return _Target(list(request.ids), [int(bool(k)) for k in request.keep])
+        try:
+            ids, keep = explicit_tokens(request.ids, request.keep)
+        except ELFError as e:
+            raise ELFError(f"infill request {index}: {e}") from None
+        V = len(tokenizer)  # the model's decoder head: its size is checked against it on loading
+        bad = next((i for i in ids if not 0 <= i < V), None)
+        if bad is not None:
+            raise ELFError(
+                f"infill request {index}: id {bad} is outside the vocabulary (0..{V - 1})"
+            )
+        return _Target(ids, keep)
     marker = tokenizer.convert_ids_to_tokens(hole)
     text = "".join(f" {marker} " if isinstance(p, Gap) else p for p in request.parts)
     ids = tokenizer(text, add_special_tokens=True)["input_ids"]
@@ -324,21 +374,32 @@ def fill_texts(tokenizer, template: Template, tokens: Tensor) -> list[list[str]]
     return out
 
 
+def request_from_record(row: dict, field: str = "text") -> InfillRequest:
+    """One infill request from a JSONL record: a template in ``field``, or ``ids`` and ``keep``
+    (checked: :func:`explicit_tokens`); an optional ``source``. A one-line :class:`ELFError`
+    that names neither the record nor the file (callers add where)."""
+    source = row.get("source")
+    if source is not None and not isinstance(source, str):
+        raise ELFError(f"'source' is {_shown(source)}; give a string")
+    if "ids" in row or "keep" in row:
+        if row.get(field) is not None:
+            raise ELFError(f"give a template in '{field}' or 'ids' and 'keep', not both")
+        ids, keep = explicit_tokens(row.get("ids"), row.get("keep"))
+        return InfillRequest(ids=ids, keep=keep, source=source)
+    if isinstance(row.get(field), str):
+        return InfillRequest(parts=parse_template(row[field]), source=source)
+    raise ELFError(f"give a template in '{field}' (text with [___] gaps) or 'ids' and 'keep'")
+
+
 def requests_from_records(rows: Sequence[dict], field: str = "text") -> list[InfillRequest]:
-    """Infill requests from JSONL records: a template in ``field``, or ``ids`` and ``keep``; an
-    optional ``source``."""
+    """Infill requests from JSONL records (:func:`request_from_record`); an error names the
+    record's line (its place in ``rows``, from 1)."""
     out = []
     for i, row in enumerate(rows):
-        source = row.get("source")
-        if "ids" in row or "keep" in row:
-            out.append(InfillRequest(ids=row.get("ids"), keep=row.get("keep"), source=source))
-        elif isinstance(row.get(field), str):
-            out.append(InfillRequest(parts=parse_template(row[field]), source=source))
-        else:
-            raise ELFError(
-                f"infill line {i + 1}: give a template in '{field}' (text with [___] gaps) or "
-                "'ids' and 'keep'"
-            )
+        try:
+            out.append(request_from_record(row, field))
+        except ELFError as e:
+            raise ELFError(f"infill line {i + 1}: {e}") from None
     return out
 
 
@@ -349,7 +410,10 @@ def as_requests(items: Sequence[str | InfillRequest | dict]) -> list[InfillReque
         if isinstance(item, str):
             item = InfillRequest(parts=parse_template(item))
         elif isinstance(item, dict):
-            item = requests_from_records([item])[0]
+            try:
+                item = request_from_record(item)
+            except ELFError as e:
+                raise ELFError(f"infill request {len(out)}: {e}") from None
         elif not isinstance(item, InfillRequest):
             kind = type(item).__name__
             raise ELFError(f"an infill request is a template, a dict or an InfillRequest: {kind}")
