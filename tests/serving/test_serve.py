@@ -340,6 +340,9 @@ def test_the_api_key_guards_the_api(pipe):
         )
         assert ok.status_code == 200
         assert httpx.get(f"{base}/health").json()["status"] == "ok"
+        for header, status in [("bearer s3cret", 200), ("Basic s3cret", 401), ("s3cret", 401)]:
+            got = httpx.get(f"{base}/v1/models", headers={"Authorization": header})
+            assert got.status_code == status, header  # the scheme is case-insensitive
 
 
 def test_serve_refuses_bad_settings_in_one_line(capsys):

@@ -94,8 +94,11 @@ def create_app(
     def authorised(request: Request) -> bool:
         if not api_key:
             return True
-        given = request.headers.get("authorization", "")
-        return hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode())
+        scheme, _, given = request.headers.get("authorization", "").strip().partition(" ")
+        # The scheme is case-insensitive (RFC 7235); the key is compared in constant time.
+        return scheme.lower() == "bearer" and hmac.compare_digest(
+            given.strip().encode(), api_key.encode()
+        )
 
     unauthorised = RequestError(
         401, "give the server's API key: Authorization: Bearer KEY", None, "authentication_error"
