@@ -122,3 +122,24 @@ def test_cli_likelihood(tmp_path, capsys):
     assert record["t1"] == 0.1  # the default: near t1 = 1 the bound is far looser
     assert main([*argv[:-2], "--shuffle-words", "-n", "2"]) == 0
     assert main(["likelihood", "--model", model, "--texts", str(tmp_path / "none.jsonl")]) == 2
+
+
+def test_a_text_longer_than_the_model_is_refused_unless_truncated(tmp_path, capsys):
+    from elflow.generation.likelihood import text_likelihood
+
+    model = make_infill_model(tmp_path)
+    pipe = ELFPipeline.from_pretrained(model)
+    L = pipe.config.model.max_length
+    long = " ".join(["light"] * (L + 5))
+    with pytest.raises(ELFError, match=rf"text 1 is {L + 7} tokens, more than the model's {L} "):
+        text_likelihood(pipe, ["amen", long], steps=1)
+    cut = text_likelihood(pipe, ["amen", long], steps=1, truncate=True)
+    assert cut.tokens[1] == L and cut.settings["truncated"] == 1
+    texts = tmp_path / "t.jsonl"
+    texts.write_text(json.dumps({"text": long}) + "\n")
+    argv = ["likelihood", "--model", model, "--texts", str(texts), "--steps", "1"]
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "pass --truncate to score their first tokens" in err
+    assert main([*argv, "--truncate"]) == 0

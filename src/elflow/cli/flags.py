@@ -68,7 +68,13 @@ COMMAND_KEY_FLAGS: dict[str, dict[str, str]] = {
         "bootstrap=": "--bootstrap",
         "bootstrap_seed=": "--bootstrap-seed",
     },
-    "likelihood": {"steps=": "--steps", "samples=": "--samples", "probes=": "--probes"},
+    "likelihood": {
+        "steps=": "--steps",
+        "samples=": "--samples",
+        "probes=": "--probes",
+        "t1=": "--t1",
+        "truncate=True": "--truncate",
+    },
     "compare": {"tolerance=": "--entropy-tol", "same=": "--same"},
     "train": {"steps=": "--steps", "sets=": "--set", "file=": "--config"},
     "distill": {

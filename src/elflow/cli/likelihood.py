@@ -35,6 +35,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "bound is far looser; docs/likelihood)",
     )
     p.add_argument("--shuffle-words", action="store_true", help="a control: shuffle each text")
+    p.add_argument(
+        "--truncate",
+        action="store_true",
+        help="score the first max_length tokens of a longer text (default: refuse it)",
+    )
     p.add_argument("--seed", type=int, default=0, help="text i's draws depend on (seed, i) only")
     p.add_argument("--batch-size", type=int, default=16, help="texts per batch")
     add_device_argument(p)
@@ -75,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         batch_size=args.batch_size,
         t1=args.t1,
+        truncate=args.truncate,
     )
     bits = np.asarray(result.bits_per_token)
     lo, hi = bootstrap_ci(bits, lambda b: float(b.mean()), seed=args.seed)

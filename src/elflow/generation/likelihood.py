@@ -25,6 +25,7 @@ from torch import Tensor
 from elflow.errors import ELFError
 from elflow.flow import velocity
 from elflow.likelihood_maths import nll_bound, ode_log_density, rademacher
+from elflow.tokens import tokenize
 
 DEFAULT_T1 = 0.1
 """Where the flow stops and the decoder takes over. The bound is loosest near t1 = 1 (the draw's
@@ -60,12 +61,24 @@ def text_likelihood(
     seed: int = 0,
     batch_size: int = 16,
     t1: float | None = None,
+    truncate: bool = False,
 ) -> Likelihood:
     """The bound of each of ``texts`` under ``pipe``'s unconditional model (see the module
-    docstring); text i's noise and probes depend on (seed, i) only."""
+    docstring); text i's noise and probes depend on (seed, i) only. A text longer than the
+    model's rows is refused unless ``truncate`` (then its first ``max_length`` tokens are
+    scored, as ``elflow train`` cuts rows, and ``settings['truncated']`` counts them)."""
     cfg = pipe.config
     if cfg.conditional:
         raise ELFError("likelihood applies to unconditional models; this one is conditional")
+    L = cfg.model.max_length
+    lengths = [len(ids) for ids in tokenize(pipe.tokenizer, list(texts))]
+    long = [i for i, n in enumerate(lengths) if n > L]
+    if long and not truncate:
+        raise ELFError(
+            f"text {long[0]} is {lengths[long[0]]} tokens, more than the model's {L} "
+            f"({len(long)} of {len(texts)} texts are); shorten or split them, or pass "
+            "truncate=True to score their first tokens"
+        )
     for name, value, least in (
         ("steps=", steps, 1),
         ("samples=", samples, 1),
@@ -77,7 +90,7 @@ def text_likelihood(
         raise ELFError(f"batch_size= must be >= 1, got {batch_size}")
     t1 = DEFAULT_T1 if t1 is None else t1
     if not 0.0 < t1 < 1.0:
-        raise ELFError(f"t1 must be in (0, 1), got {t1}")
+        raise ELFError(f"t1= must be in (0, 1), got {t1}")
     encoder = pipe.frozen_encoder("likelihood")
     model, dev, s = pipe.model, pipe.device, cfg.noise_scale
     w = pipe.sampler.w if cfg.model.num_scale_tokens > 0 else None
@@ -113,4 +126,5 @@ def text_likelihood(
         bits += (total / samples).tolist()
         counts += mask.sum(1).tolist()
     settings = {"t1": t1, "steps": steps, "probes": probes, "samples": samples, "seed": seed}
+    settings["truncated"] = len(long)
     return Likelihood(bits, counts, settings)
