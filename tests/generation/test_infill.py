@@ -261,6 +261,12 @@ def test_length_control_needs_what_it_draws_from(tmp_path):
         pipe.generate(1, sampler=replace(pipe.sampler, length_range="data"))
     with pytest.raises(ELFError, match=r"sampler\.length_range must be N, A:B"):
         replace(pipe.sampler, length_range="ten")
+    # A range past the rows is refused before any row is drawn, in its own terms.
+    L = pipe.config.model.max_length
+    for text in (f"2:{L - 1}", f"{L}", f"1:{L}w"):
+        with pytest.raises(ELFError, match=rf"reaches \d+ tokens of text; .* at most {L - 2} "):
+            pipe.generate(1, sampler=replace(pipe.sampler, length_range=text))
+    assert len(pipe.generate(2, sampler=replace(pipe.sampler, length_range=f"{L - 2}"))) == 2
 
 
 def test_cli_infill_writes_fills_and_a_page_with_kept_text(model, tmp_path, capsys):

@@ -259,10 +259,30 @@ class ELFPipeline:
         sampler that passed is remembered, so a run's batches and seeds do not check it again."""
         if sampler not in self._valid_samplers:
             self.config.check_sampler(sampler)
+            self._check_length_range(sampler)
             if len(self._valid_samplers) >= 256:  # a server sees many; keep the memory bounded
                 self._valid_samplers.clear()
             self._valid_samplers.add(sampler)
         return sampler
+
+    def _check_length_range(self, sampler: SamplerConfig) -> None:
+        """A token or word ``length_range`` must fit the rows with the tokenizer's special
+        tokens (its texts are one-gap templates: a longer draw would fail mid-run)."""
+        if sampler.length_range in ("", "data") or self.config.conditional:
+            return
+        from elflow.config import length_bounds
+        from elflow.tokens import tokenize
+
+        _, hi, words = length_bounds(sampler.length_range)
+        most = max(1, round(hi * (self.config.tokens_per_word or 1.3))) if words else hi
+        special = len(tokenize(self.tokenizer, [""])[0])
+        room = self.config.model.max_length - special
+        if most > room:
+            raise ELFError(
+                f"sampler.length_range {sampler.length_range} reaches {most} tokens of text; "
+                f"this model's rows hold at most {room} ({self.config.model.max_length} less "
+                f"{special} special tokens)"
+            )
 
     def _checked(self, sampler: SamplerConfig | None) -> SamplerConfig:
         """``sampler`` (default: the model's) checked against the model, and the weights fp32."""
