@@ -536,3 +536,11 @@ def test_pc_with_a_constant_denoiser_moves_towards_it():
     assert torch.equal(x_hat, c)
     z_pred = z + 0.4 * (c - z) / 0.8
     assert_close(z_next, z_pred)  # a zero-noise Langevin step of size 0 stays put
+
+
+def test_a_step_count_past_any_use_is_refused():
+    from elflow.config import MAX_STEPS
+
+    assert SamplerConfig(steps=MAX_STEPS).steps == MAX_STEPS
+    with pytest.raises(ELFError, match=r"^sampler\.steps 99999999999 is over 100000; "):
+        SamplerConfig(steps=99_999_999_999)

@@ -171,6 +171,11 @@ class ObjectiveConfig:
         )
 
 
+MAX_STEPS = 100_000
+"""The most sampler steps accepted: a step count past it is a typo (its time grid alone would
+take gigabytes), not a setting."""
+
+
 @dataclass(frozen=True)
 class SamplerConfig:
     """How to sample (ELF_SPEC §5); defaults are ELF-B's 32-step SDE, gamma 1.5, w 3.
@@ -219,6 +224,10 @@ class SamplerConfig:
             value = getattr(self, name)
             require(math.isfinite(value), f"sampler.{name} must be a finite number, got {value}")
         require(self.steps >= 1, f"sampler.steps must be >= 1, got {self.steps}")
+        require(
+            self.steps <= MAX_STEPS,
+            f"sampler.steps {self.steps} is over {MAX_STEPS}; ELF samples in 1 to a few hundred",
+        )
         require(
             self.sampler in SAMPLERS,
             f"sampler.sampler must be one of {', '.join(SAMPLERS)}, got {self.sampler!r}",
