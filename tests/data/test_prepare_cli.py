@@ -85,6 +85,11 @@ def test_errors_name_the_flags(tokenizer, tmp_path, capsys):
     capsys.readouterr()
     assert _prepare(tokenizer, tmp_path / "d.txt", tmp_path / "p") == 2
     assert "choose another --out, or pass --overwrite" in _error(capsys)
+    for extra in (["--max-length", "0"], ["--max-length", "16", "--workers", "99999"]):
+        data = ["--data", str(tmp_path / "d.txt")]  # a tokenizer that does not exist: not read
+        argv = ["prepare", "--tokenizer", "/nonexistent", *data, *extra, "--out", "p2"]
+        assert main(argv) == 2
+        assert f"{extra[-2]} must be" in _error(capsys)
     (tmp_path / "f").write_text("x")  # --out under a file: refused before anything loads
     assert _prepare(tokenizer, tmp_path / "d.txt", tmp_path / "f" / "p") == 2
     assert f"--out {tmp_path / 'f' / 'p'}: {tmp_path / 'f'} is a file, not a folder" in _error(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 from elflow.config import field_docs
@@ -56,6 +57,14 @@ def run(args: argparse.Namespace) -> int:
     from elflow.io.tokenizer import load_tokenizer
     from elflow.paths import output_dir
 
+    if args.max_length < 1:  # before the tokenizer loads and the corpus is read
+        raise ELFError(f"--max-length must be positive, got {args.max_length}")
+    cores = os.cpu_count() or 1
+    if not 0 <= args.workers <= 4 * cores:
+        raise ELFError(
+            f"--workers must be 0 (one per core) to {4 * cores} (4 per core here), "
+            f"got {args.workers}"
+        )
     if not Path(args.out).exists():  # (an existing one is the preparation's to judge)
         output_dir(args.out, "--out")  # a creatable folder, before the tokenizer loads
     name = args.tokenizer or args.encoder
