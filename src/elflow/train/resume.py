@@ -9,7 +9,6 @@ since its weights only make sense in its own latent space.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import fields, replace
 from pathlib import Path
 
@@ -204,17 +203,13 @@ def check_resumable(cfg: RunConfig, saved: RunConfig, ckpt: Path) -> None:
             f"cannot resume {ckpt}: it was started from train.init {saved.train.init or 'none'!r}, "
             f"now {cfg.train.init or 'none'!r}; give the same train.init or use a new out="
         )
-    now_model = replace(
-        cfg.model, encoder_dim=saved.model.encoder_dim, vocab_size=saved.model.vocab_size
-    )
-    if saved.model != now_model:
-        changed = [
-            f"model.{f.name} {getattr(saved.model, f.name)} (now {getattr(now_model, f.name)})"
-            for f in dataclasses.fields(saved.model)
-            if getattr(saved.model, f.name) != getattr(now_model, f.name)
-        ]
+    changed = [k for k in architecture_changes(cfg, saved) if k.startswith("model.")]
+    if changed:  # not encoder_dim or vocab_size: they follow the encoder and tokenizer
+        shown = ", ".join(
+            f"{k} {getattr(saved.model, k[6:])} (now {getattr(cfg.model, k[6:])})" for k in changed
+        )
         raise ELFError(
-            f"cannot resume {ckpt}: it holds another architecture, {', '.join(changed)}; "
+            f"cannot resume {ckpt}: it holds another architecture, {shown}; "
             "use a new out= or the same model settings"
         )
     if (saved.encoder.name, saved.encoder.layer) != (cfg.encoder.name, cfg.encoder.layer):
