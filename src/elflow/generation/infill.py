@@ -421,6 +421,12 @@ def as_requests(items: Sequence[str | InfillRequest | dict]) -> list[InfillReque
     return out
 
 
+def words_to_tokens(words: int, tokens_per_word: float = 0.0) -> int:
+    """The tokens a text of ``words`` words is given: times the model's tokens per word (1.3
+    when it records none), at least one."""
+    return max(1, round(words * (tokens_per_word or 1.3)))
+
+
 def length_requests(
     length_range: str,
     indices: Sequence[int],
@@ -443,8 +449,7 @@ def length_requests(
         lo, hi, words = length_bounds(length_range)
         if words:
             k = int(torch.randint(lo, hi + 1, (1,), generator=gen))
-            n = max(1, round(k * (tokens_per_word or 1.3)))
-            lo = hi = n
+            lo = hi = words_to_tokens(k, tokens_per_word)
         out.append(InfillRequest(parts=length_template(lo, hi)))
     return out
 

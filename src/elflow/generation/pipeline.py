@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from elflow.config import SamplerConfig
+from elflow.config import SamplerConfig, length_bounds
 from elflow.encoder import FrozenEncoder
 from elflow.errors import ELFError
 from elflow.generation.engine import make_rows, run_rows
@@ -28,6 +28,7 @@ from elflow.generation.infill import (
     as_requests,
     fill_vocabulary,
     infill_batch,
+    words_to_tokens,
 )
 from elflow.infill_maths import FillVocabulary
 from elflow.io.artifact import ArtifactConfig, load_resolved
@@ -270,11 +271,8 @@ class ELFPipeline:
         tokens (its texts are one-gap templates: a longer draw would fail mid-run)."""
         if sampler.length_range in ("", "data") or self.config.conditional:
             return
-        from elflow.config import length_bounds
-        from elflow.tokens import tokenize
-
         _, hi, words = length_bounds(sampler.length_range)
-        most = max(1, round(hi * (self.config.tokens_per_word or 1.3))) if words else hi
+        most = words_to_tokens(hi, self.config.tokens_per_word) if words else hi
         special = len(tokenize(self.tokenizer, [""])[0])
         room = self.config.model.max_length - special
         if most > room:
