@@ -71,11 +71,11 @@ def text_likelihood(
     if cfg.conditional:
         raise ELFError("likelihood applies to unconditional models; this one is conditional")
     L = cfg.model.max_length
-    lengths = [len(ids) for ids in tokenize(pipe.tokenizer, list(texts))]
-    long = [i for i, n in enumerate(lengths) if n > L]
+    tokens = tokenize(pipe.tokenizer, list(texts))  # once: checked here, rows made below
+    long = [i for i, ids in enumerate(tokens) if len(ids) > L]
     if long and not truncate:
         raise ELFError(
-            f"text {long[0]} is {lengths[long[0]]} tokens, more than the model's {L} "
+            f"text {long[0]} is {len(tokens[long[0]])} tokens, more than the model's {L} "
             f"({len(long)} of {len(texts)} texts are); shorten or split them, or pass "
             "truncate=True to score their first tokens"
         )
@@ -102,8 +102,8 @@ def text_likelihood(
     bits: list[float] = []
     counts: list[int] = []
     for start in range(0, len(texts), batch_size):
-        chunk = list(texts[start : start + batch_size])
-        ids, mask = pipe.training_rows(chunk)
+        chunk = tokens[start : start + batch_size]
+        ids, mask = pipe.rows_of(chunk)
         ids, mask = ids.to(dev), mask.to(dev)
         with torch.no_grad():
             x = encoder(ids, mask)  # (B, L, E)

@@ -161,8 +161,11 @@ class ELFPipeline:
     def training_rows(self, texts: Sequence[str]) -> tuple[Tensor, Tensor]:
         """Texts as unconditional rows, truncated to the model's length and padded as ``elflow
         train`` pads them (EOS when the model was trained on EOS padding): (ids, mask), (B, L)."""
+        return self.rows_of(tokenize(self.tokenizer, list(texts)))
+
+    def rows_of(self, ids: Sequence[Sequence[int]]) -> tuple[Tensor, Tensor]:
+        """:meth:`training_rows` of texts already tokenised (with the special tokens)."""
         L = self.config.model.max_length
-        ids = tokenize(self.tokenizer, list(texts))
         rows = [build_unconditional_row(i, L, self.row_pad_id) for i in ids]
         return torch.tensor([r[0] for r in rows]), torch.tensor([r[1] for r in rows])
 
