@@ -67,13 +67,15 @@ def iter_json_objects(path: Path) -> Iterator[tuple[int, dict]]:
         if not isinstance(record, dict):
             raise ELFError(f"{path}:{lineno}: expected a JSON object per line, got {line[:40]!r}")
         if "\\ud" in line.lower():  # only an escape can make a lone surrogate: check those lines
-            _check_surrogates(record, f"{path}:{lineno}")
+            check_unicode(record, f"{path}:{lineno}")
         yield lineno, record
 
 
-def _check_surrogates(record: dict, where: str) -> None:
+def check_unicode(value: Any, where: str) -> None:
+    """One line naming ``where`` when a string in ``value`` (a record, a text) holds an unpaired
+    surrogate (JSON's ``\\ud800`` escapes decode to one), which no file or tokenizer takes."""
     try:
-        json.dumps(record, ensure_ascii=False).encode("utf-8")
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError:
         raise ELFError(
             f"{where}: a string holds an unpaired surrogate escape (\\ud800-\\udfff); "

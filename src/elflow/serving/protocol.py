@@ -25,6 +25,7 @@ from elflow.config import SamplerConfig
 from elflow.errors import ELFError
 from elflow.generation.engine import Row
 from elflow.generation.infill import GAP, InfillRequest, build_template, parse_template
+from elflow.jsonl import check_unicode
 
 UNSUPPORTED = {
     "temperature": "ELF samples by integrating a flow; set steps, gamma, w or cfg instead",
@@ -239,14 +240,9 @@ def check_completion(pipe, body: CompletionBody, limits: Limits, model_name: str
         )
     for prompt in prompts:
         try:
-            prompt.encode("utf-8")
-        except UnicodeEncodeError:
-            raise RequestError(
-                422,
-                "a prompt holds an unpaired surrogate escape (\\ud800-\\udfff); "
-                "fix the text (it is not valid Unicode)",
-                "prompt",
-            ) from None
+            check_unicode(prompt, "prompt")
+        except ELFError as e:
+            raise RequestError(422, str(e), "prompt") from None
         if len(prompt) > limits.max_prompt_chars:
             raise RequestError(
                 422,
