@@ -61,9 +61,8 @@ def _gap_count(digits: str, text: str) -> int:
     (before ``int``, which would refuse thousands of digits with a ValueError of its own)."""
     significant = digits.lstrip("0")
     if len(significant) > len(str(MAX_GAP)):
-        shown = text if len(text) <= 80 else f"{text[:60]}...{text[-16:]}"
         raise ELFError(
-            f"a gap of {len(significant)} digits in {shown!r}: a gap holds at most "
+            f"a gap of {len(significant)} digits in {_clip(text, 60, 16)!r}: a gap holds at most "
             f"{MAX_GAP} tokens ([___N]), and a model far fewer"
         )
     return int(significant or "0")
@@ -166,7 +165,13 @@ def _shown(value) -> str:
         text = json.dumps(value, ensure_ascii=False)
     except (TypeError, ValueError):
         text = repr(value)
-    return text if len(text) <= 40 else f"{text[:30]}...{text[-6:]}"
+    return _clip(text, 30, 6)
+
+
+def _clip(text: str, head: int, tail: int) -> str:
+    """``text`` for a one-line message: whole, or its first ``head`` and last ``tail``
+    characters around '...' when it is longer than ``head + tail + 4``."""
+    return text if len(text) <= head + tail + 4 else f"{text[:head]}...{text[-tail:]}"
 
 
 def _listed(values, name: str) -> list:
