@@ -110,16 +110,20 @@ def load(base: str, clients: int, seconds: float, body: dict, timeout: float) ->
     }
 
 
-def direct_rates(args: argparse.Namespace, clients: list[int]) -> dict[int, float]:
-    """samples/s of the model's own pipeline in batches of min(c, max batch), no server."""
+def local_pipeline(args: argparse.Namespace):
+    """The served model's pipeline in this process, and the sampler the clients ask for."""
     from elflow.cli.common import load_pipeline
 
     pipe = load_pipeline(args.model, "cpu")
-    sampler = pipe.sampler if not args.steps else replace(pipe.sampler, steps=args.steps)
+    return pipe, pipe.sampler if not args.steps else replace(pipe.sampler, steps=args.steps)
+
+
+def direct_rates(pipe, sampler, max_batch: int, clients: list[int]) -> dict[int, float]:
+    """samples/s of the model's own pipeline in batches of min(c, max batch), no server."""
     pipe.generate(1, sampler=sampler)
     out = {}
     for c in clients:
-        batch = min(c, args.max_batch)
+        batch = min(c, max_batch)
         n = max(batch, 8)
         start = time.perf_counter()
         pipe.generate(n, sampler=sampler, seed=1, batch_size=batch)
@@ -127,14 +131,11 @@ def direct_rates(args: argparse.Namespace, clients: list[int]) -> dict[int, floa
     return out
 
 
-def compute_ceiling(args: argparse.Namespace) -> dict[str, float]:
+def compute_ceiling(pipe, sampler) -> dict[str, float]:
     """What batching can reach at most on this processor: one sample's FLOPs (counted, attention
     included), and the fp32 matrix-product peak (a 2048 x 2048 product timed for two seconds)."""
-    from elflow.cli.common import load_pipeline
     from elflow.profiling import OpCounter
 
-    pipe = load_pipeline(args.model, "cpu")
-    sampler = pipe.sampler if not args.steps else replace(pipe.sampler, steps=args.steps)
     n = 8
     with OpCounter() as counter:  # torch's formulas, with the CPU attention kernels'
         pipe.generate(n, sampler=sampler, seed=1, batch_size=n)
@@ -174,8 +175,10 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         proc.terminate()
         proc.wait(timeout=60)
-    direct = {} if args.no_direct else direct_rates(args, sorted(set(args.clients)))
     one = next((r["samples_per_s"] for r in rows if r["clients"] == 1), None)
+    local = None if args.no_direct and (args.no_ceiling or not one) else local_pipeline(args)
+    clients = sorted(set(args.clients))
+    direct = {} if args.no_direct else direct_rates(*local, args.max_batch, clients)
     print(
         f"model {args.model}, {args.seconds:g} s per row, max queue {args.max_queue}, "
         f"max batch {args.max_batch}"
@@ -195,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
             "--max-batch), no server (the ceiling batching can reach on this hardware)"
         )
     if not args.no_ceiling and one:
-        c = compute_ceiling(args)
+        c = compute_ceiling(*local)
         used = one * c["flops_per_sample"]
         print(
             f"compute: {c['flops_per_sample'] / 1e9:.1f} GFLOP a sample (matrix products and "
