@@ -116,21 +116,33 @@ def make_uncond(folder: Path) -> Path:
     return save_model(folder, perturb(build_model(cfg)), config)
 
 
-def save_tiny_encoder(folder: Path) -> Path:
-    """A random 1-layer BERT of width 8 over MiniLM's vocabulary, saved to ``folder``."""
+def tiny_bert(
+    *,
+    hidden_size: int = 8,
+    num_attention_heads: int = 2,
+    num_hidden_layers: int = 1,
+    intermediate_size: int = 16,
+    vocab_size: int = VOCAB,
+    **config,
+):
+    """A random BERT without a pooler (by default 1 layer of width 8 over MiniLM's vocabulary);
+    seed torch first for fixed weights. ``config``: further BertConfig fields."""
     from transformers import BertConfig, BertModel
 
-    enc = BertModel(
-        BertConfig(
-            vocab_size=VOCAB,
-            hidden_size=8,
-            num_attention_heads=2,
-            num_hidden_layers=1,
-            intermediate_size=16,
-        ),
-        add_pooling_layer=False,
+    cfg = BertConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        num_attention_heads=num_attention_heads,
+        num_hidden_layers=num_hidden_layers,
+        intermediate_size=intermediate_size,
+        **config,
     )
-    enc.save_pretrained(folder)
+    return BertModel(cfg, add_pooling_layer=False)
+
+
+def save_tiny_encoder(folder: Path) -> Path:
+    """A random 1-layer BERT of width 8 over MiniLM's vocabulary, saved to ``folder``."""
+    tiny_bert().save_pretrained(folder)
     return folder
 
 

@@ -83,20 +83,17 @@ def judge():
 @pytest.fixture(scope="session")
 def tiny_encoder():
     """A tiny random BERT with MiniLM's vocabulary size (30522), wrapped as a FrozenEncoder."""
-    from transformers import BertConfig, BertModel
-
     from elflow.encoder import FrozenEncoder
+    from tests.builders import tiny_bert
 
     torch.manual_seed(0)
-    cfg = BertConfig(
+    model = tiny_bert(
         hidden_size=32,
         num_attention_heads=4,
         num_hidden_layers=2,
         intermediate_size=64,
-        vocab_size=30522,
         max_position_embeddings=128,
     )
-    model = BertModel(cfg, add_pooling_layer=False)
     model.set_attn_implementation("sdpa")
     return FrozenEncoder(model, latent_std=1.0)
 

@@ -11,7 +11,6 @@ import pytest
 import torch
 from transformers import (
     AutoTokenizer,
-    BertConfig,
     BertModel,
     DebertaV2Config,
     DebertaV2Model,
@@ -36,6 +35,7 @@ from elflow.tokens import (
     tokenize,
     vocab_hash,
 )
+from tests.builders import tiny_bert
 
 B, L, S = 3, 10, 4  # batch, row length, source length
 
@@ -46,7 +46,7 @@ def _tiny_hf(kind: str, attn: str, **extra):
         cfg = T5Config(d_model=32, d_kv=8, num_heads=4, num_layers=2, d_ff=64, vocab_size=100)
         model = T5EncoderModel(cfg)
     else:
-        cfg = BertConfig(
+        model = tiny_bert(
             hidden_size=32,
             num_attention_heads=4,
             num_hidden_layers=2,
@@ -54,7 +54,6 @@ def _tiny_hf(kind: str, attn: str, **extra):
             vocab_size=100,
             **extra,
         )
-        model = BertModel(cfg, add_pooling_layer=False)
     model.set_attn_implementation(attn)
     return model
 

@@ -22,21 +22,10 @@ WORDS = (
 def build_assets(root: Path) -> Path:
     """A tiny random BERT encoder (MiniLM vocabulary) and a 40-line JSONL corpus in ``root``
     (the ``assets`` fixture of tests/conftest.py)."""
-    from transformers import BertConfig, BertModel
+    from tests.builders import tiny_bert
 
     torch.manual_seed(0)
-    enc = BertModel(
-        BertConfig(
-            vocab_size=30522,
-            hidden_size=8,
-            num_attention_heads=2,
-            num_hidden_layers=1,
-            intermediate_size=16,
-            max_position_embeddings=64,
-        ),
-        add_pooling_layer=False,
-    )
-    enc.save_pretrained(root / "encoder")
+    tiny_bert(max_position_embeddings=64).save_pretrained(root / "encoder")
     g = torch.Generator().manual_seed(0)
     with (root / "train.jsonl").open("w") as f:
         for _ in range(40):
