@@ -262,13 +262,16 @@ def test_sample_draws_distributions():
 
 
 class _OutputGrads:
-    """Captures d loss / d x_pred and d loss / d logits."""
+    """Captures d loss / d x_pred and d loss / d (the decoder head's input): the fused head
+    never holds logits; a token's input gradient is 0 exactly where its CE weighs 0."""
 
     def __init__(self, model: ELF) -> None:
         self.x_pred = None
         self.logits = None
         model.final_layer.register_forward_hook(self._keep("x_pred"))
-        model.decoder.register_forward_hook(self._keep("logits"))
+        model.decoder.register_forward_hook(
+            lambda m, args, out: self._keep("logits")(m, (), args[0])
+        )
 
     def _keep(self, name):
         def hook(module, args, out):

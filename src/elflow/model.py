@@ -26,6 +26,7 @@ from torch.utils.checkpoint import checkpoint
 from elflow.config import ModelConfig
 from elflow.errors import ELFError
 from elflow.hardware import full_precision, memory_bytes
+from elflow.head_loss import linear_cross_entropy
 
 if TYPE_CHECKING:
     from elflow.io.artifact import ArtifactConfig
@@ -184,8 +185,19 @@ class DecoderHead(nn.Module):
         self.proj = nn.Linear(dim, encoder_dim)
         self.unembed = nn.Linear(encoder_dim, vocab_size)
 
-    def forward(self, h: Tensor) -> Tensor:
-        return self.unembed(F.gelu(self.proj(h), approximate="tanh"))
+    def forward(
+        self, h: Tensor, ids: Tensor | None = None, weights: Tensor | None = None
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """Logits (..., V) of ``h`` (..., D); with target ``ids`` (...) and per-token ``weights``
+        (...), instead (sum(weights x CE), the per-token CE (...) detached), in fp32 chunks of
+        tokens that never hold all the logits (:func:`elflow.head_loss.linear_cross_entropy`)."""
+        if ids is None:
+            return self.unembed(F.gelu(self.proj(h), approximate="tanh"))
+        flat = h.reshape(-1, h.shape[-1])
+        loss, ce = linear_cross_entropy(
+            flat, self.proj, self.unembed, ids.reshape(-1), weights.reshape(-1)
+        )
+        return loss, ce.view(ids.shape)
 
 
 class ELF(nn.Module):
@@ -338,6 +350,12 @@ class ELF(nn.Module):
         """Decoder head on hidden states (..., D) -> logits (..., V), outside any autocast."""
         with full_precision(hidden.device):
             return self.decoder(hidden.to(self.decoder.proj.weight.dtype))
+
+    def decode_loss(self, hidden: Tensor, ids: Tensor, weights: Tensor) -> tuple[Tensor, Tensor]:
+        """The decoder head's cross-entropy on hidden states (R, L, D) against ``ids`` (R, L):
+        (sum of ``weights`` (R, L) x CE, the per-token CE (R, L), detached), in fp32, never
+        holding the (R, L, V) logits (:class:`DecoderHead` with targets)."""
+        return self.decoder(hidden.to(self.decoder.proj.weight.dtype), ids, weights)
 
     @classmethod
     def from_pretrained(

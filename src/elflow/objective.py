@@ -32,8 +32,10 @@ from elflow.keyed import host_normal, host_uniform, keyed_normals
 
 PROCEDURES = ("efficient", "reference")
 Forward = Callable[..., tuple[Tensor, "Tensor | None"]]
-"""``forward(x_in, t, w, gate, head_rows=None) -> (x_pred, logits)``: one network call; logits
-of the decoder head for ``head_rows`` (None: none computed)."""
+"""``forward(x_in, t, w, gate, head_rows=None, targets=None, weights=None) -> (x_pred, out)``: one
+network call; ``out`` is the decoder head's logits for ``head_rows`` (None: none computed), or,
+given the rows' ``targets`` and per-token ``weights``, its cross-entropy sum(weights x CE)
+(:class:`elflow.wiring.TrainForward`)."""
 
 
 @dataclass
@@ -68,12 +70,78 @@ class RowPlan:
     self_cond: np.ndarray
     """Indices of the denoiser rows whose input carries the self-conditioning prediction."""
 
+    num_decoder: int | None = None
+    """Real entries at the head of ``decoder`` (the rest pad it: :meth:`padded`); None: all."""
+    num_self_cond: int | None = None
+    """Real entries at the head of ``self_cond``; None: all."""
+
     @classmethod
     def of(cls, draws: Draws) -> RowPlan:
         """The plan of ``draws``' own tensors (one device read: for draws made by hand)."""
         dec = draws.decoder_active.detach().cpu().numpy() > 0
         sc = (draws.use_self_cond.detach().cpu().numpy() > 0) & ~dec
         return cls(np.flatnonzero(dec), np.flatnonzero(sc))
+
+    def padded(self, batch: int, minimum: int = 2) -> RowPlan:
+        """This plan with each index array padded to at least ``minimum`` entries with rows
+        outside it (repeated ones when the batch has too few), for a compiled step.
+
+        NOTE: a compiled step keeps the branch sizes dynamic (``torch._dynamo.mark_dynamic``),
+        but dynamo specialises a size of 0 or 1 (a recompile each time one occurs); from 2 up one
+        graph serves every size. The loss is unchanged: padded decoder rows get CE weight 0 and
+        padded self-conditioning rows' no-grad predictions are never read (the target uses them
+        only on the real rows); they cost at most ``minimum`` rows of extra work.
+        """
+
+        def pad(rows: np.ndarray) -> np.ndarray:
+            need = minimum - len(rows)
+            if need <= 0:
+                return rows
+            others = np.setdiff1d(np.arange(batch), rows)
+            return np.concatenate([rows, np.resize(others if len(others) else rows, need)])
+
+        n_dec, n_sc = self.real_decoder, self.real_self_cond
+        return RowPlan(pad(self.decoder[:n_dec]), pad(self.self_cond[:n_sc]), n_dec, n_sc)
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """(decoder rows, or (2, R) rows and 1/0 real/padding flags when padded; self_cond)."""
+        if self.num_decoder is None:
+            return self.decoder, self.self_cond
+        keep = np.arange(len(self.decoder)) < self.num_decoder
+        return np.stack([self.decoder, keep.astype(np.int64)]), self.self_cond
+
+    @property
+    def real_decoder(self) -> int:
+        return len(self.decoder) if self.num_decoder is None else self.num_decoder
+
+    @property
+    def real_self_cond(self) -> int:
+        return len(self.self_cond) if self.num_self_cond is None else self.num_self_cond
+
+
+@dataclass
+class BranchRows:
+    """A :class:`RowPlan` on the device: the index tensors a step selects rows with."""
+
+    decoder: Tensor
+    """(R,) int64 decoder rows (padding included)."""
+    self_cond: Tensor
+    """(S,) int64 self-conditioned denoiser rows (padding included)."""
+    decoder_keep: Tensor | None = None
+    """(R,) float 1 at real decoder rows, 0 at padding; None: no padding."""
+
+    @classmethod
+    def of(cls, plan: RowPlan, device: torch.device) -> BranchRows:
+        """The plan's index tensors on ``device`` (asynchronous copies; no device read)."""
+        dec, sc = plan.arrays()
+        return cls.of_tensors(host_index(dec, device), host_index(sc, device))
+
+    @classmethod
+    def of_tensors(cls, decoder: Tensor, self_cond: Tensor) -> BranchRows:
+        """From device copies of :meth:`RowPlan.arrays` (a padded plan's decoder is (2, R))."""
+        if decoder.dim() == 1:
+            return cls(decoder, self_cond)
+        return cls(decoder[0], self_cond, decoder[1].float())
 
 
 def host_index(rows: np.ndarray, device: torch.device) -> Tensor:
@@ -206,10 +274,8 @@ def elf_loss(
     procedure: str = "efficient",
     check_inputs: bool = True,
 ) -> LossOutput:
-    """The ELF loss of one batch for the given draws (ELF_SPEC §3 steps 2–10).
-
-    Kept as one function: it reads as the spec's steps in their order (noising, the no-grad pass,
-    the trained pass, the SC-CFG target, the losses), which is what a reviewer checks it against.
+    """The ELF loss of one batch for the given draws (ELF_SPEC §3 steps 2–10): the draws' row
+    plan made into index tensors, then :func:`branch_loss`.
 
     Args:
         forward: the network's forward function (:class:`elflow.wiring.TrainForward`, possibly
@@ -219,13 +285,36 @@ def elf_loss(
     """
     if procedure not in PROCEDURES:
         raise ELFError(f"procedure must be one of {PROCEDURES}, got {procedure!r}")
-    reference = procedure == "reference"
-    x = batch.x.float()
     if check_inputs:
-        check_finite(x, "the batch's latents")
-    B, L, _ = x.shape
+        check_finite(batch.x.float(), "the batch's latents")
+    B = batch.x.shape[0]
     plan = draws.plan if draws.plan is not None else RowPlan.of(draws)
-    dec_rows, sc_rows = host_index(plan.decoder, x.device), host_index(plan.self_cond, x.device)
+    reference = procedure == "reference"
+    out = branch_loss(forward, batch, draws, BranchRows.of(plan, batch.x.device), cfg, reference)
+    if reference:
+        out.num_nograd_rows = 2 * B
+    else:
+        out.num_nograd_rows = plan.real_self_cond * (1 if network_traits(forward)[0] else 2)
+    return out
+
+
+def branch_loss(
+    forward: Forward,
+    batch: Batch,
+    draws: Draws,
+    rows: BranchRows,
+    cfg: ObjectiveConfig,
+    reference: bool = False,
+) -> LossOutput:
+    """:func:`elf_loss` with its rows given as index tensors: no host work, nothing that reads
+    the device, so that ``train.compile=step`` compiles it whole (``num_nograd_rows`` is left 0).
+
+    Kept as one function: it reads as the spec's steps in their order (noising, the no-grad pass,
+    the trained pass, the SC-CFG target, the losses), which is what a reviewer checks it against.
+    """
+    x = batch.x.float()
+    B, L, _ = x.shape
+    dec_rows, sc_rows = rows.decoder, rows.self_cond
     cond = (
         batch.cond_mask.bool()
         if batch.cond_mask is not None
@@ -244,32 +333,41 @@ def elf_loss(
     z_dec = lam * x + (1.0 - lam) * cfg.decoder_noise_scale * draws.decoder_noise
     x_cond_only = torch.where(cond3, x, 0.0)  # Z0: zeros with x at the condition positions
 
+    # The loss mask, normalised later by its sum over all rows; the decoder's share per head row.
+    valid = torch.ones_like(cond) if cfg.pad_with_eos else batch.attention_mask.bool()
+    mask = (valid & ~cond).float()  # (B, L)
+    ids = batch.input_ids.long()
+    head_rows = torch.arange(B, device=x.device) if reference else dec_rows
+    if reference:
+        head_weights = mask * dec.float()[:, None]  # the reference's head runs on every row
+    else:
+        head_weights = mask.index_select(0, dec_rows)  # (R, L)
+        if rows.decoder_keep is not None:
+            head_weights = head_weights * rows.decoder_keep[:, None]  # padding rows weigh 0
+
     # 1) No-grad unconditional pass at (z_t, t, w) -> x_hat_u (None: every row).
     deterministic, sees_w = network_traits(forward)
     nograd_rows = None if reference else sc_rows
     x_hat_u = nograd_prediction(forward, z_t, x_cond_only, t, w, nograd_rows, with_head=reference)
     sc_half = torch.where(cond3, x, x_hat_u)  # the self-conditioning input (condition reset)
 
-    # 2) Trained pass: denoiser rows [z_t, SC half or Z0] at t; decoder rows [z_dec, 0] at t = 1.
+    # 2) Trained pass: denoiser rows [z_t, SC half or Z0] at t; decoder rows [z_dec, 0] at t = 1;
+    # the decoder head's weighted cross-entropy on the head rows, inside the same forward.
     den_in = torch.cat([z_t, torch.where(sc[:, None, None], sc_half, x_cond_only)], dim=-1)
     dec_in = torch.cat([z_dec, torch.zeros_like(z_dec)], dim=-1)
     x_in = torch.where(dec[:, None, None], dec_in, den_in)  # (B, L, 2E)
     t_in = torch.where(dec, torch.ones_like(t), t)
-    # Decoder head on every row (reference) or on decoder rows only, inside the same forward.
-    head_rows = torch.arange(B, device=x.device) if reference else dec_rows
-    x_pred, logits = forward(x_in, t_in, w, dec.float(), head_rows)
+    head_ids = ids.index_select(0, head_rows)
+    x_pred, ce_sum = forward(x_in, t_in, w, dec.float(), head_rows, head_ids, head_weights)
 
     # 3) SC-CFG target: v* + (1 - 1/w)(v_cond - v_u) on self-conditioned rows, v* elsewhere.
-    num_nograd = B if reference else len(plan.self_cond)
     if reference:
         x_hat_c = nograd_prediction(forward, z_t, sc_half, t, w, None, with_head=True)
-        num_nograd += B
     elif deterministic:
         # Same input as the trained pass for these rows, so the same output: reuse it.
         x_hat_c = x_pred.detach()
     else:
         x_hat_c = nograd_prediction(forward, z_t, sc_half, t, w, sc_rows)
-        num_nograd += len(plan.self_cond)
     v_star = velocity(x, z_t, t, cfg.t_eps)
     if not sees_w:
         # A network without scale tokens cannot see w: its one consistent target is v* (w = 1).
@@ -280,21 +378,11 @@ def elf_loss(
     target = torch.where(sc[:, None, None], v_star + guidance, v_star).detach()
 
     # 4) Losses, normalised by the loss mask summed over all rows.
-    valid = torch.ones_like(cond) if cfg.pad_with_eos else batch.attention_mask.bool()
-    mask = (valid & ~cond).float()  # (B, L)
     v_hat = velocity(x_pred.float(), z_t, t, cfg.t_eps)
     l2_tok = (v_hat - target).pow(2).mean(-1)  # (B, L)
     den_mask = mask * (~dec).float()[:, None]
     l2_sum = torch.where(den_mask > 0, l2_tok * den_mask, 0.0).sum()
-    ids = batch.input_ids.long()
-    if reference:
-        ce_tok = token_cross_entropy(logits, ids)  # (B, L)
-        dec_mask = mask * dec.float()[:, None]
-    else:
-        ce_tok = token_cross_entropy(logits, ids.index_select(0, dec_rows))  # (B_dec, L)
-        dec_mask = mask.index_select(0, dec_rows)
-    ce_sum = (ce_tok * dec_mask).sum()
-    dec_count = dec_mask.sum()
+    dec_count = head_weights.sum()
     denom = mask.sum()
     return LossOutput(
         loss=(l2_sum + ce_sum) / denom.clamp_min(1.0),
@@ -303,7 +391,7 @@ def elf_loss(
         l2_sum=l2_sum,
         ce_sum=ce_sum,
         denom=denom,
-        num_nograd_rows=num_nograd,
+        num_nograd_rows=0,
     )
 
 
@@ -335,7 +423,9 @@ def nograd_prediction(
     B = z.shape[0]
     if rows is not None and rows.dtype == torch.bool:
         rows = rows.nonzero().squeeze(1)
-    if rows is None or rows.numel() == B:  # every row, in order (indices are sorted)
+    # Every row, in order (indices are sorted); a compiled step always selects (the test would
+    # be a guard on a dynamic size).
+    if rows is None or (not torch.compiler.is_compiling() and rows.numel() == B):
         x_in = torch.cat([z, sc_half], dim=-1)
         head_rows = torch.arange(B, device=z.device) if with_head else None
         return forward(x_in, t, w, 0.0, head_rows)[0].float()

@@ -216,13 +216,24 @@ class TrainForward(nn.Module):
         w: Tensor | float | None,
         gate: Tensor | float,
         head_rows: Tensor | None = None,
+        targets: Tensor | None = None,
+        weights: Tensor | None = None,
     ) -> tuple[Tensor, Tensor | None]:
-        """(x_pred, decoder logits of ``head_rows``: row indices or a mask; None: no logits)."""
+        """(x_pred, decoder logits of ``head_rows``: row indices or a mask; None: no logits).
+
+        With ``targets`` (R, L), the token ids of the R ``head_rows``, and ``weights`` (R, L),
+        the second output is instead the head's cross-entropy sum, sum(weights x CE), computed in
+        chunks of tokens without ever holding the (R, L, V) logits (:meth:`ELF.decode_loss`).
+        """
         # In eval mode without gradients under autocast (held-out losses, a distillation
         # teacher) the blocks take the bf16 fast path; training always runs self.model(...).
         x_pred, hidden = fastpath.forward(self.model, x_in, t, w, gate)
         if head_rows is None:
             return x_pred, None
         if head_rows.dtype == torch.bool:  # a mask (a device read); indices do not wait
-            return x_pred, self.model.decode_logits(hidden[head_rows])
-        return x_pred, self.model.decode_logits(hidden.index_select(0, head_rows))
+            rows = hidden[head_rows]
+        else:
+            rows = hidden.index_select(0, head_rows)
+        if targets is None:
+            return x_pred, self.model.decode_logits(rows)
+        return x_pred, self.model.decode_loss(rows, targets, weights)[0]
