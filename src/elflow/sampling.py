@@ -5,7 +5,9 @@ guided network call, with the condition reset; :func:`elflow.wiring.make_denoise
 from a model) and ``decode(z) -> tokens`` (decode mode at t = 1). Randomness comes from explicit
 per-sample generators, so a sample depends on (seed, index) only, never on the batch it is in.
 With ``trajectory=True`` :func:`sample` also returns each step's decoded x_hat (§10).
-Projected sampling wraps the denoiser (:mod:`elflow.projection`); nothing here knows of it.
+Projected sampling wraps the denoiser (:mod:`elflow.projection`); nothing here knows of it. A
+:data:`StepRunner` may run each step instead of the loop (CUDA graph replay,
+:mod:`elflow.generation.cuda_graphs`): the step's noise is then drawn here, in the same order.
 """
 
 from __future__ import annotations
@@ -194,6 +196,7 @@ def _heun(denoise, z, x_prev, t, t_next, ctx: StepContext):
 
 
 _BUILTIN_STEPS = {"ode": _ode, "sde": _sde, "pc": _pc, "heun": _heun}
+_BUILTIN_DRAWS = {"ode": 0, "sde": 1, "pc": 1, "heun": 0}
 
 
 def sampler_step(name: str) -> Callable[..., tuple[Tensor, Tensor]]:
@@ -201,6 +204,57 @@ def sampler_step(name: str) -> Callable[..., tuple[Tensor, Tensor]]:
     ``step(denoise, z, x_prev, t, t_next, ctx: StepContext) -> (z_next, x_hat)``."""
     spec = SAMPLERS[name]
     return spec.step if spec.step is not None else _BUILTIN_STEPS[name]
+
+
+def noise_draws(name: str) -> int | None:
+    """How many times a step of sampler ``name`` calls ``ctx.noise()`` (the last, Euler step
+    none); None for a registered sampler, whose draws are its own business."""
+    return None if SAMPLERS[name].step is not None else _BUILTIN_DRAWS[name]
+
+
+def advance(
+    denoise: Denoiser,
+    z: Tensor,
+    x_prev: Tensor,
+    t: Tensor,
+    t_next: Tensor,
+    ctx: StepContext,
+    last: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """One step of :func:`sample`'s loop: the sampler's step (Euler when ``last``), then the
+    condition reset; returns (z_next, x_hat)."""
+    if last:
+        z, x_hat = ode_step(denoise, z, x_prev, t, t_next)
+    else:
+        z, x_hat = sampler_step(ctx.sampler.sampler)(denoise, z, x_prev, t, t_next, ctx)
+    if ctx.cond is not None:  # a no-op unless the condition's latents were refreshed
+        z = torch.where(ctx.cond.mask.bool()[..., None], ctx.cond.latents, z)
+    return z, x_hat
+
+
+def step_function(
+    denoise: Denoiser,
+    sampler: SamplerConfig,
+    noise_scale: float,
+    t_eps: float,
+    cond: Condition | None,
+    last: bool,
+) -> Callable[..., tuple[Tensor, Tensor]]:
+    """:func:`advance` as a function of tensors alone, ``f(z, x_prev, t, t_next, *noises)``:
+    the step's :func:`noise_draws` noises are arguments, drawn beforehand (what a CUDA graph
+    captures)."""
+
+    def f(z: Tensor, x_prev: Tensor, t: Tensor, t_next: Tensor, *noises: Tensor):
+        draws = iter(noises)
+        ctx = StepContext(sampler, noise_scale, t_eps, cond, lambda: next(draws))
+        return advance(denoise, z, x_prev, t, t_next, ctx, last)
+
+    return f
+
+
+StepRunner = Callable[[bool, Sequence[Tensor]], tuple[Tensor, Tensor]]
+"""``run(last, (z, x_prev, t, t_next, *noises)) -> (z_next, x_hat)``: a :func:`step_function`
+run another way (a replayed CUDA graph). Its outputs may be overwritten by its next call."""
 
 
 @dataclass(frozen=True)
@@ -236,6 +290,7 @@ def sample(
     trajectory: bool = False,
     t_eps: float = 0.05,
     callback_on_step_end: StepCallback | None = None,
+    runner: StepRunner | None = None,
 ) -> SampleOutput:
     """Integrate from noise to t = 1 and decode (ELF_SPEC §5). One generator per sample.
 
@@ -247,6 +302,10 @@ def sample(
         t_eps: the clamp of 1 - t in the pc corrector's score (the model's).
         callback_on_step_end: called after each step with a :class:`StepState` (the diffusers
             convention; it must not change the tensors it is given).
+        runner: runs each step (:func:`step_function` of ``denoise`` over the same condition)
+            instead of calling ``denoise`` here; each step's noise is drawn before it, in the
+            order the eager loop draws it, so the samples are the same. Built-in samplers only
+            (:func:`noise_draws`).
     """
     B, N = len(generators), sampler.steps
     device = generators[0].device
@@ -264,19 +323,27 @@ def sample(
         c3 = cond.mask.bool()[..., None]
         z, x_prev = torch.where(c3, cond.latents, z), torch.where(c3, cond.latents, x_prev)
     frames = []
-    step = sampler_step(sampler.sampler)
-    ctx = StepContext(sampler, noise_scale, t_eps, cond, lambda: _randn(generators, (L, E), device))
+
+    def draw() -> Tensor:
+        return _randn(generators, (L, E), device)
+
+    ctx = StepContext(sampler, noise_scale, t_eps, cond, draw)
+    draws = None if runner is None else noise_draws(sampler.sampler)
+    if runner is not None and draws is None:
+        raise ELFError(f"sampler {sampler.sampler!r} is not built in: sample it without a runner")
     for k in range(N):
-        t, t_next = grid[:, k], grid[:, k + 1]
-        if k == N - 1:  # the last step is always Euler
-            z, x_prev = ode_step(denoise, z, x_prev, t, t_next)
-        else:
-            z, x_prev = step(denoise, z, x_prev, t, t_next, ctx)
-        if cond is not None:  # a no-op unless the condition's latents were refreshed
-            z = torch.where(c3, cond.latents, z)
+        t, t_next, last = grid[:, k], grid[:, k + 1], k == N - 1
+        if runner is None:
+            z, x_prev = advance(denoise, z, x_prev, t, t_next, ctx, last)
+        else:  # the step's draws now, in the eager order; its outputs live until the next call
+            noises = [draw() for _ in range(0 if last else draws)]
+            z, x_prev = runner(last, (z, x_prev, t, t_next, *noises))
         tokens = decode(x_prev) if trajectory else None
         if tokens is not None:
             frames.append(tokens)
         if callback_on_step_end is not None:
-            callback_on_step_end(StepState(k, N, t_next, z, x_prev, tokens))
-    return SampleOutput(decode(z), z, torch.stack(frames) if trajectory else None)
+            z_k, x_k = (z, x_prev) if runner is None else (z.clone(), x_prev.clone())
+            callback_on_step_end(StepState(k, N, t_next, z_k, x_k, tokens))
+    tokens = decode(z)
+    z = z if runner is None else z.clone()
+    return SampleOutput(tokens, z, torch.stack(frames) if trajectory else None)

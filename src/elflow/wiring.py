@@ -149,6 +149,7 @@ def sample_model(
     trajectory: bool = False,
     projection: Projection | None = None,
     callback_on_step_end: StepCallback | None = None,
+    cuda_graphs: bool | None = None,
 ) -> SampleOutput:
     """:func:`elflow.sampling.sample` with ``model``'s denoiser and decoder (ELF_SPEC §5).
 
@@ -156,11 +157,41 @@ def sample_model(
     (:func:`elflow.projection.project_denoiser`), which needs ``projection`` (unconditional
     models; checked by :func:`elflow.generation.pipeline.ELFPipeline.projection`). On a CPU it
     first calls :func:`elflow.hardware.keep_freed_memory` (process-wide; ``ELFLOW_MALLOC=0``
-    opts out).
+    opts out). ``cuda_graphs`` (None: on CUDA; True elsewhere is an error): each step replays a
+    captured CUDA graph (:mod:`elflow.generation.cuda_graphs`; projected sampling runs eagerly).
     """
-    if next(model.parameters()).device.type == "cpu":
+    from elflow.generation import cuda_graphs as graphs
+
+    device = next(model.parameters()).device
+    mode = graphs.graph_mode(cuda_graphs, device)
+    if device.type == "cpu":
         keep_freed_memory()
     w = sampling_w(model, sampler.w)
+    if mode is not None and sampler.project_from >= 1.0:
+        with graphs.sampling_steps(
+            model,
+            partial(make_denoiser, model, w, t_eps, cfg=sampler.cfg),
+            len(generators),
+            (length, model.cfg.encoder_dim),
+            sampler,
+            noise_scale,
+            t_eps,
+            cond,
+            mode,
+        ) as runner:
+            return sample(
+                make_denoiser(model, w, t_eps, cond, sampler.cfg),
+                make_decoder(model, w),
+                generators,
+                (length, model.cfg.encoder_dim),
+                sampler,
+                noise_scale,
+                cond,
+                trajectory,
+                t_eps,
+                callback_on_step_end,
+                runner,
+            )
     denoise = make_denoiser(model, w, t_eps, cond, sampler.cfg)
     if sampler.project_from < 1.0:
         if projection is None or cond is not None:

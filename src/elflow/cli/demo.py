@@ -29,6 +29,7 @@ from elflow.cli.common import (
     model_from_args,
     num_samples,
 )
+from elflow.cli.sample import add_cuda_graphs_argument, cuda_graphs_from_args
 from elflow.errors import ELFError
 from elflow.paths import output_file
 
@@ -49,6 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--delay", type=float, default=0.08, help="seconds per animation frame")
     p.add_argument("--score", action="store_true", help="score with the offline SmolLM2 judge")
     add_device_argument(p)
+    add_cuda_graphs_argument(p)
     add_sampler_arguments(p)
 
 
@@ -67,7 +69,9 @@ def run(args: argparse.Namespace) -> int:
     if pipe.config.conditional:
         raise ELFError(f"{model} is a conditional model; elflow demo samples unconditionally")
     scfg = checked_sampler(args, pipe)
-    out = pipe.generate_full(n, sampler=scfg, seed=args.seed, trajectory=True)
+    out = pipe.generate_full(
+        n, sampler=scfg, seed=args.seed, trajectory=True, cuda_graphs=cuda_graphs_from_args(args)
+    )
     frames = [*out.trajectory, out.texts]
     labels = [f"step {k + 1}/{scfg.steps}" for k in range(len(out.trajectory))] + ["final"]
     if not args.no_animate:

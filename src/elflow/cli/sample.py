@@ -62,7 +62,22 @@ def add_arguments(p: argparse.ArgumentParser, old_positional: bool = False) -> N
     )
     p.add_argument("--save-tokens", action="store_true", help="add token ids to every line")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    add_cuda_graphs_argument(p)
     add_sampler_arguments(p)
+
+
+def add_cuda_graphs_argument(p: argparse.ArgumentParser) -> None:
+    """``--no-cuda-graphs``: sample every step eagerly on CUDA (``cuda_graphs=False``)."""
+    p.add_argument(
+        "--no-cuda-graphs",
+        action="store_true",
+        help="on CUDA, run each sampling step eagerly instead of replaying a captured CUDA graph",
+    )
+
+
+def cuda_graphs_from_args(args: argparse.Namespace) -> bool | None:
+    """``cuda_graphs=`` of the library: False with ``--no-cuda-graphs``, else None (on CUDA)."""
+    return False if getattr(args, "no_cuda_graphs", False) else None
 
 
 def add_generate_arguments(p: argparse.ArgumentParser) -> None:
@@ -227,6 +242,7 @@ def run(args: argparse.Namespace) -> int:
                 infill=infill,
                 skip=done[seed],
                 sink=None if partial is None else sink,
+                cuda_graphs=cuda_graphs_from_args(args),
             ),
         )
         if not info.is_main:

@@ -8,6 +8,7 @@ import socket
 import sys
 
 from elflow.cli.common import add_dtype_argument, sampling_bf16
+from elflow.cli.sample import add_cuda_graphs_argument, cuda_graphs_from_args
 from elflow.errors import ELFError
 
 
@@ -30,6 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--device", default="auto", help="auto (cuda when available, else cpu), cpu, cuda or cuda:K"
     )
     add_dtype_argument(p)
+    add_cuda_graphs_argument(p)
     p.add_argument("--no-ema", action="store_true", help="serve the training weights")
     p.add_argument("--max-batch", type=int, default=32, help="samples per batch (default 32)")
     p.add_argument(
@@ -91,6 +93,7 @@ def build(args: argparse.Namespace):
         max_queue=args.max_queue,
         window_s=args.batch_window_ms / 1000,
         bf16=sampling_bf16(args, info.device),
+        cuda_graphs=cuda_graphs_from_args(args),
     )
     limits = Limits(
         args.max_n, args.max_steps, 16, args.request_timeout, max_body_bytes=args.max_body_bytes

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
@@ -130,11 +131,17 @@ def run_rows(
     trajectory: bool = False,
     on_step: StepTexts | None = None,
     callback_on_step_end: StepCallback | None = None,
+    cuda_graphs: bool | None = None,
 ) -> Generation | Infilled:
     """Sample ``rows`` (all ``free`` or all ``infill``, :attr:`Row.kind`) as one batch, unchecked:
     the pipeline's ``prepare`` checks a request first. Free rows return a
     :class:`~elflow.generation.pipeline.Generation`, infill rows an :class:`Infilled`; with
-    ``trajectory`` each step's texts come back too, and ``on_step`` gets them as they are made."""
+    ``trajectory`` each step's texts come back too, and ``on_step`` gets them as they are made.
+    ``cuda_graphs``: replay each step as a CUDA graph (None: on CUDA;
+    :mod:`elflow.generation.cuda_graphs`)."""
+    from elflow.generation.cuda_graphs import graph_mode
+
+    mode = graph_mode(cuda_graphs, pipe.device)
     if not rows:
         raise ELFError("no rows to sample")
     kinds = {row.kind for row in rows}
@@ -157,11 +164,13 @@ def run_rows(
             decode_steps,
             on_step,
             callback_on_step_end,
+            cuda_graphs,
         )
-    return _infill(pipe, rows, sampler, gens, frames, decode_steps, on_step, callback_on_step_end)
+    hook = callback_on_step_end
+    return _infill(pipe, rows, sampler, gens, frames, decode_steps, on_step, hook, mode)
 
 
-def _free(pipe, rows, sampler, gens, projection, frames, decode_steps, on_step, callback):
+def _free(pipe, rows, sampler, gens, projection, frames, decode_steps, on_step, callback, graphs):
     from elflow.generation.pipeline import Generation
     from elflow.wiring import sample_model
 
@@ -185,12 +194,14 @@ def _free(pipe, rows, sampler, gens, projection, frames, decode_steps, on_step, 
         trajectory=decode_steps,
         projection=projection,
         callback_on_step_end=hook,
+        cuda_graphs=graphs,
     )
     texts = pipe.detokenize(out.tokens, cond_mask)
     return Generation(texts, pipe.strip_source(out.tokens, cond_mask).cpu(), frames)
 
 
-def _infill(pipe, rows, sampler, gens, frames, decode_steps, on_step, callback) -> Infilled:
+def _infill(pipe, rows, sampler, gens, frames, decode_steps, on_step, callback, mode) -> Infilled:
+    from elflow.generation.cuda_graphs import sampling_steps
     from elflow.infill_maths import constrained_tokens, initial_condition, refresh_denoiser
     from elflow.sampling import sample
     from elflow.wiring import decode_logits, make_denoiser, sampling_w
@@ -222,7 +233,9 @@ def _infill(pipe, rows, sampler, gens, frames, decode_steps, on_step, callback) 
     def logits(z: Tensor) -> Tensor:
         return decode_logits(model, z, w)
 
-    if sampler.refresh_from < 1.0 or sampler.project_from < 1.0:
+    refresh = sampler.refresh_from < 1.0 or sampler.project_from < 1.0
+    if refresh:  # an encoder pass on rows picked by their time: eager (no CUDA graph)
+        mode = None
         denoise = refresh_denoiser(
             denoise,
             logits,
@@ -235,18 +248,24 @@ def _infill(pipe, rows, sampler, gens, frames, decode_steps, on_step, callback) 
             sampler.project_from,
         )
     hook = _frames_hook(lambda t: pipe.detokenize(t, template.source), frames, on_step, callback)
-    out = sample(
-        denoise,
-        lambda z: constrained_tokens(logits(z), template, vocab),
-        gens,
-        (L, cfg.model.encoder_dim),
-        sampler,
-        cfg.noise_scale,
-        cond,
-        decode_steps,
-        cfg.t_eps,
-        hook,
-    )
+    shape = (L, cfg.model.encoder_dim)
+    make = partial(make_denoiser, model, w, cfg.t_eps, cfg=sampler.cfg)
+    with sampling_steps(
+        model, make, len(rows), shape, sampler, cfg.noise_scale, cfg.t_eps, cond, mode, "infill"
+    ) as runner:
+        out = sample(
+            denoise,
+            lambda z: constrained_tokens(logits(z), template, vocab),
+            gens,
+            shape,
+            sampler,
+            cfg.noise_scale,
+            cond,
+            decode_steps,
+            cfg.t_eps,
+            hook,
+            runner,
+        )
     decoded = pipe.detokenize(out.tokens, template.source)
     kept = [kept_texts(pipe.tokenizer, template, b) for b in range(len(rows))]
     fills = fill_texts(pipe.tokenizer, template, out.tokens)

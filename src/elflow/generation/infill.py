@@ -486,15 +486,22 @@ def infill_batch(
     indices: Sequence[int] | None = None,
     trajectory: bool = False,
     callback_on_step_end=None,
+    cuda_graphs: bool | None = None,
 ) -> Infilled:
     """Fill ``requests`` in one batch with ``pipe``'s model (an :class:`elflow.ELFPipeline`),
     unchecked: see :meth:`ELFPipeline.infill`. Request b is sample ``indices[b]`` (default b) of
     its seed (``seed``: one for all or one per request): its noise and gap lengths depend on
-    these alone, not on the rest of the batch (:func:`elflow.generation.engine.run_rows`)."""
+    these alone, not on the rest of the batch (:func:`elflow.generation.engine.run_rows`;
+    ``cuda_graphs`` as there)."""
     from elflow.generation.engine import make_rows, run_rows
 
     indices = range(len(requests)) if indices is None else indices
     rows = make_rows(indices, seed, infill=requests)
     return run_rows(
-        pipe, rows, sampler, trajectory=trajectory, callback_on_step_end=callback_on_step_end
+        pipe,
+        rows,
+        sampler,
+        trajectory=trajectory,
+        callback_on_step_end=callback_on_step_end,
+        cuda_graphs=cuda_graphs,
     )

@@ -314,6 +314,7 @@ class ELFPipeline:
         trajectory: bool = False,
         projection: Projection | None = None,
         callback_on_step_end: StepCallback | None = None,
+        cuda_graphs: bool | None = None,
     ) -> Generation:
         """Samples ``indices`` (one per source when conditional) in one batch, unchecked: call
         :meth:`prepare` once first. Sample i depends on (its seed, i) only, whatever else is in
@@ -325,6 +326,7 @@ class ELFPipeline:
             projection=projection,
             trajectory=trajectory,
             callback_on_step_end=callback_on_step_end,
+            cuda_graphs=cuda_graphs,
         )
         return Generation(out.texts, out.tokens, out.trajectory)  # length control: infilled
 
@@ -338,12 +340,15 @@ class ELFPipeline:
         batch_size: int = 32,
         trajectory: bool = False,
         callback_on_step_end: StepCallback | None = None,
+        cuda_graphs: bool | None = None,
     ) -> Generation:
         """``pipe(n)`` / ``pipe(sources=[...])``, the transformers and diffusers way: like
         :meth:`generate`, returning a :class:`Generation` with ``texts``, ``tokens`` and, when
         asked for, the per-step ``trajectory``; ``callback_on_step_end`` gets each batch's
         :class:`elflow.sampling.StepState` after every step. ``seed``: one for every sample
-        (sample i depends on (seed, i)), or a list of one per sample."""
+        (sample i depends on (seed, i)), or a list of one per sample. ``cuda_graphs``: each
+        step replays a captured CUDA graph (None: on CUDA, eager elsewhere; False: eager; True
+        off CUDA: an error; docs/sampling.md)."""
         sampler, n, projection = self.prepare(sampler, n, sources)
         check_batch_size(batch_size)
         check_seeds(seed, n)
@@ -360,6 +365,7 @@ class ELFPipeline:
                     trajectory=trajectory,
                     projection=projection,
                     callback_on_step_end=callback_on_step_end,
+                    cuda_graphs=cuda_graphs,
                 )
             )
         frames = None
@@ -412,15 +418,22 @@ class ELFPipeline:
         sampler: SamplerConfig | None = None,
         seed: Seeds = 0,
         batch_size: int = 32,
+        cuda_graphs: bool | None = None,
     ) -> list[str]:
         """Generate ``n`` texts (unconditional) or one text per source (conditional).
 
         ``sampler`` defaults to the model's (:attr:`sampler`; e.g. ELF-B: 32-step SDE, gamma 1.5,
         w 3, logit-normal(-1.5, 0.8) time grid; conditional: 64-step ODE, cfg 2, w 1); change
-        fields with ``dataclasses.replace(pipe.sampler, steps=8)``.
+        fields with ``dataclasses.replace(pipe.sampler, steps=8)``; ``cuda_graphs`` as
+        :meth:`generate_full`.
         """
         return self.generate_full(
-            n, sources=sources, sampler=sampler, seed=seed, batch_size=batch_size
+            n,
+            sources=sources,
+            sampler=sampler,
+            seed=seed,
+            batch_size=batch_size,
+            cuda_graphs=cuda_graphs,
         ).texts
 
     def infill(
@@ -431,12 +444,14 @@ class ELFPipeline:
         seed: Seeds = 0,
         batch_size: int = 32,
         trajectory: bool = False,
+        cuda_graphs: bool | None = None,
     ) -> Infilled:
         """Fill the gaps of ``requests``: templates (``"In the beginning [___] the earth."``,
         gaps ``[___]``, ``[___N]``, ``[___A-B]`` tokens), :class:`InfillRequest` objects, or
         JSONL-style dicts (a template in ``text``, or ``ids`` and ``keep``; ``source`` for a
         conditional model). Kept tokens are held at clean latents at every step (an elflow
-        addition; ``sampler.refresh_from`` recomputes them from the current fill)."""
+        addition; ``sampler.refresh_from`` recomputes them from the current fill).
+        ``cuda_graphs`` as :meth:`generate_full` (a refresh runs eagerly)."""
         sampler = self._checked(sampler)
         if sampler.length_range:
             raise ELFError("sampler.length_range applies to generate; an infill's gaps set theirs")
@@ -452,6 +467,7 @@ class ELFPipeline:
                 seed=seeds_of(seed, start, start + batch_size),
                 indices=range(start, min(len(parsed), start + batch_size)),
                 trajectory=trajectory,
+                cuda_graphs=cuda_graphs,
             )
             for start in range(0, len(parsed), batch_size)
         ]

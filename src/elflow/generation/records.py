@@ -145,12 +145,14 @@ def sample_records(
     infill: Sequence[InfillRequest] | None = None,
     skip: Collection[int] = (),
     sink: Callable[[list[dict]], None] | None = None,
+    cuda_graphs: bool | None = None,
 ) -> SampleResult:
     """Generate samples ``0..n-1`` (or one per source) across the ranks; records on rank 0.
     With ``infill``, one per request: the filled text, its ``fills``, ``kept`` text and whether
     that kept text survived whole (``kept_survived``). Samples whose ids are in ``skip`` (made
     earlier) are not drawn; ``sink`` gets each batch's records as the batch finishes, on every
-    rank (resumable output, :mod:`elflow.generation.partial`)."""
+    rank (resumable output, :mod:`elflow.generation.partial`). ``cuda_graphs``: as
+    :meth:`ELFPipeline.generate_full`."""
     info = info or DistInfo(0, 1, 0, pipe.device)
     check_batch_size(batch_size)
     texts = None if sources is None else [s[source_field] for s in sources]
@@ -179,7 +181,9 @@ def sample_records(
     t0 = time.perf_counter()
     for run in _runs(todo, batch_size):
         with bf16_autocast(bf16, pipe.device):
-            gen, extras = _batch(pipe, scfg, run, texts, infill, seed, trajectory, projection)
+            gen, extras = _batch(
+                pipe, scfg, run, texts, infill, seed, trajectory, projection, cuda_graphs
+            )
         batch = []
         for j, i in enumerate(run):
             rec: dict[str, Any] = {"id": i, "text": gen.texts[j], **extras[j]}
@@ -230,12 +234,19 @@ def _batch(
     seed: int,
     trajectory: bool,
     projection: Any,
+    cuda_graphs: bool | None = None,
 ) -> tuple[Any, list[dict]]:
     """One batch of samples, and what each record adds (an infill's fills and kept text)."""
     if infill is None:
         sources = None if texts is None else texts[indices.start : indices.stop]
         gen = pipe.sample_batch(
-            indices, scfg, sources=sources, seed=seed, trajectory=trajectory, projection=projection
+            indices,
+            scfg,
+            sources=sources,
+            seed=seed,
+            trajectory=trajectory,
+            projection=projection,
+            cuda_graphs=cuda_graphs,
         )
         return gen, [{} for _ in indices]
     gen = infill_batch(
@@ -245,6 +256,7 @@ def _batch(
         seed=seed,
         indices=indices,
         trajectory=trajectory,
+        cuda_graphs=cuda_graphs,
     )
     extras = [
         {"fills": f, "kept": k, "kept_survived": ok}

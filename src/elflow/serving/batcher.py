@@ -72,10 +72,13 @@ class Batcher:
         max_queue: int = 64,
         window_s: float = 0.005,
         bf16: bool = False,
+        cuda_graphs: bool | None = None,
     ) -> None:
         if max_batch < 1 or max_queue < 1:
             raise ELFError("max_batch= and max_queue= must be >= 1")
         self.pipe = pipe
+        self.cuda_graphs = cuda_graphs
+        """Sampling replays CUDA graphs (None: on CUDA; :mod:`elflow.generation.cuda_graphs`)."""
         self.max_batch, self.max_queue, self.window_s, self.bf16 = (
             max_batch,
             max_queue,
@@ -199,6 +202,7 @@ class Batcher:
                     projection=projection,
                     on_step=on_step if streaming else None,
                     callback_on_step_end=stop_when_gone(jobs),
+                    cuda_graphs=self.cuda_graphs,
                 )
         except _Stopped:
             return
