@@ -25,6 +25,19 @@ def _elflow_cache(tmp_path_factory):
         os.environ["ELFLOW_CACHE"] = saved
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _one_thread_for_fixtures():
+    """One intra-op thread from the session's start, so module- and session-scoped fixtures (which
+    pytest builds before any function fixture) compute with the thread count of the tests that
+    compare against them. NOTE: a CPU matrix product with a long inner dimension splits its sums
+    over the threads, so its last bits depend on the thread count (with MKL on AVX-512: a run
+    trained with 2 threads and resumed with 1 ended 1.8e-5 away from the straight run)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(autouse=True)
 def _seed_and_threads():
     # Test tensors are tiny: intra-op threads gain nothing, and two OpenMP threads on a loaded

@@ -75,7 +75,8 @@ def test_a_damaged_latest_checkpoint_gives_way_to_the_newest_intact_one(
         f"its checksum); resuming from {run / 'checkpoint-2'}, the newest intact checkpoint "
         "before it"
     ]
-    # The damaged checkpoint is kept aside (nothing is deleted), and the run continues exactly.
+    # The damaged checkpoint is kept aside (nothing is deleted), and the run continues exactly
+    # (bitwise: `trained` ran with the test's one thread, tests/conftest.py).
     assert (run / "abandoned-1" / "checkpoint-4").is_dir()
     assert_same_checkpoint(run / "checkpoint-6", trained / "straight" / "checkpoint-6")
 
