@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from elflow import hardware
 from elflow.errors import ELFError
 from elflow.io.checkpoint import restore_optimizer
 from elflow.train.muon import NS_COEFFICIENTS, NS_EPS, ShardedMuon
@@ -18,6 +19,7 @@ from elflow.train.optim import (
     build_optimizer,
     learning_rate,
     param_groups,
+    resolve_ns_dtype,
     set_lr,
 )
 from tests.dist import fsdp_muon
@@ -114,15 +116,30 @@ def test_param_groups_put_every_matrix_in_muon_and_the_rest_in_adam():
     assert all(n.endswith(".bias") or "norm" in n or "tokens" in n for n in adam_names)
 
 
+@pytest.fixture(params=[False, True], ids=["emulated-bf16", "native-bf16"])
+def cpu_bf16(request, monkeypatch) -> bool:
+    """Both kinds of CPU, whatever this one is: hardware's detection answers ``request.param``."""
+    monkeypatch.setattr(hardware, "cpu_has_native_bf16", lambda: request.param)
+    return request.param
+
+
 @pytest.mark.parametrize(
     ("cfg", "sharded", "muon_cls"),
     [
         (OptimConfig(muon_ns_dtype="bfloat16"), False, torch.optim.Muon),
         (OptimConfig(muon_ns_dtype="bfloat16"), True, ShardedMuon),
-        (OptimConfig(), False, ShardedMuon),  # float32 Newton-Schulz (the reference's) by default
+        (OptimConfig(muon_ns_dtype="float32"), False, ShardedMuon),
+        (OptimConfig(), False, None),  # 'auto': decided by the CPU below
     ],
 )
-def test_build_optimizer_shares_lr_and_has_no_muon_weight_decay(cfg, sharded, muon_cls):
+def test_build_optimizer_shares_lr_and_has_no_muon_weight_decay(cfg, sharded, muon_cls, cpu_bf16):
+    if muon_cls is None:
+        # float32 Newton-Schulz (the reference's) where bf16 is emulated (it would run ~8x
+        # slower); torch's bf16 Muon on a CPU that multiplies bf16 in hardware.
+        assert resolve_ns_dtype(cfg.muon_ns_dtype, torch.device("cpu")) == (
+            "bfloat16" if cpu_bf16 else "float32"
+        )
+        muon_cls = torch.optim.Muon if cpu_bf16 else ShardedMuon
     model = make_model()
     opt = build_optimizer(model, cfg, sharded=sharded)
     assert isinstance(opt, CombinedOptimizer)
@@ -156,8 +173,8 @@ def test_weight_decay_reaches_the_muon_matrices_only():
 @pytest.mark.parametrize(
     "cfg",
     [
-        OptimConfig(lr=1e-2),
-        OptimConfig(lr=1e-2, muon_ns_dtype="float32"),
+        OptimConfig(lr=1e-2, muon_ns_dtype="bfloat16"),  # torch.optim.Muon
+        OptimConfig(lr=1e-2, muon_ns_dtype="float32"),  # ShardedMuon
         OptimConfig(lr=1e-2, optimizer="adamw"),
     ],
     ids=["muon", "muon-fp32", "adamw"],
