@@ -116,3 +116,37 @@ def test_a_sampler_is_checked_once_per_pipeline_not_per_batch(model, monkeypatch
     with pytest.raises(ELFError, match="cfg"):
         pipe(1, sampler=replace(pipe.sampler, cfg=2.0))
     assert checked[:2] == [pipe.sampler, other] and len(checked) == 4
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda p: p("4"), r"n= is the number of samples, an int; got str '4'; .*pipe\.infill"),
+        (lambda p: p.generate("4"), "n= is the number of samples"),
+        (lambda p: p(2.0), "got float 2.0"),
+        (lambda p: p(True), "got bool True"),
+        (lambda p: p.infill("In the [___] beginning"), "wrap a single template in a list"),
+    ],
+)
+def test_a_request_of_the_wrong_type_is_one_line(pipe, call, message):
+    with pytest.raises(ELFError, match=message) as e:
+        call(pipe)
+    assert "\n" not in str(e.value)
+
+
+def test_a_numpy_count_is_a_count(pipe):
+    import numpy as np
+
+    assert pipe(np.int64(2), seed=1).texts == pipe(2, seed=1).texts
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+@pytest.mark.parametrize("device", ["cuda", "cuda:1"])
+def test_moving_to_a_missing_device_is_one_line_and_leaves_the_pipeline_usable(model, pipe, device):
+    with pytest.raises(ELFError, match="no CUDA device is available here; use 'cpu'"):
+        pipe.to(device)
+    with pytest.raises(ELFError, match="no CUDA device"):
+        ELFPipeline.from_pretrained(model, device=device)
+    with pytest.raises(ELFError, match="'tpu' is not a device"):
+        pipe.to("tpu")
+    assert pipe.device.type == "cpu" and len(pipe(1).texts) == 1

@@ -9,6 +9,7 @@ size; conditional models run the frozen encoder once on the sources.
 from __future__ import annotations
 
 import functools
+import operator
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -94,6 +95,41 @@ def check_seeds(seed: Seeds, n: int) -> None:
             raise ELFError(f"{len(seed)} seeds for {n} samples; give one seed, or one per sample")
 
 
+def check_device(device: torch.device | str) -> torch.device:
+    """``device`` as a device this process has, or a one-line error (not torch's traceback)."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ELFError(
+            f"device {device!r} is not a device; use 'cpu', 'cuda' or 'cuda:K'"
+        ) from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ELFError(f"device {device!r}: no CUDA device is available here; use 'cpu'")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ELFError(
+                f"device {device!r}: there are {torch.cuda.device_count()} CUDA devices "
+                f"(cuda:0 to cuda:{torch.cuda.device_count() - 1})"
+            )
+    elif dev.type != "cpu":
+        backend = getattr(torch, dev.type, None) or getattr(torch.backends, dev.type, None)
+        available = getattr(backend, "is_available", None)
+        if available is None or not available():
+            raise ELFError(f"device {device!r} is not available here; use 'cpu' or 'cuda'")
+    return dev
+
+
+def _is_count(n: Any) -> bool:
+    """An integer (a Python or NumPy one), not a bool."""
+    if isinstance(n, bool):
+        return False
+    try:
+        operator.index(n)
+    except TypeError:
+        return False
+    return True
+
+
 def check_batch_size(batch_size: int) -> None:
     if batch_size < 1:
         raise ELFError(f"batch_size= must be >= 1, got {batch_size}")
@@ -143,6 +179,7 @@ class ELFPipeline:
         A ``tokenizer/`` folder inside an elflow model folder is preferred over ``config.tokenizer``
         (so small models can ship their vocabulary).
         """
+        device = check_device(device)
         resolved = resolve_source(source)
         model, config = load_resolved(resolved, use_ema, device, task)
         if tokenizer is None:
@@ -240,6 +277,17 @@ class ELFPipeline:
                     "writes one sample per source; drop n="
                 )
             n = len(sources)
+        elif n is not None and not _is_count(n):
+            hint = ""
+            if isinstance(n, str):
+                hint = (
+                    "; a source goes in sources=[...]"
+                    if cfg.conditional
+                    else ("; text with gaps to fill goes to pipe.infill([...])")
+                )
+            raise ELFError(
+                f"n= is the number of samples, an int; got {type(n).__name__} {n!r}{hint}"
+            )
         if cfg.conditional and sources is None:
             raise ELFError("this model is conditional: give source texts (sources=)")
         if not cfg.conditional and sources is not None:
@@ -378,6 +426,7 @@ class ELFPipeline:
         """Move the model (and the encoder, if loaded) to ``device``; returns the pipeline.
         Sampling precision is chosen per call (``elflow.hardware``'s bf16 autocast on CUDA), so
         the weights stay fp32."""
+        device = check_device(device)
         self.model.to(device)
         if self.encoder is not None:
             self.encoder = self.encoder.to(device)
@@ -456,6 +505,8 @@ class ELFPipeline:
         if sampler.length_range:
             raise ELFError("sampler.length_range applies to generate; an infill's gaps set theirs")
         check_batch_size(batch_size)
+        if isinstance(requests, (str, dict, InfillRequest)):  # one request, not a list of them
+            raise ELFError("requests must be a list; wrap a single template in a list")
         parsed = as_requests(requests)
         check_seeds(seed, len(parsed))
         self.frozen_encoder("infilling")
