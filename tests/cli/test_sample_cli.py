@@ -210,7 +210,9 @@ def test_two_processes_write_the_one_process_file(uncond_model, tmp_path):
     assert read(tmp_path / "two.jsonl") == one
 
 
-def test_an_interrupted_out_resumes_to_the_uninterrupted_file(uncond_model, tmp_path, monkeypatch):
+def test_an_interrupted_out_resumes_to_the_uninterrupted_file(
+    uncond_model, tmp_path, monkeypatch, capsys
+):
     from elflow.generation import records as records_mod
 
     args = ["--model", str(uncond_model), "--num-samples", "7", "--steps", "3", "--batch-size", "2"]
@@ -226,7 +228,11 @@ def test_an_interrupted_out_resumes_to_the_uninterrupted_file(uncond_model, tmp_
         return real(*a, **k)
 
     monkeypatch.setattr(records_mod, "_batch", killed)
+    capsys.readouterr()
     assert main([*args, "--out", str(out)]) == 130
+    said = capsys.readouterr().err.strip().splitlines()[-1]
+    assert said.startswith("elflow sample: interrupted; 4 samples are kept beside")
+    assert said.endswith("run the same command again to resume")
     partials = list(tmp_path.glob(".resumed.jsonl.partial-*"))
     assert not out.exists() and len(partials) == 1
     assert len(partials[0].read_text().splitlines()) == 1 + 4  # the header, two batches of 2

@@ -219,32 +219,48 @@ def run(args: argparse.Namespace) -> int:
         partial, earlier = _partial(args, info, sampler, n, seeds, sources, infill)
         done = {seed: {r["id"] for r in earlier if r["seed"] == seed} for seed in seeds}
 
+        written = [len(earlier)]
+
         def sink(records: list[dict]) -> None:
             partial.write([with_template(r) for r in records])
+            written[0] += len(records)
 
-        result = sample_seeds(
-            seeds,
-            lambda seed: sample_records(
-                pipe,
-                sampler,
-                n=None if sources is not None or infill is not None else n,
-                sources=sources,
-                source_field="text" if args.source else args.source_field,
-                seed=seed,
-                batch_size=args.batch_size,
-                bf16=args.bf16,
-                trajectory=args.trajectory is not None,
-                save_tokens=args.save_tokens,
-                model=model,
-                ema=not args.no_ema,
-                info=info,
-                progress=args.out is not None,
-                infill=infill,
-                skip=done[seed],
-                sink=None if partial is None else sink,
-                cuda_graphs=cuda_graphs_from_args(args),
-            ),
-        )
+        try:
+            result = sample_seeds(
+                seeds,
+                lambda seed: sample_records(
+                    pipe,
+                    sampler,
+                    n=None if sources is not None or infill is not None else n,
+                    sources=sources,
+                    source_field="text" if args.source else args.source_field,
+                    seed=seed,
+                    batch_size=args.batch_size,
+                    bf16=args.bf16,
+                    trajectory=args.trajectory is not None,
+                    save_tokens=args.save_tokens,
+                    model=model,
+                    ema=not args.no_ema,
+                    info=info,
+                    progress=args.out is not None,
+                    infill=infill,
+                    skip=done[seed],
+                    sink=None if partial is None else sink,
+                    cuda_graphs=cuda_graphs_from_args(args),
+                ),
+            )
+        except KeyboardInterrupt:
+            if partial is None:
+                raise
+            partial.close()
+            if info.is_main:
+                kept = f"{written[0]} samples are" if info.world_size == 1 else "finished batches"
+                print(
+                    f"elflow sample: interrupted; {kept} kept beside {args.out} (its .partial "
+                    "files): run the same command again to resume",
+                    file=sys.stderr,
+                )
+            return 130
         if not info.is_main:
             if partial is not None:
                 partial.close()
