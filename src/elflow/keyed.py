@@ -31,6 +31,7 @@ def _signed(value: int) -> int:
     return value - (1 << 64) if value >= 1 << 63 else value
 
 
+@torch.compiler.assume_constant_result  # a compiled step calls it at trace time, once
 def stream_key(seed: int, salt: str) -> int:
     """The 64-bit key of the stream ``salt`` of run ``seed`` (as a signed int64)."""
     digest = hashlib.blake2b(f"elflow:{seed}:{salt}".encode(), digest_size=8).digest()

@@ -263,7 +263,8 @@ class ELF(nn.Module):
             t: time per row (B,) or a scalar; t = 1 is data.
             w: SC-CFG scale per row (B,) or a scalar; required iff the model has scale tokens.
             gate: mode gate per row (B,) or a scalar: 0 denoise, 1 decode.
-            key_mask: optional (B, L) attention key mask, 1 = valid (prefix keys always valid).
+            key_mask: optional (B, L) attention key mask, 1 = valid (prefix keys always valid);
+                an all-ones mask on the host is dropped (attention then runs unmasked).
 
         Returns:
             (x_pred (B, L, E), hidden (B, L, D)); feed ``hidden`` to :meth:`decode_logits`.
@@ -328,6 +329,10 @@ class ELF(nn.Module):
             return tokens, None
         if key_mask.shape != (B, L):
             raise ELFError(f"key_mask must be (B, L) = {(B, L)}, got {tuple(key_mask.shape)}")
+        if key_mask.device.type == "cpu" and bool(key_mask.all()):
+            # No padding: no mask, so attention takes its fused kernels (flash, cuDNN). Only a
+            # mask on the host is read; one on an accelerator is kept (reading it would wait).
+            return tokens, None
         full = torch.cat([key_mask.new_ones(B, cfg.num_prefix_tokens), key_mask], dim=1).bool()
         return tokens, full[:, None, None, :]  # (B, 1, 1, P+L)
 
@@ -372,12 +377,15 @@ class ELF(nn.Module):
 
         return load_model(source, use_ema=use_ema, device=device, task=task)[0]
 
-    def save_pretrained(self, folder: str | Path, config: ArtifactConfig) -> Path:
+    def save_pretrained(
+        self, folder: str | Path, config: ArtifactConfig, *, overwrite: bool = False
+    ) -> Path:
         """Write this network and ``config`` as a model folder that :meth:`from_pretrained`
-        loads: :func:`elflow.io.artifact.save_model`, whose checks apply."""
+        loads: :func:`elflow.io.artifact.save_model`, whose checks apply (an existing model in
+        ``folder`` is replaced only with ``overwrite=True``)."""
         from elflow.io.artifact import save_model
 
-        return save_model(folder, self, config)
+        return save_model(folder, self, config, overwrite=overwrite)
 
 
 def _per_row(value: Tensor | float, batch: int, device: torch.device) -> Tensor:

@@ -230,17 +230,41 @@ def sample_draws_keyed(
     (denoiser rows) or its decoder noise (decoder rows), never both, so the two fields are the
     same tensor.
     """
+    scalars, plan = keyed_row_draws(positions, cfg, seed)
+    device = torch.device(device)
     pos = np.asarray(positions, dtype=np.int64).reshape(-1)
-    B = len(pos)
+    draws = keyed_device_draws(
+        scalars.to(device, non_blocking=True), host_index(pos, device), length, dim, cfg, seed
+    )
+    draws.plan = plan
+    return draws
+
+
+def keyed_row_draws(
+    positions: Sequence[int] | np.ndarray, cfg: ObjectiveConfig, seed: int
+) -> tuple[Tensor, RowPlan]:
+    """:func:`sample_draws_keyed`'s host part: the per-example scalars (B, 4) = (t, decoder,
+    self-conditioning, w) as a float32 host tensor, and the :class:`RowPlan` they make."""
+    pos = np.asarray(positions, dtype=np.int64).reshape(-1)
     dec = host_uniform(pos, seed, "decoder") < cfg.decoder_prob
     sc = host_uniform(pos, seed, "self_cond") < cfg.self_cond_prob
     t = logit_normal(torch.from_numpy(host_normal(pos, seed, "t")), cfg.time_mean, cfg.time_std)
     w = log_uniform_scale(torch.from_numpy(host_uniform(pos, seed, "w")), cfg.w_min, cfg.w_max)
     flags = torch.from_numpy(np.stack([dec, sc]).astype(np.float64))
     scalars = torch.stack([t, flags[0], flags[1], w], dim=1).float()  # (B, 4), on the host
-    t_, dec_, sc_, w_ = scalars.to(device, non_blocking=True).unbind(1)
-    device_pos = host_index(pos, torch.device(device))
-    normals = keyed_normals(device_pos, length * (dim + 1), seed, "noise")  # (B, L (E + 1))
+    return scalars, RowPlan(np.flatnonzero(dec), np.flatnonzero(sc & ~dec))
+
+
+def keyed_device_draws(
+    scalars: Tensor, positions: Tensor, length: int, dim: int, cfg: ObjectiveConfig, seed: int
+) -> Draws:
+    """:func:`sample_draws_keyed`'s device part (no plan): ``scalars`` (B, 4) from
+    :func:`keyed_row_draws` and the stream ``positions`` (B,) int64, both on the device; the
+    (L, E) noise and the (L,) decoder mixing weights in one batched call. Pure tensor work, so a
+    compiled step (``train.compile=step``) holds it."""
+    B = positions.shape[0]
+    t_, dec_, sc_, w_ = scalars.unbind(1)
+    normals = keyed_normals(positions, length * (dim + 1), seed, "noise")  # (B, L (E + 1))
     noise = normals[:, : length * dim].view(B, length, dim)
     lam = logit_normal(
         normals[:, length * dim :].view(B, length, 1), cfg.decoder_mean, cfg.decoder_std
@@ -253,7 +277,6 @@ def sample_draws_keyed(
         decoder_noise=noise,
         use_self_cond=sc_,
         w=w_,
-        plan=RowPlan(np.flatnonzero(dec), np.flatnonzero(sc & ~dec)),
     )
 
 

@@ -67,6 +67,10 @@ class EncoderConfig:
         return self.tokenizer or self.name
 
 
+COMPILE_MODES = ("none", "blocks", "step")
+"""``train.compile``'s values (docs/training.md "Compilation")."""
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """The training loop (ELF_SPEC §3 step 11)."""
@@ -132,9 +136,11 @@ class TrainConfig:
     """Write TensorBoard events when the tensorboard package is installed."""
     wandb: bool = False
     """Log to Weights & Biases (needs the wandb package and its login)."""
-    compile: bool = False
-    """torch.compile each transformer block (before FSDP2 shards it): fused kernels for the
-    norms, RoPE and SwiGLU; a one-off compile time of tens of seconds."""
+    compile: str = "none"
+    """torch.compile: 'none'; 'blocks' (each transformer block, before FSDP2 shards it: fused
+    kernels for the norms, RoPE and SwiGLU); 'step' (a whole micro-batch: draws, both network
+    passes, decoder head, losses; one process only). A one-off compile time of tens of seconds
+    (blocks) to minutes (step); true/false (older configs) mean blocks/none."""
     activation_checkpointing: str = "none"
     """'none' or 'blocks': recompute each block's activations in the backward pass instead of
     storing them: much less activation memory (larger micro-batches for ELF-M/L at L 1024) for
@@ -168,6 +174,15 @@ class TrainConfig:
             f"{self.activation_checkpointing!r}",
         )
         require(self.parallel in ("ddp", "fsdp2"), "train.parallel must be 'ddp' or 'fsdp2'")
+        require(
+            self.compile in COMPILE_MODES,
+            f"train.compile must be 'none', 'blocks' or 'step', got {self.compile!r}",
+        )
+        require(
+            not (self.compile == "step" and self.parallel == "fsdp2"),
+            "train.compile=step compiles one process's whole step and does not apply with "
+            "train.parallel=fsdp2; use train.compile=blocks",
+        )
         require(
             self.procedure in ("efficient", "reference"), "train.procedure: efficient or reference"
         )
@@ -227,13 +242,12 @@ def run_config_from_dict(data: dict[str, Any]) -> RunConfig:
             f"unknown config key(s) {unknown}; valid: {sorted(SECTIONS) + list(_SCALARS)}"
         )
     train = data.get("train", {})
-    if isinstance(train, dict) and isinstance(train.get("activation_checkpointing"), bool):
-        # Configs before 'none' | 'blocks' said false | true.
-        flag = train["activation_checkpointing"]
-        data = {
-            **data,
-            "train": {**train, "activation_checkpointing": "blocks" if flag else "none"},
-        }
+    if isinstance(train, dict):
+        # Configs before 'none' | 'blocks' (| 'step') said false | true.
+        old = {k: v for k, v in train.items() if k in ("activation_checkpointing", "compile")}
+        flags = {k: "blocks" if v else "none" for k, v in old.items() if isinstance(v, bool)}
+        if flags:
+            data = {**data, "train": {**train, **flags}}
     kwargs: dict[str, Any] = {
         name: from_dict(cls, data.get(name, {}), name) for name, cls in SECTIONS.items()
     }

@@ -344,11 +344,26 @@ def _network(
             rank_state = ckpt_io.load_rank_state(resume_from, info, saved_world, sharded)
     model.activation_checkpointing = cfg.train.activation_checkpointing == "blocks"
     forward = TrainForward(model)
-    # Each block compiled, then sharded (torchtitan's order): FSDP2's hooks stay outside the
-    # compiled graphs, and one compiled block serves all of them.
-    wrapped = parallelize(
-        forward, model.blocks, info, cfg.train.parallel, bf16=bf16, compile=cfg.train.compile
-    )
+    if cfg.train.compile == "step":
+        # The whole micro-batch is compiled around this forward (train/step.py); DDP's forward
+        # (its reducer calls) would break that graph, so one process runs it unwrapped.
+        if info.world_size > 1:
+            raise ELFError(
+                f"train.compile=step compiles one process's whole step; with "
+                f"{info.world_size} processes use train.compile=blocks"
+            )
+        wrapped = forward
+    else:
+        # Each block compiled, then sharded (torchtitan's order): FSDP2's hooks stay outside
+        # the compiled graphs, and one compiled block serves all of them.
+        wrapped = parallelize(
+            forward,
+            model.blocks,
+            info,
+            cfg.train.parallel,
+            bf16=bf16,
+            compile=cfg.train.compile == "blocks",
+        )
     ema = EMA(model, cfg.train.ema_decay, cfg.train.ema_warmup)
     optimizer = build_optimizer(
         model, optim_cfg, sharded=sharded, distributed=group_up() and not sharded

@@ -22,7 +22,18 @@ import torch
 from torch import Tensor
 
 from elflow.distributed import all_reduce_sum, gradient_sync
-from elflow.objective import Batch, elf_loss, sample_draws_keyed
+from elflow.objective import (
+    Batch,
+    BranchRows,
+    Draws,
+    LossOutput,
+    branch_loss,
+    elf_loss,
+    host_index,
+    keyed_device_draws,
+    keyed_row_draws,
+    sample_draws_keyed,
+)
 from elflow.train.batches import BatchLoader, HostBatch
 from elflow.train.config import RunConfig
 
@@ -63,10 +74,27 @@ class Objective(Protocol):
 
 
 class ELFObjective:
-    """The ELF training loss (§3), normalised by the global batch's loss-mask total."""
+    """The ELF training loss (§3), normalised by the global batch's loss-mask total.
+
+    With ``train.compile=step`` each micro-batch runs as one compiled graph
+    (:meth:`micro_batch` under ``torch.compile(fullgraph=True)``): the keyed draws' device part,
+    the noising and targets, both network passes, the decoder head and the losses; the backward
+    pass is the graph's compiled backward. The host keeps what only it knows (the per-example
+    scalars, the row plan) and hands it over as tensors.
+
+    NOTE: which rows are decoder rows and which self-condition changes every step. Their index
+    tensors have a dynamic size (``torch._dynamo.mark_dynamic``), padded to at least 2 rows
+    (:meth:`RowPlan.padded`: dynamo specialises sizes 0 and 1), so one graph serves every step:
+    no recompile, and no masked passes over all rows (which would run the no-grad pass and the
+    V-way head on every row). The decoder head's chunk loop is one opaque op inside it
+    (:mod:`elflow.head_loss`). Another micro-batch shape (B, L) compiles once more.
+    """
 
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
+        self.compiled = None
+        if cfg.train.compile == "step":
+            self.compiled = torch.compile(self.micro_batch, fullgraph=True)
 
     def denominator(self, batch: HostBatch | Batch) -> float:
         if batch.loss_tokens is None:  # a batch made by hand: read its mask
@@ -75,19 +103,74 @@ class ELFObjective:
 
     def __call__(self, forward, batch: Batch, positions: np.ndarray) -> StepLoss:
         cfg = self.cfg
+        if self.compiled is not None:
+            return self._compiled_call(forward, batch, positions)
         L, E = batch.x.shape[1], batch.x.shape[2]
         draws = sample_draws_keyed(positions, L, E, cfg.objective, cfg.train.seed, batch.x.device)
         out = elf_loss(
             forward, batch, draws, cfg.objective, cfg.train.procedure, check_inputs=False
         )
-        mask = loss_mask(batch, cfg.objective.pad_with_eos)
+        return StepLoss(out.l2_sum + out.ce_sum, self.stats(batch, draws, out))
+
+    def stats(self, batch: Batch, draws: Draws, out: LossOutput) -> Tensor:
+        """(5,) float64 logging sums of a micro-batch (:class:`StepLoss`)."""
+        mask = loss_mask(batch, self.cfg.objective.pad_with_eos)
         tokens = mask.sum()
         l2_tokens = (mask * (1.0 - draws.decoder_active)[:, None]).sum()
         bad = (~torch.isfinite(batch.x)).any()
         stats = torch.stack(
             [out.l2_sum.detach(), out.ce_sum.detach(), l2_tokens, tokens - l2_tokens]
         )
-        return StepLoss(out.l2_sum + out.ce_sum, torch.cat([stats.double(), bad.double()[None]]))
+        return torch.cat([stats.double(), bad.double()[None]])
+
+    def _compiled_call(self, forward, batch: Batch, positions: np.ndarray) -> StepLoss:
+        """The host's part of a compiled micro-batch: the scalars and the padded row plan,
+        copied without waiting, then the compiled graph."""
+        cfg, device = self.cfg, batch.x.device
+        scalars, plan = keyed_row_draws(positions, cfg.objective, cfg.train.seed)
+        decoder, self_cond = plan.padded(len(positions)).arrays()
+        decoder, self_cond = host_index(decoder, device), host_index(self_cond, device)
+        torch._dynamo.mark_dynamic(decoder, 1)
+        torch._dynamo.mark_dynamic(self_cond, 0)
+        numerator, stats = self.compiled(
+            forward,
+            batch.x,
+            batch.input_ids,
+            batch.attention_mask,
+            batch.cond_mask,
+            batch.label_drop,
+            scalars.to(device, non_blocking=True),
+            host_index(positions, device),
+            decoder,
+            self_cond,
+        )
+        return StepLoss(numerator, stats)
+
+    def micro_batch(
+        self,
+        forward,
+        x: Tensor,
+        input_ids: Tensor,
+        attention_mask: Tensor,
+        cond_mask: Tensor | None,
+        label_drop: Tensor | None,
+        scalars: Tensor,
+        positions: Tensor,
+        decoder: Tensor,
+        self_cond: Tensor,
+    ) -> tuple[Tensor, Tensor]:
+        """One micro-batch from tensors alone (what ``train.compile=step`` compiles): the
+        keyed draws' device part, :func:`branch_loss`, the logging sums. ``scalars`` (B, 4)
+        and ``decoder`` (2, R), ``self_cond`` (S,) come from :func:`keyed_row_draws` and
+        :meth:`RowPlan.arrays` of a padded plan; returns (numerator, stats)."""
+        cfg = self.cfg
+        batch = Batch(x, input_ids, attention_mask, cond_mask, label_drop)
+        L, E = x.shape[1], x.shape[2]
+        draws = keyed_device_draws(scalars, positions, L, E, cfg.objective, cfg.train.seed)
+        rows = BranchRows.of_tensors(decoder, self_cond)
+        reference = cfg.train.procedure == "reference"
+        out = branch_loss(forward, batch, draws, rows, cfg.objective, reference)
+        return out.l2_sum + out.ce_sum, self.stats(batch, draws, out)
 
 
 def loss_mask(batch: Batch, pad_with_eos: bool) -> Tensor:
