@@ -326,15 +326,15 @@ def test_save_model_checks_first_and_leaves_no_stale_ema(tmp_path):
     a, b = _perturbed_model(0), _perturbed_model(1)
     config = ArtifactConfig(model=CFG)
     folder = save_model(tmp_path / "m", a, config, ema_state=_perturbed_model(2).state_dict())
-    save_model(folder, b, config)  # no EMA this time: the earlier one must not win on load
+    save_model(folder, b, config, overwrite=True)  # no EMA: the earlier one must not win on load
     assert not (folder / "ema.safetensors").exists()
     torch.testing.assert_close(_outputs(load_model(folder)[0])[0], _outputs(b)[0])
     before = (folder / "model.safetensors").read_bytes()
     with pytest.raises(ELFError, match=r"e\.g\. EMA\.shadow"):
-        save_model(folder, a, config, ema_state={"shadow": {}, "decay": 0.9})
+        save_model(folder, a, config, ema_state={"shadow": {}, "decay": 0.9}, overwrite=True)
     other = build_model(elf_tiny(encoder_dim=8, vocab_size=21, max_length=16)).state_dict()
     with pytest.raises(ELFError, match="another model's EMA"):
-        save_model(folder, a, config, ema_state=other)
+        save_model(folder, a, config, ema_state=other, overwrite=True)
     assert (folder / "model.safetensors").read_bytes() == before  # nothing written
     (tmp_path / "ckpt").mkdir()
     (tmp_path / "ckpt" / "state.json").write_text("{}")
@@ -343,6 +343,57 @@ def test_save_model_checks_first_and_leaves_no_stale_ema(tmp_path):
     (tmp_path / "run" / "checkpoint-5").mkdir(parents=True)  # it would shadow the checkpoints
     with pytest.raises(ELFError, match="is a training checkpoint or run folder"):
         save_model(tmp_path / "run", a, config)
+
+
+@pytest.mark.parametrize("held", ["config.json", "model.safetensors", "README.md", "tokenizer"])
+def test_save_model_refuses_a_folder_holding_a_model_unless_overwrite(tmp_path, held):
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("mine")  # other files are no model's: kept, not refused
+    if held == "tokenizer":
+        (folder / held).mkdir()
+        (folder / held / "tokenizer.json").write_text("{}")
+    else:
+        (folder / held).write_text("an earlier model's")
+    with pytest.raises(ELFError) as e:
+        save_model(folder, _perturbed_model(), ArtifactConfig(model=CFG))
+    assert str(e.value) == (
+        f"{folder} already holds {held}; save to a new folder, or pass overwrite=True to replace "
+        "that model"
+    )
+    assert sorted(p.name for p in folder.iterdir()) == sorted([held, "notes.txt"])  # untouched
+    # overwrite replaces the model: nothing of the earlier one is left to be read with it
+    save_model(folder, _perturbed_model(), ArtifactConfig(model=CFG), overwrite=True)
+    left = {"config.json", "model.safetensors", "notes.txt"}
+    assert {p.name for p in folder.iterdir()} == left
+    assert (folder / "notes.txt").read_text() == "mine"
+    load_model(folder)
+
+
+def test_save_model_into_a_new_or_empty_folder_and_not_into_a_file(tmp_path):
+    (tmp_path / "empty").mkdir()
+    save_model(tmp_path / "empty", _perturbed_model(), ArtifactConfig(model=CFG))
+    save_model(tmp_path / "new" / "deep", _perturbed_model(), ArtifactConfig(model=CFG))
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(ELFError, match="is a file; save the model to a folder"):
+        save_model(tmp_path / "f", _perturbed_model(), ArtifactConfig(model=CFG))
+
+
+def test_pipeline_save_pretrained_keeps_an_earlier_model_unless_overwrite(uncond_model, tmp_path):
+    from elflow import ELFPipeline
+
+    pipe = ELFPipeline.from_pretrained(uncond_model)
+    folder = pipe.save_pretrained(tmp_path / "saved")
+    card = (folder / "README.md").read_text()
+    (folder / "README.md").write_text(card + "my notes\n")
+    with pytest.raises(ELFError, match=r"already holds config\.json, model\.safetensors, tokeni"):
+        pipe.save_pretrained(folder)
+    assert (folder / "README.md").read_text().endswith("my notes\n")  # kept
+    with pytest.raises(ELFError, match="already holds"):
+        pipe.model.save_pretrained(folder, pipe.config)  # ELF.save_pretrained: the same rule
+    assert pipe.save_pretrained(folder, overwrite=True) == folder
+    assert (folder / "README.md").read_text() == card
+    assert ELFPipeline.from_pretrained(folder)(2, seed=1).texts == pipe(2, seed=1).texts
 
 
 def test_legacy_unconditional_config_with_max_input_length_loads(tmp_path):

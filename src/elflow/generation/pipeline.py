@@ -432,15 +432,18 @@ class ELFPipeline:
             self.encoder = self.encoder.to(device)
         return self
 
-    def save_pretrained(self, folder: str | Path, *, metrics: dict | None = None) -> Path:
+    def save_pretrained(
+        self, folder: str | Path, *, metrics: dict | None = None, overwrite: bool = False
+    ) -> Path:
         """Write the pipeline as a model folder that :meth:`from_pretrained` (and ``elflow
         sample --model``) loads: ``model.safetensors``, ``config.json``, ``tokenizer/`` and a
         ``README.md`` model card whose YAML front matter names ``library_name: elflow``;
-        ``metrics`` (e.g. an ``elflow score`` result) go into the card."""
+        ``metrics`` (e.g. an ``elflow score`` result) go into the card. A folder that already
+        holds a model's files is refused unless ``overwrite=True``."""
         from elflow.io.artifact import save_model
         from elflow.io.model_card import write_model_card
 
-        out = save_model(folder, self.model, self.config)
+        out = save_model(folder, self.model, self.config, overwrite=overwrite)
         self.tokenizer.save_pretrained(str(Path(out) / "tokenizer"))
         write_model_card(Path(out), self.config, metrics)
         return Path(out)

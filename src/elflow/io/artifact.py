@@ -15,6 +15,7 @@ import json
 import math
 import os
 import re
+import shutil
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -54,6 +55,10 @@ from elflow.paths import save_safetensors
 
 FORMAT = "elflow-model"
 FORMAT_VERSION = 1
+TOKENIZER_DIR, CARD = "tokenizer", "README.md"
+MODEL_FILES = (CONFIG, WEIGHTS, EMA_WEIGHTS, TOKENIZER_DIR, CARD)
+"""What a model folder holds (its tokenizer and model card written by ``ELFPipeline``):
+:func:`save_model` replaces any of them only with ``overwrite=True``."""
 
 
 SAMPLER_KEYS_SINCE_0_2 = {
@@ -247,20 +252,34 @@ def save_model(
     model: ELF,
     config: ArtifactConfig,
     ema_state: dict[str, torch.Tensor] | None = None,
+    *,
+    overwrite: bool = False,
 ) -> Path:
     """Write ``model.safetensors`` (+ ``ema.safetensors``) and ``config.json``, each atomically.
 
     ``model`` may be wrapped (``torch.compile``, DDP): its :class:`ELF` is saved. Everything is
-    checked before the first file is written; without ``ema_state`` an earlier save's
-    ``ema.safetensors`` is removed, so that loading never prefers it over these weights.
+    checked before the first file is written. A folder that already holds any of
+    :data:`MODEL_FILES` is refused unless ``overwrite``, which replaces the model: the files of
+    the earlier one that this save does not write (``ema.safetensors``, ``tokenizer/``,
+    ``README.md``) are removed, so that loading never reads them with these weights.
     """
     folder = Path(folder)
     model = unwrap(model)
     if config.model != model.cfg:
         raise ELFError("artifact config's model section does not match the network's config")
+    if folder.exists() and not folder.is_dir():
+        raise ELFError(f"{folder} is a file; save the model to a folder")
     if (folder / "state.json").is_file() or (folder.is_dir() and run_checkpoints(folder)):
         raise ELFError(
             f"{folder} is a training checkpoint or run folder; save the model to another folder"
+        )
+    held = [
+        name for name in MODEL_FILES if (folder / name).exists() or (folder / name).is_symlink()
+    ]
+    if held and not overwrite:
+        raise ELFError(
+            f"{folder} already holds {', '.join(held)}; save to a new folder, or pass "
+            "overwrite=True to replace that model"
         )
     state = model.state_dict()
     if ema_state is not None:
@@ -274,8 +293,13 @@ def save_model(
     _atomic_write(folder / WEIGHTS, lambda p: save_safetensors(weights(state), p, meta))
     if ema_state is not None:
         _atomic_write(folder / EMA_WEIGHTS, lambda p: save_safetensors(weights(ema_state), p, meta))
-    elif (folder / EMA_WEIGHTS).exists():
-        (folder / EMA_WEIGHTS).unlink()
+    stale = [EMA_WEIGHTS] if ema_state is None else []
+    for name in [*stale, TOKENIZER_DIR, CARD]:
+        path = folder / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        elif path.exists() or path.is_symlink():
+            path.unlink()
     text = json.dumps(config.to_json(), indent=2) + "\n"
     _atomic_write(folder / CONFIG, lambda p: Path(p).write_text(text))
     return folder

@@ -11,9 +11,7 @@ import json
 from pathlib import Path
 
 from elflow.errors import ELFError, first_line
-from elflow.io.artifact import ArtifactConfig
-
-CARD = "README.md"
+from elflow.io.artifact import CARD, ArtifactConfig
 
 
 def model_card(config: ArtifactConfig, metrics: dict | None = None) -> str:
