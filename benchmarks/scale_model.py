@@ -9,7 +9,8 @@ micro-batches that fit its memory):
 
     t = t_matmul + t_elementwise + t_optimizer + t_comm (exposed) + t_syncs
 
-- **t_matmul**: the FLOPs of :mod:`elflow.train.flops` by the dtype they run in, at ``GEMM_EFF``
+- **t_matmul**: the executed FLOPs of :mod:`elflow.train.flops` (docs/training.md, "FLOPs and
+  MFU": flash attention's recomputed product included) by the dtype they run in, at ``GEMM_EFF``
   of the dtype's peak. *Before*: the frozen encoder, the input projections, embedders and heads
   in plain fp32 (TF32 was never switched on); *after*: the encoder in bf16, those parts in TF32.
   The blocks are bf16 in both.
@@ -30,9 +31,10 @@ micro-batches that fit its memory):
   compute; Muon's exchange after the backward is exposed.
 - **t_syncs**: host syncs per step (counted by the step profile) x ``SYNC_S``.
 
-The last column, the ceiling, is the MFU if the elementwise work took no time at all, everything
-else as predicted: what fusing it away could give at this GEMM efficiency. Every constant is
-printed with the result. Figures are predictions, not measurements.
+MFU is model FLOPs over the bf16 peak, HFU executed FLOPs over it. The last column, the ceiling,
+is the MFU if the elementwise work took no time at all, everything else as predicted: what
+fusing it away could give at this GEMM efficiency. Every constant is printed with the result.
+Figures are predictions, not measurements.
 """
 
 from __future__ import annotations
@@ -99,7 +101,12 @@ def model_flops(preset: str) -> dict:
     """Per-row FLOPs of ``preset`` split as the dtypes see them (ELF-B's shapes for owt-b...)."""
     from transformers import T5Config
 
-    from elflow.train.flops import encoder_flops_per_token, pass_flops
+    from elflow.train.flops import (
+        encoder_flops_per_token,
+        executed_row_flops,
+        model_row_flops,
+        pass_flops,
+    )
     from elflow.train.muon import newton_schulz_flops
     from elflow.train.presets import preset as get
 
@@ -109,7 +116,7 @@ def model_flops(preset: str) -> dict:
     t5 = T5Config(d_model=512, d_kv=64, num_heads=8, d_ff=2048, num_layers=6)
     p = pass_flops(m, L)
     sc, dec = o.self_cond_prob * (1 - o.decoder_prob), o.decoder_prob
-    blocks = p.blocks * (3 + sc)
+    blocks = p.blocks * (3 + sc) + 0.5 * p.attention  # flash attention's recomputed product
     rest = (p.body - p.blocks) * (3 + sc) - p.first_layers + 3 * dec * p.head
     encoder = encoder_flops_per_token(t5, L) * L
     import torch
@@ -125,7 +132,8 @@ def model_flops(preset: str) -> dict:
         "blocks": blocks,
         "rest": rest,
         "encoder": encoder,
-        "model_row": blocks + rest + encoder,
+        "model_row": model_row_flops(m, o, L, encoder / L),
+        "executed_row": executed_row_flops(m, o, L, encoder / L),
         "shapes": shapes,
         "params": params,
         "muon_params": sum(math.prod(s) for s in shapes),
@@ -202,6 +210,7 @@ def predict(
     t_sync = syncs * SYNC_S
     t = t_matmul + t_elem + t_opt + t_comm + t_sync
     mfu = rows * f["model_row"] / t / gpu.bf16
+    hfu = rows * f["executed_row"] / t / gpu.bf16
     # The ceiling: the MFU if the elementwise work took no time at all (fused into the products).
     ceiling = rows * f["model_row"] / (t - t_elem) / gpu.bf16
     return {
@@ -218,6 +227,7 @@ def predict(
         "t_syncs": t_sync,
         "step_s": t,
         "mfu": mfu,
+        "hfu": hfu,
         "mfu_without_elementwise": ceiling,
         "plain_fp32_parts": bool(plain),
     }
@@ -247,7 +257,7 @@ def main(argv: list[str] | None = None) -> None:
     out = []
     print(
         f"{'preset':<6} {'GPUs':>4} {'code':<15} {'micro':>5} {'matmul':>7} {'elemwise':>8} "
-        f"{'optim':>6} {'comm':>6} {'syncs':>6} {'step s':>7} {'MFU':>6} {'ceiling':>9}"
+        f"{'optim':>6} {'comm':>6} {'syncs':>6} {'step s':>7} {'MFU':>6} {'HFU':>6} {'ceiling':>9}"
     )
     for preset in ("owt-b", "owt-m", "owt-l"):
         for world in worlds:
@@ -259,7 +269,8 @@ def main(argv: list[str] | None = None) -> None:
                     f"{preset:<6} {world:>4} {label:<15} {r['micro_batch']:>2}x{r['accum']:<2} "
                     f"{r['t_matmul']:>7.3f} {r['t_elementwise']:>8.3f} {r['t_optimizer']:>6.3f} "
                     f"{r['t_comm']:>6.3f} {r['t_syncs']:>6.3f} {r['step_s']:>7.3f} "
-                    f"{100 * r['mfu']:>5.1f}% {100 * r['mfu_without_elementwise']:>8.1f}%"
+                    f"{100 * r['mfu']:>5.1f}% {100 * r['hfu']:>5.1f}% "
+                    f"{100 * r['mfu_without_elementwise']:>8.1f}%"
                 )
     if args.json:
         with open(args.json, "w") as f:

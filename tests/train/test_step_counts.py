@@ -15,7 +15,15 @@ from elflow.config import ObjectiveConfig, elf_b, elf_tiny
 from elflow.model import build_model
 from elflow.objective import Batch, RowPlan, elf_loss, sample_draws, sample_draws_keyed
 from elflow.profiling import OpCounter, optimizer_host_tensors
-from elflow.train.flops import encoder_flops_per_token, train_row_flops
+from elflow.train.flops import (
+    encoder_flops_per_token,
+    executed_row_flops,
+    expected_padding,
+    model_row_flops,
+    pass_flops,
+    reference_step_flops,
+    train_row_flops,
+)
 from elflow.train.muon import assign_owners, newton_schulz_flops
 from elflow.wiring import TrainForward
 from tests.train_helpers import run_config, train_cli
@@ -118,6 +126,9 @@ def test_the_log_lines_give_tokens_per_second_mfu_and_memory(tmp_path, assets):
     for x in lines:
         assert x["tokens_per_s"] > 0 and x["step_s"] > 0 and x["peak_memory_gb"] > 0
         assert 0 < x["mfu"] < 1  # a CPU against a 0.5 TFLOP/s peak
+        # The efficient step runs more than the model's work (flash attention's recomputation).
+        assert x["mfu"] < x["hfu"] and x["model_tflops"] < x["executed_tflops"]
+        assert x["hfu"] / x["mfu"] == pytest.approx(x["executed_tflops"] / x["model_tflops"])
 
 
 def test_throughput_counts_valid_tokens_over_training_time(monkeypatch):
@@ -127,12 +138,16 @@ def test_throughput_counts_valid_tokens_over_training_time(monkeypatch):
     monkeypatch.setattr(throughput.time, "perf_counter", lambda: next(clock))
     meter = throughput.ThroughputMeter.__new__(throughput.ThroughputMeter)
     meter.flops_per_step, meter.peak, meter.device = 1e12, 4e12, torch.device("cpu")
+    meter.executed_per_step = 1.5e12
     meter.start, meter.paused = next(clock), 0.0
     meter.pause(6.0)  # a checkpoint took 6 of the 10 seconds
     figures = meter.figures(steps=2, tokens=800)
     assert figures["tokens_per_s"] == pytest.approx(200.0)
     assert figures["step_s"] == pytest.approx(2.0)
     assert figures["mfu"] == pytest.approx(2e12 / 4 / 4e12)
+    assert figures["hfu"] == pytest.approx(3e12 / 4 / 4e12)
+    assert figures["model_tflops"] == pytest.approx(0.5)
+    assert figures["executed_tflops"] == pytest.approx(0.75)
 
 
 def test_host_batches_know_the_loss_and_text_tokens(tmp_path, assets):
@@ -179,6 +194,95 @@ def test_the_flops_formula_is_the_counted_step(procedure):
     assert sum(c.counts.flops.values()) == pytest.approx(expected, rel=1e-12)
 
 
+def _draws(B):
+    return sample_draws_keyed(range(100, 100 + B), L, E, ObjectiveConfig(), seed=0)
+
+
+def _counted_step(cfg, draws, procedure="efficient", plan=None, checkpointing=False):
+    """Counted FLOPs of one step of ``procedure``, with ``plan`` (a padded one, as
+    ``train.compile=step`` makes) instead of the draws' own."""
+    from elflow.objective import BranchRows, branch_loss
+
+    torch.manual_seed(0)
+    B = draws.t.shape[0]
+    model = build_model(cfg)
+    model.train()
+    model.activation_checkpointing = checkpointing
+    batch = Batch(torch.randn(B, L, E), torch.randint(0, V, (B, L)), torch.ones(B, L))
+    forward = TrainForward(model)
+    with OpCounter() as c:
+        if plan is None:
+            out = elf_loss(forward, batch, draws, ObjectiveConfig(), procedure)
+        else:
+            rows = BranchRows.of(plan, batch.x.device)
+            out = branch_loss(forward, batch, draws, rows, ObjectiveConfig(), False)
+        out.loss.backward()
+    return sum(c.counts.flops.values())
+
+
+def test_model_flops_are_the_efficient_steps_work_and_executed_flops_add_what_runs_besides():
+    cfg = elf_tiny(encoder_dim=E, vocab_size=V, max_length=12)
+    obj = ObjectiveConfig()
+    dec, sc = obj.decoder_prob, obj.self_cond_prob * (1 - obj.decoder_prob)
+    p = pass_flops(cfg, L)
+    model = model_row_flops(cfg, obj, L, encoder_per_token=7.0)
+    # Model FLOPs: trained pass (attention backward 2x), head on decoder rows, one no-grad pass on
+    # the self-conditioned rows, the encoder: whatever the procedure or the settings.
+    assert model == train_row_flops(cfg, L, dec, sc, 7.0, "efficient", True, 2.0)
+    assert model == model_row_flops(elf_tiny(**{**vars(cfg), "dropout": 0.1}), obj, L, 7.0)
+    plain = executed_row_flops(cfg, obj, L, 7.0, attention_backward=2.0)
+    assert plain == pytest.approx(model, rel=1e-12)
+    # Flash attention's recomputed product, then each extra on top of it.
+    flash = executed_row_flops(cfg, obj, L, 7.0)
+    assert flash - model == pytest.approx(0.5 * p.attention)
+    ckpt = executed_row_flops(cfg, obj, L, 7.0, checkpointing=True)
+    assert 0.5 * p.blocks < ckpt - flash < p.blocks  # the blocks' forward, less a product each
+    dropout = executed_row_flops(elf_tiny(**{**vars(cfg), "dropout": 0.1}), obj, L, 7.0)
+    assert dropout - flash == pytest.approx(sc * p.body)  # the second no-grad pass
+    reference = executed_row_flops(cfg, obj, L, 7.0, procedure="reference")
+    assert reference - flash == pytest.approx(
+        3 * (1 - dec) * p.head + 2 * (p.body + p.head) - sc * p.body
+    )
+    padded = executed_row_flops(cfg, obj, L, 7.0, micro_batch=4, min_branch_rows=2)
+    extra = 3 * expected_padding(4, dec, 2) * p.head + expected_padding(4, sc, 2) * p.body
+    assert padded - flash == pytest.approx(extra / 4) and extra > 0
+    # The authors' step: elflow's reference procedure without the heads of the no-grad passes.
+    assert reference_step_flops(cfg, L, 7.0) == pytest.approx(reference - 2 * p.head)
+
+
+def test_expected_padding_is_the_binomial_expectation():
+    # 3 rows at p 1/2: 0 rows (1/8) need 2, 1 row (3/8) needs 1.
+    assert expected_padding(3, 0.5, 2) == pytest.approx(2 / 8 + 3 / 8)
+    assert expected_padding(1, 0.3, 2) == pytest.approx(2 * 0.7 + 0.3)
+    assert 0 < expected_padding(64, 0.2, 2) < 1e-4 and expected_padding(8, 0.2, 0) == 0.0
+
+
+def test_executed_flops_count_the_compiled_steps_padding_and_the_recomputed_blocks():
+    from elflow.objective import RowPlan
+
+    B = 6
+    cfg = elf_tiny(encoder_dim=E, vocab_size=V, max_length=12)
+    draws = _draws(B)
+    # A plan with one decoder row and no self-conditioned row, padded as a compiled step pads it.
+    plan = RowPlan(draws.plan.decoder[:1], draws.plan.self_cond[:0]).padded(B)
+    keep = np.zeros(B, bool)
+    keep[plan.decoder[:1]] = True
+    draws.decoder_active = torch.tensor(keep, dtype=torch.float32)
+    draws.use_self_cond = torch.zeros(B)
+    counted = _counted_step(cfg, draws, plan=plan)
+    # Two head rows and two no-grad rows run though one row and none count as model work.
+    expected = B * train_row_flops(cfg, L, 2 / B, 2 / B, attention_backward=2.5)
+    assert counted == pytest.approx(expected, rel=1e-12)
+    # Activation checkpointing runs every row's blocks forward once more (their last product
+    # excepted: torch stops recomputing once the saved tensors are back).
+    plain, again = _counted_step(cfg, _draws(B)), _counted_step(cfg, _draws(B), checkpointing=True)
+    obj = ObjectiveConfig()
+    recomputed = executed_row_flops(cfg, obj, L, checkpointing=True) - executed_row_flops(
+        cfg, obj, L
+    )
+    assert again - plain == pytest.approx(B * recomputed, rel=1e-12)
+
+
 def test_the_encoder_flops_formula_is_close_to_the_counted_forward():
     from transformers import T5Config, T5EncoderModel
 
@@ -216,6 +320,7 @@ def test_muon_owners_share_the_newton_schulz_work(world):
     assert set(owners) == set(range(world)) or len(shapes) < world
 
 
+@pytest.mark.dist
 @pytest.mark.slow
 def test_two_processes_share_muon_and_match_one_process(tmp_path):
     import subprocess
@@ -258,6 +363,7 @@ def _same_checkpoints(a, b, atol):
 
 
 @pytest.mark.slow
+@pytest.mark.dist
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp2"])
 def test_four_processes_with_accumulation_equal_one(tmp_path, assets, parallel):
     from tests.train_helpers import torchrun

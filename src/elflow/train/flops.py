@@ -1,19 +1,28 @@
 """Matrix FLOPs of an ELF training step, worked out from the shapes (for MFU and the scale model).
 
-The count follows what the efficient procedure runs (ELF_SPEC §3, §9): the frozen encoder once per
-row (unless the latents are cached), the no-grad unconditional pass on the self-conditioned rows,
-the trained pass on every row (forward and backward), the decoder head on the decoder rows only;
-the reference procedure's extra passes when asked. Products only (2 FLOPs per multiply-add;
-elementwise work is not counted): the backward of a linear layer is twice its forward, except
-where its input needs no gradient (the first projection, the timestep embedders' first layers);
-attention's backward is twice its forward in model FLOPs (MFU's convention), 2.5 times with the
-forward product that flash attention recomputes (``torch.utils.flop_counter``'s count).
-``tests/train/test_step_counts.py`` checks these formulas against
+One convention (docs/training.md, "FLOPs and MFU"), two counts per training row:
+
+- **model FLOPs** (:func:`model_row_flops`, MFU's numerator): the useful work of a step at the
+  objective's branch probabilities, whatever runs it: the frozen encoder's forward when the step
+  runs it, the trained pass forward and backward on every row, the decoder head on the decoder
+  rows, one no-grad self-conditioning pass on the self-conditioned denoiser rows (ELF_SPEC §3, §9).
+- **executed FLOPs** (:func:`executed_row_flops`): every product the step really runs: a second
+  no-grad pass under dropout, the reference procedure's passes and heads on every row, block
+  forwards recomputed under activation checkpointing, rows a compiled step pads its branches
+  with, and the forward product that flash attention recomputes in its backward.
+  :func:`reference_step_flops` counts the authors' PyTorch step by the same rule.
+
+Products only (2 FLOPs per multiply-add; elementwise work is not counted): the backward of a
+linear layer is twice its forward, except where its input needs no gradient (the first
+projection, the timestep embedders' first layers); attention's backward is twice its forward in
+model FLOPs, 2.5 times in executed FLOPs (``torch.utils.flop_counter``'s count of the fused
+kernels). ``tests/train/test_step_counts.py`` checks these formulas against
 :class:`elflow.profiling.OpCounter`'s count of a real step.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from elflow.config import ModelConfig, ObjectiveConfig
@@ -87,12 +96,100 @@ def expected_row_flops(
     encoder_per_token: float = 0.0,
     procedure: str = "efficient",
 ) -> float:
-    """:func:`train_row_flops` at the objective's branch probabilities (MFU's numerator)."""
+    """:func:`train_row_flops` of ``procedure`` at the objective's branch probabilities
+    (attention's backward 2x; :func:`model_row_flops` for MFU, :func:`executed_row_flops` for
+    what runs)."""
     sc = objective.self_cond_prob * (1 - objective.decoder_prob)
     deterministic = cfg.dropout == 0.0
     return train_row_flops(
         cfg, length, objective.decoder_prob, sc, encoder_per_token, procedure, deterministic
     )
+
+
+def branch_probabilities(objective: ObjectiveConfig) -> tuple[float, float]:
+    """(decoder rows, self-conditioned denoiser rows): each row's probability of the branch."""
+    return objective.decoder_prob, objective.self_cond_prob * (1 - objective.decoder_prob)
+
+
+def model_row_flops(
+    cfg: ModelConfig,
+    objective: ObjectiveConfig,
+    length: int,
+    encoder_per_token: float = 0.0,
+) -> float:
+    """Model FLOPs per training row (MFU's numerator): the trained pass forward and backward,
+    the decoder head on the decoder rows, one no-grad pass on the self-conditioned rows, at the
+    branch probabilities, attention's backward 2x; ``encoder_per_token`` when the step encodes.
+    The same for every procedure, dropout, compile mode and checkpointing setting."""
+    dec, sc = branch_probabilities(objective)
+    return train_row_flops(cfg, length, dec, sc, encoder_per_token, "efficient", True, 2.0)
+
+
+def expected_padding(rows: int, p: float, minimum: int) -> float:
+    """Expected rows a compiled step adds to a branch of ``rows`` rows each taken with
+    probability ``p`` to reach ``minimum`` (:meth:`elflow.objective.RowPlan.padded`)."""
+    if rows <= 0 or minimum <= 0:
+        return 0.0
+    return sum(
+        (minimum - n) * math.comb(rows, n) * p**n * (1 - p) ** (rows - n)
+        for n in range(min(minimum, rows + 1))
+    )
+
+
+def executed_row_flops(
+    cfg: ModelConfig,
+    objective: ObjectiveConfig,
+    length: int,
+    encoder_per_token: float = 0.0,
+    *,
+    procedure: str = "efficient",
+    checkpointing: bool = False,
+    micro_batch: int = 0,
+    min_branch_rows: int = 0,
+    attention_backward: float = 2.5,
+) -> float:
+    """Executed FLOPs per training row, expected at the branch probabilities: what elflow's step
+    runs for ``procedure`` (two no-grad passes on the self-conditioned rows when ``cfg.dropout``
+    is not 0; the reference's passes and heads on every row), the blocks' forward once more
+    (less each block's last product) with activation ``checkpointing``, the rows a compiled
+    step pads each branch of a ``micro_batch`` with up to ``min_branch_rows``
+    (``train.compile=step``: 2), flash attention's recomputation."""
+    dec, sc = branch_probabilities(objective)
+    deterministic = cfg.dropout == 0.0
+    row = train_row_flops(
+        cfg, length, dec, sc, encoder_per_token, procedure, deterministic, attention_backward
+    )
+    p = pass_flops(cfg, length)
+    if checkpointing:
+        # Every row's trained pass runs its blocks' forward again, but for each block's last
+        # product (the MLP's down projection): torch's non-reentrant checkpoint stops
+        # recomputing once the tensors the backward needs are back.
+        N = cfg.num_prefix_tokens + length
+        row += p.blocks - cfg.depth * 2 * cfg.mlp_hidden * cfg.hidden_size * N
+    if procedure == "efficient" and micro_batch and min_branch_rows:
+        extra_dec = expected_padding(micro_batch, dec, min_branch_rows)
+        extra_sc = expected_padding(micro_batch, sc, min_branch_rows)
+        row += (3 * extra_dec * p.head + extra_sc * p.body * (1 if deterministic else 2)) / (
+            micro_batch
+        )
+    return row
+
+
+def reference_step_flops(
+    cfg: ModelConfig,
+    length: int,
+    encoder_per_token: float = 0.0,
+    attention_backward: float = 2.5,
+) -> float:
+    """Executed FLOPs per row of the authors' PyTorch training step (``train_step.py`` of their
+    port), by the same rule: on every row the encoder's forward, a no-grad unconditional pass
+    and a no-grad self-conditioned pass (their model's decoder head runs only when
+    ``decoder_step_active`` is given, so not in these), and the trained pass forward and backward
+    with the decoder head on every row (the CE is masked to the decoder rows afterwards). Their
+    model FLOPs are :func:`model_row_flops` (the same network and objective)."""
+    p = pass_flops(cfg, length)
+    trained = 3 * p.body + (attention_backward - 2) * p.attention - p.first_layers + 3 * p.head
+    return trained + 2 * p.body + encoder_per_token * length
 
 
 def encoder_flops_per_token(config, length: int) -> float:

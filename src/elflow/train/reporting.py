@@ -2,10 +2,11 @@
 periodic samples (:class:`Reporter`; files on rank 0 only).
 
 Metrics go to ``OUT/metrics.jsonl`` always (one JSON object per logging step: the step's losses,
-lr, gradient norm, tokens/s, epoch; or the held-out losses), to TensorBoard when it is installed
-and ``train.tensorboard`` is on, and to wandb when ``train.wandb`` asks for it. Samples of the
-EMA weights go to ``OUT/samples/``. A resume from an earlier checkpoint sets the later steps'
-metrics and samples aside with the abandoned branch's checkpoints.
+lr, gradient norm, tokens/s, model and executed TFLOP/s, MFU and HFU, epoch; or the held-out
+losses), to TensorBoard when it is installed and ``train.tensorboard`` is on, and to wandb when
+``train.wandb`` asks for it. Samples of the EMA weights go to ``OUT/samples/``. A resume from
+an earlier checkpoint sets the later steps' metrics and samples aside with the abandoned
+branch's checkpoints.
 """
 
 from __future__ import annotations
@@ -149,6 +150,7 @@ class Progress:
             gnorm=f"{line['grad_norm']:.2f}",
             tok_s=f"{line['tokens_per_s']:.0f}",
             **({"mfu": f"{100 * line['mfu']:.1f}%"} if "mfu" in line else {}),
+            **({"hfu": f"{100 * line['hfu']:.1f}%"} if "hfu" in line else {}),
             mem=f"{line['peak_memory_gb']:.1f}GB",
             refresh=False,
         )
