@@ -57,6 +57,28 @@ def test_templates_parse_gaps_and_refuse_bad_ones():
             parse_template(bad)
 
 
+@pytest.mark.parametrize(
+    ("text", "marker"),
+    [
+        ("in the [___] beginning [___", "[___"),  # no closing bracket
+        ("in the [__3] beginning [___2]", "[__3]"),  # two underscores
+        ("in the [____] beginning [___2]", "[____]"),  # four
+        ("in the [___ 5] beginning [___2]", "[___ 5]"),
+        ("in the [___3-] beginning [___2]", "[___3-]"),
+        ("in the [___three] beginning", "[___three]"),
+    ],
+)
+def test_a_malformed_gap_beside_a_valid_one_is_refused_not_kept_as_text(text, marker):
+    with pytest.raises(ELFError) as e:
+        parse_template(text)
+    assert str(e.value) == (
+        f"malformed gap {marker!r} in {text!r}: write [___], [___N] or [___A-B] (three "
+        "underscores, then digits)"
+    )
+    # Brackets and underscores that are not gap markers stay text.
+    assert parse_template("a [_] b [x] c__d [___2]") == ["a [_] b [x] c__d ", Gap(2, 2)]
+
+
 def test_a_template_row_keeps_everything_but_the_gap(tokenizer):
     request = InfillRequest(parts=parse_template("in the beginning [___3] the earth."))
     t = build_template(tokenizer, [request], length=L, pad_id=102, eos_id=102)
@@ -429,6 +451,8 @@ def test_cli_infills_explicit_ids_and_keep_as_the_library_does(infill_model, tmp
         ({"ids": [101, 5, 102]}, "needs both 'ids' and 'keep'"),
         ({"txt": "a [___2]"}, "give a template in 'text' (text with [___] gaps) or 'ids' and"),
         ({"text": "a [___2]", "ids": [101], "keep": [1]}, "or 'ids' and 'keep', not both"),
+        ({"text": "a [___2] b [___"}, "malformed gap '[___' in 'a [___2] b [___': write [___]"),
+        ({"text": "a [__3] b [___2]"}, "malformed gap '[__3]' in"),
     ],
 )
 def test_cli_refuses_a_bad_infill_line_in_one_line(infill_model, tmp_path, capsys, line, error):

@@ -27,6 +27,9 @@ from elflow.sampling import Seeds, seed_of
 
 GAP = re.compile(r"\[___(?:(\d+)(?:-(\d+))?)?\]")
 """A gap in a template: ``[___]``, ``[___N]`` or ``[___A-B]`` (tokens)."""
+NEAR_GAP = re.compile(r"\[\s*_{2,}[^\[\]\n]{0,12}\]?")
+"""What starts like a gap but is not one (``[___`` without ``]``, ``[__3]``, ``[___ 5]``,
+``[___3-]``): refused, so a mistyped gap is never kept as text."""
 UNUSED = re.compile(r"\[unused\d+\]")
 DEFAULT_FILL = 8
 """Tokens in a ``[___]`` gap without a length."""
@@ -81,6 +84,13 @@ def parse_template(text: str, default: int = DEFAULT_FILL) -> list[str | Gap]:
         parts.append(Gap(lo, hi))
         at = m.end()
     parts.append(text[at:])
+    for part in parts:
+        bad = NEAR_GAP.search(part) if isinstance(part, str) else None
+        if bad:
+            raise ELFError(
+                f"malformed gap {bad.group(0)!r} in {_clip(text, 60, 16)!r}: write [___], [___N] "
+                "or [___A-B] (three underscores, then digits)"
+            )
     if not any(isinstance(p, Gap) for p in parts):
         raise ELFError(f"template {text!r} has no gap; mark what to fill with [___] or [___N]")
     return [p for p in parts if p != ""]
