@@ -15,6 +15,7 @@ MATHS = (
     "projection",
     "objective",
     "distill_objective",
+    "consistency",
     "infill_maths",
     "likelihood_maths",
     "keyed",

@@ -354,6 +354,12 @@ def _sde_eval_time(t: Any, t_next: Any, settings: Any) -> Any:
     return t * backtrack_alpha(t, t_next, rate)
 
 
+def _renoise_step(*args: Any) -> Any:
+    from elflow.consistency import renoise_step  # imported on use: no torch in this module
+
+    return renoise_step(*args)
+
+
 SAMPLERS: dict[str, SamplerSpec] = {
     s.name: s
     for s in (
@@ -377,6 +383,13 @@ SAMPLERS: dict[str, SamplerSpec] = {
             "an Euler step, then one Langevin correction move",
             settings=("pc_snr",),
             evals_per_step=2,
+        ),
+        SamplerSpec(
+            "renoise",
+            "re-noising",
+            "takes the clean estimate as the sample and noises it afresh to the next time "
+            "(multistep consistency sampling, for consistency-distilled students)",
+            step=_renoise_step,
         ),
     )
 }

@@ -285,116 +285,112 @@ def distill_targets(
     return x_target, z, x_hat
 
 
-def distill_loss(
-    student: Forward,
-    teacher: Forward,
-    batch: Batch,
-    draws: DistillDraws,
-    cfg: DistillConfig,
-    project: Project | None = None,
-    check_inputs: bool = True,
-) -> DistillLossOutput:
-    """The distillation loss of one batch for the given draws (ELF_SPEC §8).
+@dataclass
+class RowSetup:
+    """A batch as the distillation objectives read it: branches, condition, SC-CFG scale and
+    the decoder rows' input (ELF_SPEC §3 steps 3-4, §8)."""
 
-    Kept as one function, in the spec's order (the self-conditioning half, the teacher's
-    sub-steps and target, the trained pass, the per-row losses), like :func:`elf_loss`.
+    x: Tensor
+    """(B, L, E) clean latents, zeroed at the condition of label-dropped rows."""
+    cond: Tensor
+    """(B, L) bool condition mask."""
+    w: Tensor
+    """(B,) SC-CFG scale."""
+    dec: Tensor
+    """(B,) bool: decoder rows."""
+    sc: Tensor
+    """(B,) bool: student-step rows whose self-conditioning half is the teacher's x-prediction."""
+    plan: RowPlan
+    den_np: np.ndarray
+    """Indices of the student-step (non-decoder) rows, on the host."""
+    dec_rows: Tensor
+    den_rows: Tensor
+    x_cond_only: Tensor
+    """(B, L, E) Z0: zeros with x at the condition positions."""
+    z_dec: Tensor
+    """(B, L, E) the decoder rows' corrupted input."""
 
-    Args:
-        student: the student's forward function (:class:`elflow.wiring.TrainForward`, possibly
-            wrapped in DDP or FSDP2).
-        teacher: the frozen teacher's forward function (in eval mode, never wrapped); every
-            teacher pass runs under no_grad and only on the rows that need it.
-        project: the teacher's projector (:func:`elflow.wiring.projector`), which
-            ``cfg.project_from`` < 1 needs.
-        check_inputs: refuse non-finite latents at once (a device read; the trainer checks
-            them with its other metrics instead).
-    """
-    ocfg = cfg.objective
+
+def prepare_rows(
+    batch: Batch, draws: DistillDraws, ocfg: ObjectiveConfig, check_inputs: bool = True
+) -> RowSetup:
+    """The :class:`RowSetup` of ``batch`` under ``draws`` (shared by the distillation methods)."""
     x = batch.x.float()
     if check_inputs:
         check_finite(x, "the batch's latents")
     B, L, _ = x.shape
-    K = cfg.teacher_substeps
-    if draws.inner_u.shape != (B, K - 1):
-        raise ELFError(
-            f"draws.inner_u must be (B, K - 1) = {(B, K - 1)}, got {tuple(draws.inner_u.shape)}; "
-            "draw with the round's teacher_substeps"
-        )
     cond = (
         batch.cond_mask.bool()
         if batch.cond_mask is not None
         else torch.zeros(B, L, dtype=torch.bool, device=x.device)
     )
     cond3 = cond[..., None]  # (B, L, 1)
-    if cfg.project_from < 1.0 and (project is None or batch.cond_mask is not None):
-        raise ELFError(
-            "distill.project_from < 1 needs an unconditional teacher and its projector "
-            "(distill_loss(..., project=elflow.wiring.projector(teacher, projection))); "
-            "project_from 1 turns it off"
-        )
-    if cfg.project_from >= 1.0:
-        project = None
     if batch.label_drop is not None:
         # Dropped condition: x (hence z, z_dec, every SC half and the target) is zero there.
         x = x.masked_fill(cond3 & batch.label_drop.bool()[:, None, None], 0.0)
-    w = draws.w.float()
     dec = draws.decoder_active.bool()
-    den = ~dec
-    sc = draws.use_self_cond.bool() & den
     plan = draws.plan if draws.plan is not None else RowPlan.of(draws)  # type: ignore[arg-type]
     den_np = np.setdiff1d(np.arange(B), plan.decoder)
-    dec_rows, den_rows = host_index(plan.decoder, x.device), host_index(den_np, x.device)
-
-    t_s = draws.u.float() * max(1.0 - cfg.delta, MIN_TS_SCALE)  # (B,)
-    t_t = t_s + cfg.delta
-    z_s = torch.where(cond3, x, interpolate(x, draws.noise, t_s, ocfg.noise_scale))
     lam = draws.decoder_lambda
-    z_dec = lam * x + (1.0 - lam) * ocfg.decoder_noise_scale * draws.decoder_noise
-    x_cond_only = torch.where(cond3, x, 0.0)  # Z0: zeros with x at the condition positions
+    return RowSetup(
+        x=x,
+        cond=cond,
+        w=draws.w.float(),
+        dec=dec,
+        sc=draws.use_self_cond.bool() & ~dec,
+        plan=plan,
+        den_np=den_np,
+        dec_rows=host_index(plan.decoder, x.device),
+        den_rows=host_index(den_np, x.device),
+        x_cond_only=torch.where(cond3, x, 0.0),
+        z_dec=lam * x + (1.0 - lam) * ocfg.decoder_noise_scale * draws.decoder_noise,
+    )
 
-    # 1) Self-conditioning half: the teacher's unconditional x_hat at (z_s, t_s, w) on sc rows.
+
+def self_cond_half(
+    teacher: Forward,
+    rows: RowSetup,
+    z_s: Tensor,
+    t_s: Tensor,
+    project: Project | None = None,
+    project_from: float = 1.0,
+) -> Tensor:
+    """The student's self-conditioning half (ELF_SPEC §8): the teacher's unconditional x_hat at
+    (z_s, t_s, w) on the self-conditioning rows, Z0 elsewhere; condition positions reset."""
     x_hat_u = nograd_prediction(
-        teacher, z_s, x_cond_only, t_s, w, host_index(plan.self_cond, x.device)
+        teacher, z_s, rows.x_cond_only, t_s, rows.w, host_index(rows.plan.self_cond, z_s.device)
     )
     # It stands for the previous step's x_hat, projected in sampling when that step's time was
     # >= project_from; here, for want of that time, when t_s is.
     if project is not None:
         with torch.no_grad():
-            x_hat_u = project(x_hat_u, sc & (t_s >= cfg.project_from), w)
-    sc_half = torch.where(sc[:, None, None] & ~cond3, x_hat_u, x_cond_only)  # (B, L, E)
+            x_hat_u = project(x_hat_u, rows.sc & (t_s >= project_from), rows.w)
+    keep = rows.sc[:, None, None] & ~rows.cond[..., None]
+    return torch.where(keep, x_hat_u, rows.x_cond_only)  # (B, L, E)
 
-    # 2) Teacher sub-steps and the x-target, on the student-step rows only.
-    x_target = torch.zeros_like(x)
-    if len(den_np):
 
-        def rows(v: Tensor) -> Tensor:
-            return v.index_select(0, den_rows)
-
-        targets = distill_targets(
-            teacher,
-            rows(z_s),
-            rows(sc_half),
-            rows(x),
-            rows(cond),
-            rows(t_s),
-            rows(t_t),
-            rows(draws.inner_u),
-            rows(w),
-            ocfg.t_eps,
-            project,
-            cfg.project_from,
-        )[0]
-        x_target.index_copy_(0, den_rows, targets)
+def student_loss(
+    student: Forward,
+    batch: Batch,
+    rows: RowSetup,
+    z_s: Tensor,
+    sc_half: Tensor,
+    t_s: Tensor,
+    x_target: Tensor,
+    ocfg: ObjectiveConfig,
+) -> DistillLossOutput:
+    """The trained pass and the per-row losses (ELF_SPEC §8): student-step rows [z_s, SC half]
+    at t_s against ``x_target`` (x-space MSE), decoder rows [z_dec, Z0] at t = 1 (cross-entropy);
+    each row's masked token mean, then the plain mean over rows."""
     x_target = x_target.detach()
-
-    # 3) Trained pass: student-step rows [z_s, SC half] at t_s; decoder rows [z_dec, Z0] at t = 1.
+    B = x_target.shape[0]
+    dec, dec_rows, den_rows, cond = rows.dec, rows.dec_rows, rows.den_rows, rows.cond
     den_in = torch.cat([z_s, sc_half], dim=-1)
-    dec_in = torch.cat([z_dec, x_cond_only], dim=-1)
+    dec_in = torch.cat([rows.z_dec, rows.x_cond_only], dim=-1)
     x_in = torch.where(dec[:, None, None], dec_in, den_in)  # (B, L, 2E)
     t_in = torch.where(dec, torch.ones_like(t_s), t_s)
-    x_pred, logits = student(x_in, t_in, w, dec.float(), dec_rows)
+    x_pred, logits = student(x_in, t_in, rows.w, dec.float(), dec_rows)
 
-    # 4) Per-row masked token means (x-space MSE or CE), then the plain mean over rows.
     valid = torch.ones_like(cond) if ocfg.pad_with_eos else batch.attention_mask.bool()
     mask = (valid & ~cond).float()  # (B, L)
     l2_tok = (x_pred.float() - x_target).pow(2).mean(-1)  # (B, L)
@@ -407,7 +403,7 @@ def distill_loss(
     row_loss = (tok * mask).sum(-1) / mask.sum(-1).clamp_min(1.0)  # (B,)
     row_sum = row_loss.sum()
     # NOTE: a row with no loss tokens (all condition) counts as a zero row: the spec's mean over B.
-    n_den, n_dec = len(den_np), len(plan.decoder)
+    n_den, n_dec = len(rows.den_np), len(rows.plan.decoder)
     rl = row_loss.detach()
     return DistillLossOutput(
         loss=row_sum / max(B, 1),
@@ -418,3 +414,80 @@ def distill_loss(
         ce_loss=rl.index_select(0, dec_rows).sum() / max(n_dec, 1),
         x_target=x_target,
     )
+
+
+def distill_loss(
+    student: Forward,
+    teacher: Forward,
+    batch: Batch,
+    draws: DistillDraws,
+    cfg: DistillConfig,
+    project: Project | None = None,
+    check_inputs: bool = True,
+) -> DistillLossOutput:
+    """The distillation loss of one batch for the given draws (ELF_SPEC §8).
+
+    In the spec's order: the self-conditioning half, the teacher's sub-steps and target, the
+    trained pass, the per-row losses (:func:`student_loss`).
+
+    Args:
+        student: the student's forward function (:class:`elflow.wiring.TrainForward`, possibly
+            wrapped in DDP or FSDP2).
+        teacher: the frozen teacher's forward function (in eval mode, never wrapped); every
+            teacher pass runs under no_grad and only on the rows that need it.
+        project: the teacher's projector (:func:`elflow.wiring.projector`), which
+            ``cfg.project_from`` < 1 needs.
+        check_inputs: refuse non-finite latents at once (a device read; the trainer checks
+            them with its other metrics instead).
+    """
+    ocfg = cfg.objective
+    B = batch.x.shape[0]
+    K = cfg.teacher_substeps
+    if draws.inner_u.shape != (B, K - 1):
+        raise ELFError(
+            f"draws.inner_u must be (B, K - 1) = {(B, K - 1)}, got {tuple(draws.inner_u.shape)}; "
+            "draw with the round's teacher_substeps"
+        )
+    if cfg.project_from < 1.0 and (project is None or batch.cond_mask is not None):
+        raise ELFError(
+            "distill.project_from < 1 needs an unconditional teacher and its projector "
+            "(distill_loss(..., project=elflow.wiring.projector(teacher, projection))); "
+            "project_from 1 turns it off"
+        )
+    if cfg.project_from >= 1.0:
+        project = None
+    rows = prepare_rows(batch, draws, ocfg, check_inputs)
+    x, cond3 = rows.x, rows.cond[..., None]
+
+    t_s = draws.u.float() * max(1.0 - cfg.delta, MIN_TS_SCALE)  # (B,)
+    t_t = t_s + cfg.delta
+    z_s = torch.where(cond3, x, interpolate(x, draws.noise, t_s, ocfg.noise_scale))
+
+    # 1) Self-conditioning half: the teacher's unconditional x_hat at (z_s, t_s, w) on sc rows.
+    sc_half = self_cond_half(teacher, rows, z_s, t_s, project, cfg.project_from)
+
+    # 2) Teacher sub-steps and the x-target, on the student-step rows only.
+    x_target = torch.zeros_like(x)
+    if len(rows.den_np):
+
+        def sel(v: Tensor) -> Tensor:
+            return v.index_select(0, rows.den_rows)
+
+        targets = distill_targets(
+            teacher,
+            sel(z_s),
+            sel(sc_half),
+            sel(x),
+            sel(rows.cond),
+            sel(t_s),
+            sel(t_t),
+            sel(draws.inner_u),
+            sel(rows.w),
+            ocfg.t_eps,
+            project,
+            cfg.project_from,
+        )[0]
+        x_target.index_copy_(0, rows.den_rows, targets)
+
+    # 3-4) Trained pass and per-row losses.
+    return student_loss(student, batch, rows, z_s, sc_half, t_s, x_target, ocfg)

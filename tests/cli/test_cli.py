@@ -57,7 +57,7 @@ def test_sampler_flags_are_the_config_fields_with_their_docstrings():
             assert doc in flags[name].help, (command, name)
     sample = {a.dest: a for a in _subparsers()["sample"]._actions}
     assert sample["sampler"].choices is SAMPLERS  # the live registry: a new sampler is a choice
-    assert tuple(SAMPLERS) == ("ode", "sde", "heun", "pc")
+    assert tuple(SAMPLERS) == ("ode", "sde", "heun", "pc", "renoise")
     assert sample["steps"].type is int and sample["gamma"].type is float
 
 

@@ -1,5 +1,6 @@
-"""``elflow distill``: progressive distillation of ``--model`` (the frozen teacher) into few-step
-students, round after resumable round (ELF_SPEC §8; :mod:`elflow.train.curriculum`)."""
+"""``elflow distill``: distillation of ``--model`` (the frozen teacher) into few-step students,
+round after resumable round, by a registered method (``--method``: progressive distillation,
+ELF_SPEC §8, or consistency distillation; :mod:`elflow.train.curriculum`)."""
 
 from __future__ import annotations
 
@@ -17,11 +18,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="folder for the rounds")
     add_run_config_arguments(p, "bible-tiny")
     p.add_argument(
-        "--rounds",
-        default="16/4,8/8,4/16,2/32,1/64",
-        help="student steps / teacher sub-steps per round (default: the paper's five)",
+        "--method",
+        default="pd",
+        help="distillation method: pd (progressive distillation, the paper's; default) or cd "
+        "(consistency distillation: one round, students for any step count)",
     )
-    p.add_argument("--teacher-steps", type=int, default=64, help="N x K of every round (0: any)")
+    p.add_argument(
+        "--method-set",
+        action="append",
+        metavar="KEY=VALUE",
+        help="a setting of the method (repeatable), e.g. --method-set teacher_substeps=8",
+    )
+    p.add_argument(
+        "--rounds",
+        default=None,
+        help="pd: student steps / teacher sub-steps per round (default: the paper's "
+        "16/4,8/8,4/16,2/32,1/64)",
+    )
+    p.add_argument(
+        "--teacher-steps", type=int, default=None, help="pd: N x K of every round (0: any; 64)"
+    )
     p.add_argument(
         "--teacher-project-from",
         type=float,
@@ -39,6 +55,7 @@ def run(args: argparse.Namespace) -> int:
     from elflow.train.presets import preset
     from elflow.train.resume import architecture_changes
 
+    settings = method_sets(args.method_set)
     teacher = model_from_args(args)
     cfg = apply_overrides(preset(args.preset), args.config, args.set)
     if cfg.train.max_steps <= 0:
@@ -55,15 +72,38 @@ def run(args: argparse.Namespace) -> int:
             cfg,
             args.out,
             args.rounds,
-            args.teacher_steps or None,
+            64 if args.teacher_steps is None else args.teacher_steps or None,
             objective_keys,
             preset(args.preset).objective,
             fixed_keys,
             args.task,
             args.teacher_project_from,
+            method=args.method,
+            settings=settings,
         )
     finally:
         teardown()
     if os.environ.get("RANK", "0") == "0":  # once under torchrun
         print(f"done: {last}")
     return 0
+
+
+def method_sets(items: list[str] | None) -> dict[str, str | int | float]:
+    """``--method-set spans=0.5,1 --method-set teacher_substeps=8`` -> a dict, numbers as
+    numbers."""
+    out: dict[str, str | int | float] = {}
+    for item in items or ():
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ELFError(f"--method-set takes KEY=VALUE, got {item!r}")
+        out[key.strip()] = _number(value.strip())
+    return out
+
+
+def _number(value: str) -> str | int | float:
+    for kind in (int, float):
+        try:
+            return kind(value)
+        except ValueError:
+            continue
+    return value

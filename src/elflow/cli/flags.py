@@ -83,6 +83,8 @@ COMMAND_KEY_FLAGS: dict[str, dict[str, str]] = {
         "rounds=": "--rounds",
         "teacher_steps=": "--teacher-steps",
         "teacher_project_from=": "--teacher-project-from",
+        "method=": "--method",
+        "settings=": "--method-set",
         "sets=": "--set",
         "file=": "--config",
     },

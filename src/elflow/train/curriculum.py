@@ -1,8 +1,10 @@
-"""``elflow distill``: progressive distillation rounds through the ordinary trainer (spec §8).
+"""``elflow distill``: a distillation method's rounds through the ordinary trainer (spec §8).
 
-Each round (student steps N / teacher sub-steps K, default 16/4, 8/8, 4/16, 2/32, 1/64) is a
-resumable training run in ``OUT/round-<k>-<N>x<K>/`` with its own checkpoints, fresh optimizer and
-EMA. Round 1 starts from the teacher, round k + 1 from round k's EMA weights. The teacher (the
+The method (:mod:`elflow.distill_methods`: progressive distillation by default) gives the rounds:
+progressive distillation's (student steps N / teacher sub-steps K, default 16/4, 8/8, 4/16, 2/32,
+1/64) in ``OUT/round-<k>-<N>x<K>/``, a one-round method's in ``OUT/round-1-<name>/``. Each is a
+resumable training run with its own checkpoints, fresh optimizer and EMA. Round 1 starts from
+the teacher, round k + 1 from round k's EMA weights. The teacher (the
 original model's EMA weights, the same in every round) is frozen, never wrapped in DDP/FSDP2, and
 its weights hash is checked unchanged after every round. A finished round (its last checkpoint at
 ``train.max_steps``) is skipped when the command is run again, so an interrupted curriculum
@@ -12,22 +14,19 @@ start; once a round has saved a checkpoint, the folder continues only with that 
 
 from __future__ import annotations
 
+import dataclasses
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
-from elflow.config import ObjectiveConfig, SamplerConfig, fewstep_sampler
-from elflow.distill_objective import (
-    DistillConfig,
-    check_project_from,
-    distill_loss,
-    parse_rounds,
-    sample_distill_draws_keyed,
-)
+from elflow.config import ObjectiveConfig
+from elflow.distill_methods import DistillMethod, Stage, distill_method, method_settings
+from elflow.distill_objective import DistillConfig, check_project_from
 from elflow.distributed import DistInfo
 from elflow.errors import ELFError
 from elflow.io import checkpoint as ckpt_io
@@ -51,7 +50,6 @@ from elflow.train.rounds import (
     check_round_objective,
     check_round_start,
     claim_out,
-    round_dir,
     state_hash,
     unfinished,
     weights_hash,
@@ -64,38 +62,40 @@ MAX_EMA_INITIAL_SHARE = 0.5
 
 
 class DistillObjective:
-    """Spec §8's loss: the mean over rows of each row's masked token mean (normaliser: rows)."""
+    """A distillation stage's loss for the trainer: the method's per-row losses, normalised by
+    the rows (the mean over rows of each row's own loss, ELF_SPEC §8)."""
 
     def __init__(
         self,
         cfg: RunConfig,
         teacher: ELF,
-        distill: DistillConfig,
+        stage: Stage | DistillConfig,
         projection: Projection | None = None,
+        method: DistillMethod | None = None,
     ) -> None:
-        self.cfg, self.distill = cfg, distill
+        self.cfg = cfg
+        if isinstance(stage, DistillConfig):  # a progressive-distillation round on its own
+            stage = Stage(f"{stage.student_steps}x{stage.teacher_substeps}", 0, stage)
+        self.stage, self.method = stage, method or distill_method("pd")
         self.teacher = TrainForward(teacher)  # frozen, in eval mode, never wrapped
-        # The teacher's projector, used only when distill.project_from < 1.
+        # The teacher's projector, used only when the stage distils the projected teacher.
         self.project = None if projection is None else projector(teacher, projection)
 
     def denominator(self, batch) -> float:
         return float(batch.input_ids.shape[0])
 
     def __call__(self, forward, batch: Batch, positions: np.ndarray) -> StepLoss:
-        L, E = batch.x.shape[1], batch.x.shape[2]
-        draws = sample_distill_draws_keyed(
+        out = self.method.loss(
+            forward,
+            self.teacher,
+            batch,
             positions,
-            L,
-            E,
+            self.stage,
             self.cfg.objective,
-            self.distill.teacher_substeps,
             self.cfg.train.seed,
-            batch.x.device,
+            self.project,
         )
-        out = distill_loss(
-            forward, self.teacher, batch, draws, self.distill, self.project, check_inputs=False
-        )
-        dec = draws.decoder_active.to(batch.x.device)
+        dec = out.decoder_active.to(batch.x.device)
         rows = out.row_loss.detach()
         ce = (rows * dec).sum()
         n_dec = dec.sum().to(rows)
@@ -159,15 +159,24 @@ def distill(
     teacher_source: str,
     cfg: RunConfig,
     out: str | Path,
-    rounds: str,
-    teacher_steps: int = 64,
+    rounds: str | None = None,
+    teacher_steps: int | None = 64,
     objective_keys: Iterable[str] = (),
     base_objective: ObjectiveConfig | None = None,
     fixed_keys: Iterable[str] = (),
     teacher_task: str | None = None,
     teacher_project_from: float = 1.0,
+    *,
+    method: str = "pd",
+    settings: Mapping[str, Any] | None = None,
 ) -> Path:
-    """Run (or resume) the curriculum; returns the last round's last checkpoint.
+    """Run (or resume) a distillation method's stages; returns the last stage's last checkpoint.
+
+    ``method`` names a registered method (:data:`elflow.distill_methods.DISTILL_METHODS`:
+    ``pd``, progressive distillation, ELF_SPEC §8; ``cd``, consistency distillation,
+    :mod:`elflow.consistency`); ``settings`` sets its settings by name over their defaults.
+    ``rounds`` and ``teacher_steps`` are progressive distillation's (its ``rounds`` and
+    ``teacher_steps`` settings; ``teacher_steps`` None or 0 allows any N x K).
 
     The objective is the one the teacher was trained with (:func:`teacher_objective`, falling
     back to ``base_objective``, the preset's, default ``cfg.objective``), except the fields named
@@ -177,16 +186,22 @@ def distill(
     ``teacher_task``: an authors' checkpoint's paper task ('owt', 'de-en', 'xsum'; default
     guessed from its name), which the students take. ``teacher_project_from`` < 1 distils the
     teacher's projected trajectory (:attr:`DistillConfig.project_from`; unconditional teachers
-    without ``data.packing``); every round of ``out`` must use the same value.
+    without ``data.packing``, methods that support it); every round of ``out`` must use the same
+    value.
     """
     from elflow.distributed import setup
 
+    m = distill_method(method)
     check_project_from(teacher_project_from, "teacher_project_from=")
     p = float(teacher_project_from)
+    if p < 1.0 and not m.projects:
+        raise ELFError(
+            f"method={m.name} does not distil a projected teacher: drop teacher_project_from="
+        )
+    chosen = method_settings(m, _with_round_arguments(m, settings, rounds, teacher_steps))
     _check_settings(cfg, p)
     out = output_dir(out, "out=")  # before the teacher loads
-    teacher_steps = teacher_steps or None
-    plan = parse_rounds(rounds, teacher_steps)
+    m.stages(chosen, cfg.objective, p)  # the settings' errors, before the teacher loads
     info = setup(cfg.train.device)
     teacher, tcfg = load_teacher(teacher_source, info.device, teacher_task)
     if p < 1.0 and (tcfg.conditional or tcfg.packed):
@@ -198,40 +213,58 @@ def distill(
     cfg = student_config(
         cfg, teacher_source, tcfg, objective_keys, base_objective, fixed_keys, p, info
     )
+    stages = m.stages(chosen, cfg.objective, p)
+    folders = [out / f"round-{k}-{stage.name}" for k, stage in enumerate(stages, start=1)]
     reference_hash = weights_hash(teacher)
     claim_out(out, teacher_source, reference_hash, info)
-    check_no_later_rounds(out, plan, cfg.train.max_steps, info)
+    check_no_later_rounds(out, folders, cfg.train.max_steps, info)
     init = {k: v.detach().clone() for k, v in teacher.state_dict().items()}
+    # The students sample as the method says, with the teacher's guidance and projection.
+    base = replace(tcfg.sampler, project_from=cfg.sampler.project_from)
     last = out
-    for k, (n_student, n_sub) in enumerate(plan, start=1):
-        # The few-step settings, with the teacher's guidance and projection (docs/distillation.md).
-        sampler = replace(
-            fewstep_sampler(SamplerConfig(), n_student),
-            cfg=tcfg.sampler.cfg,
-            project_from=cfg.sampler.project_from,
-        )
-        spec = DistillConfig(
-            student_steps=n_student,
-            teacher_substeps=n_sub,
-            teacher_steps=teacher_steps,
-            objective=cfg.objective,
-            project_from=p,
-        )
-        folder = round_dir(out, k, n_student, n_sub)
+    for k, (stage, folder) in enumerate(zip(stages, folders, strict=True), start=1):
         start = {
             "from": str(last) if k > 1 else f"teacher {teacher_source}",
             "teacher_project_from": p,
+            "method": m.name,
         }
-        last = _round(replace(cfg, sampler=sampler), spec, teacher, folder, k, start, init, info)
+        if m.name != "pd":  # a round's settings are in its folder name
+            start["settings"] = dataclasses.asdict(chosen)
+        student = replace(cfg, sampler=m.sampler(base, stage))
+        last = _round(student, m, stage, teacher, folder, k, start, init, info)
         if weights_hash(teacher) != reference_hash:
             raise ELFError(f"the teacher's weights changed during round {k}; this is a bug")
         init = ckpt_io.load_weights(last, EMA_WEIGHTS)
         if info.is_main:
-            record = {"round": k, "student_steps": n_student, "teacher_substeps": n_sub}
+            record = {"round": k, "method": m.name, **stage.record}
             record |= {"teacher_project_from": p, "teacher": str(teacher_source)}
             record |= {"teacher_sha256": reference_hash}
             (folder / "round.json").write_text(json.dumps(record) + "\n")
     return last
+
+
+def _with_round_arguments(
+    m: DistillMethod,
+    settings: Mapping[str, Any] | None,
+    rounds: str | None,
+    teacher_steps: int | None,
+) -> dict[str, Any]:
+    """``settings`` with progressive distillation's ``rounds=`` and ``teacher_steps=``."""
+    values = dict(settings or {})
+    if m.name != "pd":
+        if rounds is not None or teacher_steps not in (64, None):
+            raise ELFError(
+                f"rounds= and teacher_steps= are progressive distillation's (method=pd); give "
+                f"method={m.name}'s settings with settings="
+            )
+        return values
+    for key, given in (("rounds", rounds), ("teacher_steps", teacher_steps or 0)):
+        if given is None:
+            continue
+        if key in values and values[key] != given and not (key == "teacher_steps" and given == 64):
+            raise ELFError(f"{key}= and settings={{'{key}': ...}} differ: give one of them")
+        values.setdefault(key, given)
+    return values
 
 
 def _check_settings(cfg: RunConfig, p: float) -> None:
@@ -312,7 +345,8 @@ def student_config(
 
 def _round(
     cfg: RunConfig,
-    spec: DistillConfig,
+    method: DistillMethod,
+    stage: Stage,
     teacher: ELF,
     folder: Path,
     k: int,
@@ -332,7 +366,7 @@ def _round(
         cfg,
         folder,
         resume="auto",
-        objective_factory=lambda c, i, pr: DistillObjective(c, teacher, spec, pr),
+        objective_factory=lambda c, i, pr: DistillObjective(c, teacher, stage, pr, method),
         init_state=init,
         latent_cache_dir=folder.parent,  # under data.latent_cache_dir=run: one for all rounds
     )

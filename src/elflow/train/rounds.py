@@ -2,10 +2,11 @@
 
 ``OUT/teacher.json`` names the teacher (path and weights hash) from the first start; each round
 folder's ``start.json`` records the weights it started from (and the teacher projection), and a
-finished round's ``round.json`` what it was. A round is continued or skipped as finished by its
-folder name, so these records catch a changed ``--rounds``, ``train.max_steps``, teacher or
-objective before a round silently continues the wrong chain. Checks run on rank 0 and raise on
-every rank.
+finished round's ``round.json`` what it was (and, for a method other than progressive
+distillation, its settings, which a continued round must keep). A round is continued or
+skipped as finished by its folder name, so these records catch a changed ``--rounds``,
+``train.max_steps``, teacher, method or objective before a round silently continues the wrong
+chain. Checks run on rank 0 and raise on every rank.
 """
 
 from __future__ import annotations
@@ -63,16 +64,15 @@ def raise_everywhere(problem: str | None) -> None:
         raise ELFError(problem)
 
 
-def check_no_later_rounds(
-    out: Path, plan: list[tuple[int, int]], max_steps: int, info: DistInfo
-) -> None:
+def check_no_later_rounds(out: Path, folders: list[Path], max_steps: int, info: DistInfo) -> None:
     """Before any training: a round that still has to train (first start, resume, or more
     ``train.max_steps``) changes what the rounds after it start from, so a later round that
-    already has checkpoints (in ``out``, under any ``--rounds``) is refused up front."""
+    already has checkpoints (in ``out``, under any ``--rounds``) is refused up front.
+    ``folders``: the rounds' folders, round 1 first."""
     problem = None
     if info.is_main:
-        for k, (n, sub) in enumerate(plan, start=1):
-            if unfinished(ckpt_io.find_checkpoint(round_dir(out, k, n, sub)), max_steps):
+        for k, folder in enumerate(folders, start=1):
+            if unfinished(ckpt_io.find_checkpoint(folder), max_steps):
                 later = [
                     d
                     for d in sorted(out.glob("round-*"))
@@ -131,6 +131,16 @@ def check_round_start(
                 f"round {k} ({round_dir}) was distilled with teacher_project_from={was}, not "
                 f"{start['teacher_project_from']}; give teacher_project_from={was} to "
                 "continue, or use a new out="
+            )
+        elif isinstance(recorded, dict) and (
+            (was := recorded.get("method", "pd"), recorded.get("settings"))
+            != (start.get("method", "pd"), start.get("settings"))
+        ):
+            problem = (
+                f"round {k} ({round_dir}) was distilled with method={was} "
+                f"{recorded.get('settings') or ''}, not method={start.get('method', 'pd')} "
+                f"{start.get('settings') or ''}; give the same method and settings to continue, "
+                "or use a new out="
             )
         elif trained is None:
             round_dir.mkdir(parents=True, exist_ok=True)
