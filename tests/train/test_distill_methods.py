@@ -22,6 +22,8 @@ from elflow.distill_methods import (
 from elflow.errors import ELFError
 from tests.train_helpers import error_lines, run_config, weights
 
+pytestmark = pytest.mark.e2e  # whole distillation runs through the command line
+
 
 def _cd(tmp_path, out, assets, teacher, *extra: str, max_steps: int = 2) -> int:
     cfg = run_config(assets, train={"max_steps": max_steps, "ema_decay": 0.1})
