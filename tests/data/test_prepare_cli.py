@@ -155,3 +155,32 @@ def test_tokenizer_of_an_elflow_model_folder(tokenizer, tmp_path, capsys):
         main([*argv, "--tokenizer", str(tmp_path / "encoder"), "--out", str(tmp_path / "p")]) == 2
     )
     assert "holds no tokenizer files" in _error(capsys) and not (tmp_path / "p").exists()
+
+
+def test_ctrl_c_exits_130_with_one_line_saying_how_to_go_on(
+    tokenizer, tmp_path, capsys, monkeypatch
+):
+    from elflow.data import preparation
+
+    data = write_jsonl(tmp_path / "a.jsonl", [{"text": "in the beginning"}, {"text": "and so"}])
+    real = preparation.tokenize_to_folder
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(preparation, "tokenize_to_folder", interrupted)
+    capsys.readouterr()
+    assert _prepare(tokenizer, data, tmp_path / "p") == 130  # as the other commands exit
+    err = capsys.readouterr().err.replace("\r", "\n").splitlines()
+    assert [x for x in err if x.startswith("elflow")] == [
+        f"elflow prepare: interrupted; the finished shards are kept in {tmp_path / '.p.partial'}: "
+        "run the same command to go on from them"
+    ]
+    assert not (tmp_path / "p").exists() and (tmp_path / ".p.partial").is_dir()
+    monkeypatch.setattr(preparation, "tokenize_to_folder", real)
+    assert _prepare(tokenizer, data, tmp_path / "p") == 0  # the same command goes on
+    assert json.loads((tmp_path / "p" / "meta.json").read_text())["num_docs"] == 2
+    # Ctrl-C before the preparation starts (the tokenizer loading): 130 too.
+    monkeypatch.setattr("elflow.io.tokenizer.load_tokenizer", interrupted)
+    assert _prepare(tokenizer, data, tmp_path / "q") == 130
+    assert "elflow: interrupted" in capsys.readouterr().err

@@ -10,11 +10,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from pathlib import Path
 
 from elflow.config import field_docs
 from elflow.data.config import FORMATS, DataConfig
-from elflow.errors import ELFError
+from elflow.errors import ELFError, Interrupted
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -89,18 +90,22 @@ def run(args: argparse.Namespace) -> int:
         from elflow.encoder import FrozenEncoder
 
         encoder = FrozenEncoder.from_pretrained(args.encoder, latent_std=1.0)
-    out = prepare(
-        cfg,
-        tokenizer,
-        args.out,
-        args.max_length,
-        args.max_input_length,
-        encoder,
-        overwrite=args.overwrite,
-        workers=args.workers,
-        progress=True,
-        shard_bytes=max(1, int(args.shard_mb * 2**20)),
-    )
+    try:
+        out = prepare(
+            cfg,
+            tokenizer,
+            args.out,
+            args.max_length,
+            args.max_input_length,
+            encoder,
+            overwrite=args.overwrite,
+            workers=args.workers,
+            progress=True,
+            shard_bytes=max(1, int(args.shard_mb * 2**20)),
+        )
+    except Interrupted as e:  # Ctrl-C: not an error; 130 like every command, and how to go on
+        print(f"elflow prepare: {e}", file=sys.stderr)
+        return e.exit_code
     meta = json.loads((out / "meta.json").read_text())
     keys = ("num_docs", "num_tokens", "num_source_tokens", "num_truncated", "dtype", "latent_std")
     keys += ("workers", "docs_per_second", "shards_kept")

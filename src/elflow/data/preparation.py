@@ -25,7 +25,7 @@ from elflow.data.shards import SHARD_BYTES, remove_shards, tokenize_to_folder
 from elflow.data.sources import PREPARED_MARKER, Source, is_prepared, resolve_source
 from elflow.data.tables import token_dtype
 from elflow.encoder import FrozenEncoder, measure_latent_std
-from elflow.errors import ELFError
+from elflow.errors import ELFError, Interrupted
 from elflow.tokens import token_spec, vocab_hash
 
 LATENT_STD_ROWS = 256
@@ -131,9 +131,10 @@ def prepare(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     except KeyboardInterrupt:
-        raise ELFError(
+        raise Interrupted(
             f"interrupted; the finished shards are kept in {tmp}: run the same command to go on "
-            "from them"
+            "from them",
+            130,  # 128 + SIGINT, as every command exits on Ctrl-C
         ) from None
     return out
 
