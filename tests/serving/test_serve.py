@@ -448,3 +448,53 @@ def test_a_running_batch_stops_once_all_its_requests_are_gone_streaming_or_not(p
     Batcher(pipe).cancel(jobs[1])
     with pytest.raises(_Stopped):
         check(None)
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_the_server_promptly_with_a_stream_open(uncond_model):
+    """``elflow serve`` in its own process, a stream open on a long request, then SIGINT: the
+    stream is answered (503) and the process exits within a couple of seconds."""
+    import http.client
+    import os
+    import queue
+    import re
+    import signal
+    import subprocess
+    import sys
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    argv = ["serve", "--model", str(uncond_model), "--port", "0", "--device", "cpu"]
+    argv += ["--max-steps", "100000"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "elflow", *argv], stderr=subprocess.PIPE, text=True, env=env
+    )
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(x) for x in proc.stderr], daemon=True).start()
+    try:
+        end, port = time.monotonic() + 120, None
+        while port is None:
+            line = lines.get(timeout=max(0.0, end - time.monotonic()))
+            found = re.search(r"on http://127\.0\.0\.1:(\d+)", line)
+            port = int(found.group(1)) if found else None
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        body = json.dumps({"prompt": "", "stream": True, "steps": 100000})
+        conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        assert response.status == 200
+        assert response.readline().startswith(b"data: ")  # the stream is open and stepping
+        started = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        rest = []  # events flow every step: read until the stream ends or 10 s have passed
+        while time.monotonic() - started < 10 and (line := response.readline()):
+            rest.append(line.decode())
+        rest = "".join(rest)
+        proc.wait(timeout=30)
+        took = time.monotonic() - started
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert "the server is shutting down" in rest and rest.rstrip().endswith("data: [DONE]")
+    assert took < 3.0, took
+    said = "".join(lines.queue)
+    assert "Traceback" not in said and proc.returncode in (0, 130)

@@ -6,6 +6,7 @@ import argparse
 import os
 import socket
 import sys
+import threading
 
 from elflow.cli.common import add_dtype_argument, sampling_bf16
 from elflow.cli.sample import add_cuda_graphs_argument, cuda_graphs_from_args
@@ -114,7 +115,9 @@ def run(args: argparse.Namespace) -> int:
     sock = listen(args.host, args.port)  # before the model loads: a busy port fails at once
     try:
         app = build(args)
-        server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        server = _stopping_server(
+            uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)
+        )
         port = sock.getsockname()[1]
         print(
             f"elflow serve: {args.name or args.model} on http://{args.host}:{port} "
@@ -126,6 +129,27 @@ def run(args: argparse.Namespace) -> int:
     finally:
         sock.close()
     return 0
+
+
+def _server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, which on Ctrl-C first answers the open requests (an open stream
+        would otherwise hold the shutdown until its last step)."""
+
+        def handle_exit(self, sig, frame) -> None:
+            # A signal handler: the batcher's lock may be held by this very thread, so close
+            # from another thread.
+            batcher = self.config.app.state.batcher
+            threading.Thread(target=batcher.close, name="elflow-close", daemon=True).start()
+            super().handle_exit(sig, frame)
+
+    return Server
+
+
+def _stopping_server(config):
+    return _server_class()(config)
 
 
 def listen(host: str, port: int) -> socket.socket:

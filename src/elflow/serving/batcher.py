@@ -4,7 +4,8 @@ that arrive within a short window and share a sampler run as one batch of rows
 
 One worker thread owns the model. Requests wait in a bounded queue (full: the caller answers
 429); a request whose client has gone is dropped from the queue, and a running batch stops at
-its next step once every request in it is gone.
+its next step once every request in it is gone. :meth:`Batcher.close` (the server stopping)
+answers every waiting and running request at once, so open streams end and the server stops.
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ class QueueFull(Exception):
 
 class _Stopped(Exception):
     """Every request of a running batch is gone."""
+
+
+_SHUTTING_DOWN = RequestError(503, "the server is shutting down; retry on its next start")
 
 
 def stop_when_gone(jobs: list[Job]) -> Callable[[Any], None]:
@@ -90,6 +94,8 @@ class Batcher:
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._running = False
+        self._closing = False
+        self._current: list[Job] = []
         self._seconds_per_batch = 1.0
 
     def depth(self) -> int:
@@ -99,6 +105,9 @@ class Batcher:
     def submit(self, job: Job) -> None:
         """Queue ``job``, or raise :class:`QueueFull`."""
         with self._cond:
+            if self._closing:
+                job.push(("error", _SHUTTING_DOWN))
+                return
             if len(self._queue) >= self.max_queue:
                 waves = len(self._queue) / self.max_batch + 1
                 raise QueueFull(max(1, round(waves * self._seconds_per_batch)))
@@ -121,6 +130,19 @@ class Batcher:
             self._thread = threading.Thread(target=self._work, name="elflow-batcher", daemon=True)
             self._thread.start()
         return self
+
+    def close(self) -> None:
+        """The server is stopping: every waiting and running request gets a 503 now (a stream
+        ends), a running batch stops at its next step, and no new request is queued."""
+        with self._cond:
+            self._closing = True
+            jobs = [*self._queue, *self._current]
+            self._queue.clear()
+            self._cond.notify_all()
+        for job in jobs:
+            if not job.gone.is_set():
+                job.gone.set()
+                job.push(("error", _SHUTTING_DOWN))
 
     def stop(self) -> None:
         with self._cond:
@@ -170,12 +192,21 @@ class Batcher:
 
     def run(self, batch: list[Job]) -> None:
         """Sample ``batch`` (jobs of one key) as one batch of rows and hand each its events."""
-        from elflow.generation.engine import run_rows
-        from elflow.hardware import bf16_autocast
-
         jobs = [j for j in batch if not j.gone.is_set()]
         if not jobs:
             return
+        with self._cond:
+            self._current = jobs
+        try:
+            self._run(jobs)
+        finally:
+            with self._cond:
+                self._current = []
+
+    def _run(self, jobs: list[Job]) -> None:
+        from elflow.generation.engine import run_rows
+        from elflow.hardware import bf16_autocast
+
         rows = [row for job in jobs for row in job.completion.rows]
         spans, at = [], 0
         for job in jobs:
