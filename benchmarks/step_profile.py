@@ -6,6 +6,7 @@ Usage:
     python benchmarks/step_profile.py --micro-batch 64 --accum 1 --json after.json
     python benchmarks/step_profile.py --compare before.json after.json   # a before/after table
     python benchmarks/step_profile.py --full --device cuda  # full size, on a GPU
+    python benchmarks/step_profile.py --compile-modes blocks step   # compiled steps compared
 
 The run is built by ``elflow.train.setup.prepare_run`` from the preset, with a T5-shaped random
 encoder of the preset's encoder width (``--encoder-dim``), the packaged tokenizer and the packaged
@@ -16,6 +17,12 @@ autograd saves per token, the collective payload bytes per rank, and the optimis
 rank (Muon's Newton-Schulz). ``--as-cuda`` (default on) sets what a CUDA run resolves 'auto' to:
 bf16 autocast, the encoder in bf16, bf16 Newton-Schulz, TF32 allowed; ``--no-as-cuda`` takes the
 settings as given. ``--world N`` runs N gloo processes on this machine (DDP or FSDP2).
+
+``--compile-modes blocks step`` compares ``train.compile`` settings at ELF-B width (``--depth``
+blocks): dynamo's graphs, graph breaks and recompiles (its ``counters``), inductor's generated
+kernels and the bytes they access per token (``torch._inductor.metrics``, reset before the
+first, compiling step: each graph's kernels are generated once), and, under torch's profiler,
+the kernels one later step runs per micro-batch, inside the compiled graphs and outside them.
 """
 
 from __future__ import annotations
@@ -266,6 +273,160 @@ def profile(args) -> dict:
 
 SEQ2SEQ = ("de-en-b", "xsum-b", "de-en-tiny", "summ-tiny")
 
+ELF_B_WIDTH = {"hidden_size": 768, "num_heads": 12}
+"""``--compile-modes`` runs at ELF-B's width (``--depth`` blocks)."""
+
+
+def _profiled_kernels(fn) -> dict:
+    """Run ``fn()`` under torch's CPU profiler; the kernels it ran: inductor's generated ones
+    (named ``cpp_fused_*`` / ``triton_*``: needs ``cpp.enable_kernel_profile``), the extern
+    kernels (matrix products) inductor's graphs call, the eager ops outside any compiled
+    graph, and the compiled graphs called."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    fused = extern = eager = graphs = 0
+    for e in prof.events():
+        name, parent = e.name, e.cpu_parent
+        inside = parent is not None and parent.name.startswith("## Call CompiledFxGraph")
+        if name.startswith("## Call CompiledFxGraph"):
+            graphs += 1
+        elif "cpp_fused" in name or "triton_" in name:
+            fused += 1
+        elif name.startswith("aten::") and inside:
+            extern += 1
+        elif name.startswith("aten::") and _top_level_aten(e):
+            eager += 1
+    return {"fused": fused, "extern": extern, "eager": eager, "graph_calls": graphs}
+
+
+_VIEWS = {"aten::view", "aten::as_strided", "aten::expand", "aten::t", "aten::transpose",
+          "aten::reshape", "aten::slice", "aten::select", "aten::unsqueeze", "aten::squeeze",
+          "aten::permute", "aten::detach", "aten::alias", "aten::_unsafe_view", "aten::unbind",
+          "aten::empty", "aten::empty_strided", "aten::resolve_conj", "aten::resolve_neg",
+          "aten::lift_fresh", "aten::split", "aten::chunk", "aten::narrow"}  # fmt: skip
+"""aten ops that launch no kernel (views, allocations)."""
+
+
+def _top_level_aten(event) -> bool:
+    """An eager op that computes: not a view, not inside another aten op or a compiled graph."""
+    if event.name in _VIEWS:
+        return False
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name.startswith(("aten::", "## Call CompiledFxGraph")):
+            return False
+        parent = parent.cpu_parent
+    return True
+
+
+def compile_profile(args, mode: str) -> dict:
+    """``train.compile=mode`` at ELF-B width: inductor's metrics and dynamo's counters over the
+    first (compiling) step, dynamo's over ``args.warmup`` further steps (recompiles), then one
+    step's kernels under the profiler."""
+    import torch._inductor.config as inductor_config
+    from torch._dynamo.utils import counters
+    from torch._inductor import metrics
+
+    from elflow.train.setup import prepare_run
+
+    inductor_config.cpp.enable_kernel_profile = True  # name each generated kernel to the profiler
+    torch._logging.set_logs(inductor_metrics=True)  # inductor counts bytes only when it logs them
+    torch._dynamo.reset()
+    counters.clear()
+    tmp = Path(tempfile.mkdtemp(prefix="elflow-profile-"))
+    assets = build_assets(tmp, args.encoder_dim, args.encoder_layers, "text")
+    args.set = [*args.set, f"train.compile={mode}"]
+    args.set += [f"model.{k}={v}" for k, v in {**ELF_B_WIDTH, "depth": args.depth}.items()]
+    cfg = run_config(args, assets)
+    args.set = args.set[:-4]
+    run = prepare_run(cfg, tmp / "run", "never")
+    step, grads, _, close = _stepper(run)
+    metrics.reset()
+    t0 = time.perf_counter()
+    step(0)
+    compile_s = time.perf_counter() - t0
+    kernels, nbytes = metrics.generated_kernel_count, metrics.num_bytes_accessed
+    graphs = counters["stats"]["unique_graphs"]
+    for k in range(1, args.warmup + 1):
+        step(k)
+    recompiles = counters["stats"]["unique_graphs"] - graphs
+    accumulate, ran = grads.accumulate, {}
+
+    def profiled(k):  # the micro-batches only: not the optimizer, EMA or logging
+        out = []
+        ran.update(_profiled_kernels(lambda: out.append(accumulate(k))))
+        return out[0]
+
+    grads.accumulate = profiled
+    t0 = time.perf_counter()
+    step(args.warmup + 1)
+    seconds = time.perf_counter() - t0
+    close()
+    g = run.geometry
+    tokens = g.micro * run.cfg.model.max_length
+    return {
+        "mode": mode,
+        "model": {k: getattr(run.cfg.model, k) for k in ("depth", "hidden_size", "num_heads")},
+        "length": run.cfg.model.max_length,
+        "micro_batch": g.micro,
+        "accum": g.accum,
+        "bf16": run.bf16,
+        "generated_kernels": kernels,
+        "bytes_accessed_per_token": nbytes / tokens,
+        "graphs": graphs,
+        "graph_breaks": sum(counters["graph_break"].values()),
+        "recompiles": recompiles,
+        "steady_steps": args.warmup,
+        "per_micro_batch": {k: v / g.accum for k, v in ran.items()},
+        "compile_s": compile_s,
+        "step_s": seconds,
+    }
+
+
+def print_compile_table(reports: list[dict]) -> None:
+    """The before/after table of ``--compile-modes``."""
+    r0 = reports[0]
+    m = r0["model"]
+    print(
+        f"{len(reports)} compile modes at ELF-B width: D {m['hidden_size']}, {m['num_heads']} "
+        f"heads, depth {m['depth']} (reduced from 12 for CPU time), L {r0['length']}, "
+        f"micro-batch {r0['micro_batch']} x {r0['accum']}, {'bf16' if r0['bf16'] else 'fp32'}, "
+        f"torch {torch.__version__}"
+    )
+    rows_ = [
+        ("graphs compiled (dynamo unique_graphs, first step)", lambda r: f"{r['graphs']}"),
+        ("graph breaks", lambda r: f"{r['graph_breaks']}"),
+        (
+            "recompiles over the next steps (new graphs)",
+            lambda r: f"{r['recompiles']} in {r['steady_steps']}",
+        ),
+        ("inductor kernels generated (first step)", lambda r: f"{r['generated_kernels']}"),
+        (
+            "bytes the generated kernels access per token, one call of each graph",
+            lambda r: _fmt_bytes(r["bytes_accessed_per_token"]),
+        ),
+        ("compiled-graph calls per micro-batch", lambda r: _n(r, "graph_calls")),
+        ("  inductor kernels run per micro-batch", lambda r: _n(r, "fused")),
+        ("  extern kernels (matmuls) in the graphs", lambda r: _n(r, "extern")),
+        ("  eager ops outside the graphs (encoder included)", lambda r: _n(r, "eager")),
+        (
+            "kernels run per micro-batch, total",
+            lambda r: f"{sum(r['per_micro_batch'][k] for k in ('fused', 'extern', 'eager')):.0f}",
+        ),
+        ("first step seconds (compiling)", lambda r: f"{r['compile_s']:.1f}"),
+        ("profiled step seconds on this CPU", lambda r: f"{r['step_s']:.2f}"),
+    ]
+    print("| measure | " + " | ".join(f'"{r["mode"]}"' for r in reports) + " |")
+    print("|---|" + "---|" * len(reports))
+    for name, cell in rows_:
+        print(f"| {name} | " + " | ".join(cell(r) for r in reports) + " |")
+
+
+def _n(report: dict, key: str) -> str:
+    return f"{report['per_micro_batch'][key]:.0f}"
+
 
 def _worker(rank: int, world: int, port: int, args, queue) -> None:
     os.environ.update(
@@ -398,7 +559,22 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--set", action="append", default=[], help="KEY=VALUE config overrides")
     p.add_argument("--json", help="write the figures to this file")
     p.add_argument("--compare", nargs="+", help="print a table of these JSON files and exit")
+    p.add_argument(
+        "--compile-modes",
+        nargs="+",
+        choices=("blocks", "step"),
+        help="instead: inductor's kernels and bytes, dynamo's graph breaks and recompiles of "
+        "these train.compile modes at ELF-B width, side by side",
+    )
+    p.add_argument("--depth", type=int, default=2, help="blocks with --compile-modes")
     args = p.parse_args(argv)
+    if args.compile_modes:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        reports = [compile_profile(args, mode) for mode in args.compile_modes]
+        print_compile_table(reports)
+        if args.json:
+            Path(args.json).write_text(json.dumps(reports, indent=1))
+        return
     if args.compare:
         print_table([(Path(f).stem, json.loads(Path(f).read_text())) for f in args.compare])
         return
