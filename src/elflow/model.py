@@ -225,6 +225,9 @@ class ELF(nn.Module):
         self.activation_checkpointing = False
         """Recompute each block's activations in the backward pass instead of keeping them
         (``train.activation_checkpointing``): less memory, about one more forward per step."""
+        self.residual_dtype: torch.dtype | None = None
+        """The residual stream's dtype between blocks under autocast (``train.residual_dtype``;
+        None: the parameters' dtype, fp32). Experimental: bf16 halves the stream's traffic."""
 
     @torch.no_grad()
     def init_weights(self) -> None:
@@ -271,6 +274,8 @@ class ELF(nn.Module):
         """
         tokens, mask = self.embed(x_in, t, w, gate, key_mask)
         dtype = tokens.dtype
+        if self.residual_dtype is not None and torch.is_autocast_enabled(x_in.device.type):
+            tokens = tokens.to(self.residual_dtype)  # the heads cast back to ``dtype``
         rotations = self.rotations(x_in.shape[1], x_in.device)
         recompute = self.activation_checkpointing and self.training and torch.is_grad_enabled()
         for block in self.blocks:

@@ -216,3 +216,25 @@ def test_the_compiled_step_equals_the_eager_step_under_bf16_autocast():
         _assert_near(lb, la, 2e-2, "loss")
         for name in ga:
             _assert_near(gb[name], ga[name], 5e-2, name)
+
+
+# --- the bf16 residual stream (experimental) ----------------------------------------------------
+
+
+def test_a_bf16_residual_stream_carries_bf16_between_blocks_and_fp32_out():
+    model = _model()
+    x_in, t, w = torch.randn(2, L, 2 * E), torch.rand(2), torch.rand(2) + 1
+    seen = []
+    model.blocks[1].register_forward_pre_hook(lambda m, args: seen.append(args[0].dtype))
+    with torch.autocast("cpu", torch.bfloat16):
+        fp32_stream, _ = model(x_in, t, w, 0.0)
+        model.residual_dtype = torch.bfloat16
+        bf16_stream, hidden = model(x_in, t, w, 0.0)
+    assert seen == [torch.float32, torch.bfloat16]
+    assert bf16_stream.dtype == hidden.dtype == torch.float32
+    _assert_near(bf16_stream, fp32_stream, 5e-2)
+    model(x_in, t, w, 0.0)  # without autocast the stream stays fp32
+    assert seen[-1] == torch.float32
+    assert apply_overrides(RunConfig(), None, ["train.residual_dtype=bf16"]).train.residual_dtype
+    with pytest.raises(ELFError, match="'fp32' or 'bf16', got 'fp16'"):
+        TrainConfig(residual_dtype="fp16")

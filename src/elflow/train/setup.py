@@ -343,6 +343,7 @@ def _network(
         if not sharded_state:  # a checkpoint of elflow < 0.3: one file of state per rank
             rank_state = ckpt_io.load_rank_state(resume_from, info, saved_world, sharded)
     model.activation_checkpointing = cfg.train.activation_checkpointing == "blocks"
+    model.residual_dtype = torch.bfloat16 if cfg.train.residual_dtype == "bf16" else None
     forward = TrainForward(model)
     if cfg.train.compile == "step":
         # The whole micro-batch is compiled around this forward (train/step.py); DDP's forward
