@@ -333,6 +333,8 @@ def compile_profile(args, mode: str) -> dict:
 
     inductor_config.cpp.enable_kernel_profile = True  # name each generated kernel to the profiler
     torch._logging.set_logs(inductor_metrics=True)  # inductor counts bytes only when it logs them
+    inductor_config.fx_graph_cache = False  # compile afresh: a cached graph is not counted
+    torch._functorch.config.enable_autograd_cache = False
     torch._dynamo.reset()
     counters.clear()
     tmp = Path(tempfile.mkdtemp(prefix="elflow-profile-"))
