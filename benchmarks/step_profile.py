@@ -362,9 +362,11 @@ def compile_profile(args, mode: str) -> dict:
         return out[0]
 
     grads.accumulate = profiled
+    before = counters["stats"]["unique_graphs"]
     t0 = time.perf_counter()
     step(args.warmup + 1)
     seconds = time.perf_counter() - t0
+    profiled_compiles = counters["stats"]["unique_graphs"] - before
     close()
     g = run.geometry
     tokens = g.micro * run.cfg.model.max_length
@@ -381,6 +383,7 @@ def compile_profile(args, mode: str) -> dict:
         "graph_breaks": sum(counters["graph_break"].values()),
         "recompiles": recompiles,
         "steady_steps": args.warmup,
+        "profiled_compiles": profiled_compiles,
         "per_micro_batch": {k: v / g.accum for k, v in ran.items()},
         "compile_s": compile_s,
         "step_s": seconds,
@@ -408,6 +411,10 @@ def print_compile_table(reports: list[dict]) -> None:
         (
             "bytes the generated kernels access per token, one call of each graph",
             lambda r: _fmt_bytes(r["bytes_accessed_per_token"]),
+        ),
+        (
+            "new graphs in the profiled step (its eager ops then include compiling)",
+            lambda r: f"{r['profiled_compiles']}",
         ),
         ("compiled-graph calls per micro-batch", lambda r: _n(r, "graph_calls")),
         ("  inductor kernels run per micro-batch", lambda r: _n(r, "fused")),
