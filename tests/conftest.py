@@ -65,7 +65,25 @@ def checkpoint_calls(monkeypatch) -> list:
     return calls
 
 
+FULL_TIER_ONLY = ("slow", "dist", "e2e", "docs", "browser")
+"""Markers of the tests a bare ``pytest`` (the fast tier) deselects; any ``-m`` (``-m ""``: every
+test) or a test named by its node id (``path::name``) brings them back."""
+
+
+def _fast_tier(config) -> bool:
+    """No ``-m`` given and no test named by node id: the default, fast selection."""
+    args = config.invocation_params.args
+    if config.option.markexpr or any(a.startswith("-m") for a in args):
+        return False
+    return not any("::" in a for a in config.args)
+
+
 def pytest_collection_modifyitems(config, items):
+    if _fast_tier(config):
+        full = [any(i.get_closest_marker(m) for m in FULL_TIER_ONLY) for i in items]
+        if any(full):
+            config.hook.pytest_deselected(items=[i for i, f in zip(items, full, strict=True) if f])
+            items[:] = [i for i, f in zip(items, full, strict=True) if not f]
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

@@ -121,6 +121,7 @@ def test_help_exits_0(name, monkeypatch, capsys):
     assert " ".join(load(name).__doc__.splitlines()[0].split()) in out
 
 
+@pytest.mark.docs
 def test_readme_command_extraction_finds_every_command():
     # Each "python benchmarks/" in the README and the docs (inline or fenced, however wrapped) is
     # one command.
@@ -130,6 +131,7 @@ def test_readme_command_extraction_finds_every_command():
     assert len(DOC_COMMANDS) >= len(CLIS)  # each script documents at least one command
 
 
+@pytest.mark.docs
 @pytest.mark.parametrize(
     "command",
     [pytest.param(c, id=f"readme-{i}") for i, c in enumerate(README_COMMANDS)]
@@ -290,6 +292,7 @@ def test_gpu_check_refuses_bad_arguments(monkeypatch, capsys, argv):
     assert e.value.code == 2 and "gpu_check.py: error:" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_gpu_check_tiny_trains_through_train_and_runs_every_sampler_on_cpu(
     monkeypatch, capsys, tmp_path
 ):

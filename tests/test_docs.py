@@ -10,6 +10,8 @@ import pytest
 
 from tests.doc_commands import DOCS, ROOT, doc_pages, fenced_elflow_commands, parse_error
 
+pytestmark = pytest.mark.docs
+
 PAGES = doc_pages()
 COMMANDS = [
     pytest.param(command, id=f"{page.relative_to(DOCS)}:{i}")

@@ -9,6 +9,8 @@ import pytest
 
 from tests.doc_commands import ROOT, fenced_elflow_commands, parse_error, split_fenced
 
+pytestmark = pytest.mark.docs
+
 
 def _command(heading: str) -> str:
     lines = (ROOT / "README.md").read_text().splitlines()

@@ -199,7 +199,7 @@ def test_bad_input_is_one_line(uncond_model, cond_model, tmp_path, capsys):
     assert not (tmp_path / "x.jsonl").exists()
 
 
-@pytest.mark.slow
+@pytest.mark.dist
 def test_two_processes_write_the_one_process_file(uncond_model, tmp_path):
     args = ["--model", str(uncond_model), "--num-samples", "5", "--steps", "3", "--seed", "3"]
     args += ["--batch-size", "2", "--device", "cpu", "--save-tokens"]

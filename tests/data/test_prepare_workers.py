@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from elflow.__main__ import main
 from elflow.data import DataConfig
 from elflow.data.preparation import prepare
@@ -55,6 +57,7 @@ def test_any_number_of_workers_writes_the_same_folder(tokenizer, tmp_path):
     assert (rows.target.offsets == prepared.target.offsets).all()
 
 
+@pytest.mark.e2e  # the command in a subprocess, killed and run again
 def test_a_killed_preparation_resumes_without_redoing_finished_shards(tokenizer, tmp_path, capsys):
     verses = web_bible_texts("train")
     (tmp_path / "text.txt").write_text("\n".join(verses * 4) + "\n")  # ~6.5 MB

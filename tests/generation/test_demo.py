@@ -147,6 +147,7 @@ def test_shipped_demo_model_without_the_minilm_package(monkeypatch, tmp_path, ca
     )
 
 
+@pytest.mark.e2e
 def test_demo_with_the_shipped_model(tmp_path, capsys):
     html = tmp_path / "demo.html"
     assert main(["demo", "-n", "2", "--no-animate", "--html", str(html)]) == 0

@@ -18,6 +18,8 @@ from tests.train_helpers import (
     train_cli,
 )
 
+pytestmark = pytest.mark.e2e  # whole training runs through the command line
+
 TRAIN = {"max_steps": 6, "save_every": 3, "global_batch": 4}
 
 
@@ -34,7 +36,7 @@ def _resume(tmp: Path, source: Path, name: str, cfg: dict, nproc: int | None) ->
     return run / "checkpoint-6"
 
 
-@pytest.mark.slow
+@pytest.mark.dist
 def test_fsdp2_resumes_on_one_two_and_four_processes(tmp_path, assets):
     straight = tmp_path / "single"
     assert train_cli(tmp_path, straight, run_config(assets, train=TRAIN)) == 0
@@ -51,7 +53,7 @@ def test_fsdp2_resumes_on_one_two_and_four_processes(tmp_path, assets):
     assert_same_checkpoint(straight / "checkpoint-6", end, atol=1e-5)
 
 
-@pytest.mark.slow
+@pytest.mark.dist
 def test_ddp_resumes_on_four_processes(tmp_path, assets):
     cfg = run_config(assets, train=TRAIN)
     assert train_cli(tmp_path, tmp_path / "single", cfg) == 0

@@ -21,6 +21,8 @@ from tests.train_helpers import (
     weights,
 )
 
+pytestmark = pytest.mark.e2e  # whole distillation runs through the command line
+
 
 def test_rounds_chain_and_teacher_is_frozen(tmp_path, assets, teacher):
     before = (teacher / "ema.safetensors").read_bytes()
@@ -314,7 +316,7 @@ def test_objective_settings_override_the_teachers(tmp_path, assets, capsys):
     assert not (tmp_path / "c").exists()
 
 
-@pytest.mark.slow
+@pytest.mark.dist
 def test_two_processes_distil_as_one(tmp_path, assets, teacher):
     # Two examples per process: a process's share of a step often has no decoder row, and
     # DDP must still reduce the same gradients on both (it deadlocked or crashed before).

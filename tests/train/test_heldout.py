@@ -50,6 +50,7 @@ def test_spread_rows_are_evenly_spaced_with_shared_keys_dealt_over_processes():
     assert [k.tolist() for _, k in shares] == [[0, 2, 4], [1, 3]]
 
 
+@pytest.mark.e2e
 def test_heldout_loss_is_logged_and_leaves_training_unchanged(
     tmp_path,
     assets,
@@ -106,6 +107,7 @@ def test_heldout_loss_is_logged_and_leaves_training_unchanged(
         assert again[k] == pytest.approx(lines[1][k], rel=1e-5)
 
 
+@pytest.mark.e2e
 def test_heldout_loss_resumes_and_works_without_a_validation_split(
     tmp_path,
     assets,
@@ -126,6 +128,7 @@ def test_heldout_loss_resumes_and_works_without_a_validation_split(
     assert [by_step[x["step"]] for x in full] == [strip_timing(x) for x in full]
 
 
+@pytest.mark.e2e
 def test_distillation_rounds_log_their_own_heldout_loss(
     tmp_path,
     assets,
@@ -149,6 +152,7 @@ def test_bad_heldout_settings_are_one_line_errors(tmp_path, setting, message, ca
     assert message in err and err.count("\n") == 1
 
 
+@pytest.mark.e2e
 def test_conditional_run_trains_evaluates_and_translates(tmp_path, assets):
     """The de-en/summ path end to end: source/target pairs, label drop, held-out loss, CFG."""
     g = np.random.default_rng(2)

@@ -311,6 +311,7 @@ def test_wide_fp32_newton_schulz_runs_on_the_gram_matrix_as_exactly_as_directly(
     assert err < 1.5 * (direct - truth).norm() / truth.norm() + 1e-6
 
 
+@pytest.mark.dist
 @pytest.mark.slow
 def test_fsdp2_two_processes_match_one_process(tmp_path):
     out = tmp_path / "fsdp.pt"

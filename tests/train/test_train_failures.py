@@ -17,6 +17,8 @@ from tests.train_helpers import run_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
+pytestmark = pytest.mark.e2e  # whole training runs through the command line
+
 
 def torchrun_failing(tmp: Path, out: Path, cfg: dict, rank: int, step: int, mode: str):
     """``elflow train`` on 2 gloo processes where ``rank`` fails at ``step`` (tests/dist)."""
@@ -35,7 +37,7 @@ def _lines(proc) -> list[str]:
     return [x for x in text.splitlines() if "elflow: error: process" in x]
 
 
-@pytest.mark.slow
+@pytest.mark.dist
 def test_a_crashed_process_ends_the_others_with_one_line(tmp_path, assets):
     cfg = run_config(assets, train={"max_steps": 8, "save_every": 3})
     proc = torchrun_failing(tmp_path, tmp_path / "run", cfg, rank=1, step=4, mode="die")
@@ -48,7 +50,7 @@ def test_a_crashed_process_ends_the_others_with_one_line(tmp_path, assets):
     assert sorted(p.name for p in (tmp_path / "run").glob("checkpoint-*")) == ["checkpoint-3"]
 
 
-@pytest.mark.slow
+@pytest.mark.dist
 def test_a_hung_process_ends_the_others_after_the_stop_timeout(tmp_path, assets):
     train = {"max_steps": 8, "save_every": 3, "stop_timeout": 2.0}
     proc = torchrun_failing(
@@ -63,7 +65,7 @@ def test_a_hung_process_ends_the_others_after_the_stop_timeout(tmp_path, assets)
     assert "process(es) 1 stopped answering" in line and "checkpoint-3" in line
 
 
-@pytest.mark.slow
+@pytest.mark.dist
 def test_a_run_folder_some_process_cannot_see_is_refused_at_start(tmp_path, assets):
     cfg = run_config(assets, train={"max_steps": 4})
     proc = torchrun_failing(tmp_path, tmp_path / "run", cfg, rank=1, step=99, mode="blind")
@@ -77,7 +79,6 @@ def test_a_run_folder_some_process_cannot_see_is_refused_at_start(tmp_path, asse
     assert not list((tmp_path / "run").glob(".elflow-shared-*"))
 
 
-@pytest.mark.slow
 def test_kills_during_saves_lose_nothing(monkeypatch, capsys):
     """A couple of SIGKILLs while checkpoints are written (benchmarks/kill_saves.py does 20)."""
     import importlib.util

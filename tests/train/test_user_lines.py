@@ -7,6 +7,8 @@ from __future__ import annotations
 import io
 import json
 
+import pytest
+
 from tests.train_helpers import error_lines, run_config, train_cli
 
 
@@ -54,6 +56,7 @@ def test_too_few_rows_for_the_batch_are_named(tmp_path, assets, capsys):
     )
 
 
+@pytest.mark.e2e
 def test_a_rerun_says_what_changed_and_that_nothing_is_left(tmp_path, assets, capsys):
     cfg = run_config(assets, train={"max_steps": 3})
     assert train_cli(tmp_path, tmp_path / "run", cfg) == 0
@@ -87,6 +90,7 @@ def test_the_progress_bar_moves_every_step():
     assert "2/4" in out.getvalue()
 
 
+@pytest.mark.e2e
 def test_train_without_out_writes_to_runs_preset(tmp_path, assets, capsys, monkeypatch):
     from elflow.__main__ import main
 
