@@ -17,6 +17,16 @@ from elflow.io.official import latest_official_checkpoint
 from elflow.paths import check_no_loop
 
 WEIGHTS, EMA_WEIGHTS, CONFIG = "model.safetensors", "ema.safetensors", "config.json"
+WEIGHTS_INDEX = "model.safetensors.index.json"
+"""A model saved in shards (``save_model(max_shard_size=...)``): which shard holds each weight."""
+
+
+def has_weights(folder: Path) -> bool:
+    """Whether ``folder`` holds a model's weights: one ``model.safetensors`` or an index of
+    shards."""
+    return (folder / WEIGHTS).is_file() or (folder / WEIGHTS_INDEX).is_file()
+
+
 DEMO_MODEL = Path(__file__).resolve().parents[1] / "demo_model"
 """The small CPU model shipped in the package; the model source ``demo`` names it."""
 _RUN_CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
@@ -54,7 +64,7 @@ def resolve_source(source: str | Path) -> ResolvedSource:
     check_no_loop(source, "model source")
     path = Path(source).expanduser()
     if name == "demo" and not path.exists():
-        if not (DEMO_MODEL / CONFIG).is_file() or not (DEMO_MODEL / WEIGHTS).is_file():
+        if not (DEMO_MODEL / CONFIG).is_file() or not has_weights(DEMO_MODEL):
             raise ELFError(
                 "this installation ships no demo model; train one with `elflow train --preset "
                 "bible-tiny --out runs/bible-tiny` and use the model runs/bible-tiny"
@@ -66,10 +76,13 @@ def resolve_source(source: str | Path) -> ResolvedSource:
         else:
             raise ELFError(f"model source {name!r} does not exist (not a file, folder or Hub id)")
     if path.is_file():
-        if path.name in (WEIGHTS, EMA_WEIGHTS, CONFIG) and (path.parent / CONFIG).is_file():
+        if (
+            path.name in (WEIGHTS, EMA_WEIGHTS, CONFIG, WEIGHTS_INDEX)
+            and (path.parent / CONFIG).is_file()
+        ):
             raise ELFError(f"{name!r} is a file of an elflow model; pass its folder {path.parent}")
         return ResolvedSource("official", path, name)
-    if (path / CONFIG).is_file() and (path / WEIGHTS).is_file():
+    if (path / CONFIG).is_file() and has_weights(path):
         return ResolvedSource("elflow", path, name)
     run_ckpt = latest_run_checkpoint(path)
     if run_ckpt is not None:
