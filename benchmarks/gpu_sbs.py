@@ -5,8 +5,8 @@ Usage (one prepared command for a lent H100/H200, about 6-8 minutes; then a CPU 
     cp -r ../shared/reference/elf_pytorch .sbs/          # once, here: ../shared does not travel
     python benchmarks/gpu_sbs.py --prepare-wheels        # once, here: serve's wheels -> .sbs/whl
     # on the GPU machine (carry: [".sbs"]):
-    pip install -q --no-index --no-deps --target /tmp/site .sbs/whl/*.whl; \
-    PYTHONPATH=src:/tmp/site python benchmarks/gpu_sbs.py --json sbs.json   # writes under $OUT
+    pip install -q --no-index --no-deps --target /tmp/site .sbs/whl/*.whl && \
+    PYTHONPATH=src:/tmp/site python3 benchmarks/gpu_sbs.py --json sbs.json  # writes under $OUT
     python benchmarks/gpu_sbs.py --cpu-dry-run           # tiny shapes, same code, on a CPU
 
 The authors' code (``--reference PATH``; default ``.sbs/elf_pytorch`` if present, else
@@ -24,7 +24,7 @@ Measured, each side as its users run it (``.sbs/`` must be in ``.git/info/exclud
 - training ELF-B at L 1024, batch 32, the same lr (blr 1e-3 x B / 256, 5 warm-up steps) and
   Muon: elflow with ``train.compile`` ``blocks`` and ``step`` (skipped with a note where this
   elflow lacks it), the authors' step on ``torch.compile(model)`` (their train.py compiles on
-  CUDA only); tokens/s over the steps after ``--warmup``, peak memory
+  CUDA only); tokens/s over steps 9 to 20 (compilation is over), peak memory
   (``torch.cuda.max_memory_allocated``), model and executed FLOPs a step and MFU / HFU by
   docs/training.md "FLOPs and MFU" (peak from ``elflow.hardware.GPU_BF16_TFLOPS``: H100 SXM and
   H200 989 TFLOP/s dense bf16), and the first 20 losses side by side (same batches and
@@ -40,10 +40,12 @@ Measured, each side as its users run it (``.sbs/`` must be in ``.git/info/exclud
 
 It prints the device, torch, the commit, then one table with the ratios the targets use
 (elflow/authors tokens/s, sampling speed-up at B 8, serve 16 clients / 1 client); ``--json``
-writes the figures, everything under ``--out`` (default ``$OUT``, else ``gpu_sbs_out``). A section
-that fails, or a non-finite loss, is reported in the table and the exit code is 1. The dry run
-compiles with the ``aot_eager`` backend (dynamo and AOTAutograd as on the GPU, without
-inductor's CPU code generation; ``--compile-backend`` to change it) and samples 8 steps.
+writes the figures under ``--out`` (default ``$OUT``, else ``gpu_sbs_out``; the encoder, runs
+and served model go to ``--work``, a temporary folder by default). A section that fails, or a
+non-finite loss, is reported in the table and the exit code is 1. The dry run compiles with the
+``aot_eager`` backend (dynamo and AOTAutograd as on the GPU, without inductor's CPU code
+generation; ``--compile-backend`` to change it) and samples 8 steps; it took 100 s of CPU time,
+3 to 4 minutes' wall time on a 2-core machine shared with other jobs (load 8 to 10).
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 import types
@@ -761,6 +764,9 @@ def run(args: argparse.Namespace) -> dict:
         torch.compile = partial(torch.compile, backend=backend)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    # The encoder, the runs and the served model (hundreds of MB) stay out of --out.
+    work = Path(args.work or tempfile.mkdtemp(prefix="gpu_sbs-"))
+    work.mkdir(parents=True, exist_ok=True)
     tflops = args.peak_tflops or peak_tflops(device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"device: {name}; torch {torch.__version__}; elflow commit {commit()}", flush=True)
@@ -791,7 +797,7 @@ def run(args: argparse.Namespace) -> dict:
         if authors is not None:
             report["notes"] += authors.notes
             report["reference"] = str(ref)
-    encoder = build_encoder(out, shapes)
+    encoder = build_encoder(work, shapes)
     facts = None
     if "train" in args.sections:
         for mode in args.modes:
@@ -800,7 +806,7 @@ def run(args: argparse.Namespace) -> dict:
                 continue
             print(f"training: elflow, train.compile={mode}", flush=True)
             got = section(
-                f"train elflow {mode}", report, elflow_train, shapes, encoder, mode, device, out
+                f"train elflow {mode}", report, elflow_train, shapes, encoder, mode, device, work
             )
             if got:
                 report["train"].append(got[0])
@@ -825,7 +831,7 @@ def run(args: argparse.Namespace) -> dict:
         got = section("sample", report, sampling, shapes, authors, vocab, device, report["notes"])
         report["sample"] = got or []
     if "serve" in args.sections:
-        got = section("serve", report, serving, shapes, out, report["notes"])
+        got = section("serve", report, serving, shapes, work, report["notes"])
         report["serve"] = got or []
     for r in report["train"]:
         bad = [k + 1 for k, x in enumerate(r["losses"]) if not np.isfinite(x)]
@@ -833,6 +839,8 @@ def run(args: argparse.Namespace) -> dict:
             report["notes"].append(f"{r['name']}: FAILED, non-finite loss from step {bad[0]}")
             report["failed"] = True
     report["ratios"] = ratios(report)
+    if not args.work:
+        shutil.rmtree(work, ignore_errors=True)
     return report
 
 
@@ -841,6 +849,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cpu-dry-run", action="store_true", help="tiny shapes on the CPU, same code")
     p.add_argument("--reference", help="the authors' port (default: .sbs/elf_pytorch, ../shared)")
     p.add_argument("--out", default=os.environ.get("OUT") or "gpu_sbs_out", help="output folder")
+    p.add_argument("--work", help="scratch folder for the encoder and runs (default: a temp one)")
     p.add_argument("--json", help="write the report to this file (under --out when relative)")
     p.add_argument("--modes", default="blocks,step", help="elflow's train.compile modes to time")
     p.add_argument("--sections", default="train,sample,serve", help="what to run")
