@@ -17,8 +17,17 @@ perplexity and entropy with bootstrap 95% intervals, mean length (judge tokens),
 samples copying an 8-word span of the training split verbatim. The real-text row is ``--num``
 random validation verses prepared exactly like the training rows (tokenised with the model's
 tokenizer, truncated to its max_length, decoded back: lower-case WordPiece text for MiniLM).
-The bars of the demo issue: gen PPL <= 2.5x real, entropy >= 0.9x real, mean length within 20%
-of real, copy share <= 5%.
+The CPU demo model's bars were gen PPL <= 2.5x real, entropy >= 0.9x real, mean length within
+20% of real, copy share <= 5%.
+
+``--targets`` checks a model against the GPU-trained demo model's targets instead, with its own
+sampler, at ``--num`` samples for each of ``--seeds`` (each seed also draws its own real verses):
+gen PPL <= 1.5x the real verses', unigram entropy >= 0.95x theirs, mean length within 20% of
+theirs, and no larger a share of samples copying an 8-word training span than the real verses
+have. Each target is checked on every seed's point estimates (bootstrap 95% intervals printed
+beside them); it passes when it holds on all of them:
+
+    python benchmarks/demo_quality.py --model FOLDER --targets --num 256 --seeds 0,1,2
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -55,7 +65,21 @@ def prepared_like_rows(pipe: ELFPipeline, texts: list[str]) -> list[str]:
 
 
 def training_record(run: str) -> dict:
-    """Steps and summed step time of a training run, from its checkpoint and ``metrics.jsonl``."""
+    """Steps and summed step time of a training run, from its checkpoint and ``metrics.jsonl``,
+    or of a model trained by ``benchmarks/train_demo_gpu.py``, from its ``train_demo.json``."""
+    summary = Path(run) / "train_demo.json"
+    if summary.is_file():
+        s = json.loads(summary.read_text())
+        return {
+            "steps": s["steps"],
+            "examples_seen": s["examples_seen"],
+            "epochs": round(s["epochs"], 2),
+            "wall_time_h": round(s["wall_s"] / 3600, 3),
+            "preset": s["run_config"]["preset"],
+            "device": s["device"],
+            "tokens_per_s": round(s["tokens_per_s"]),
+            "why": s["why"],
+        }
     folder = ckpt_io.find_checkpoint(Path(run))
     if folder is None:
         raise SystemExit(f"--export needs a training run or checkpoint; {run} is neither")
@@ -111,12 +135,19 @@ def main() -> None:
     p.add_argument("--project-from", type=float, help="projected sampling (default: the model's)")
     p.add_argument("--gamma", type=float, help="the SDE rows' gamma (default: the model's)")
     p.add_argument("--show", type=int, default=6, help="uncurated samples to print per row")
+    p.add_argument("--targets", action="store_true", help="check the GPU demo model's targets")
+    p.add_argument("--seeds", default="0,1,2", help="--targets: one row pair per seed")
     args = p.parse_args()
     steps = [int(s) for s in args.steps.split(",")]
     samplers = args.samplers.split(",")
     # Check the outputs before the sampling and scoring, which take hours at --num 256.
     if not Path(args.out).parent.is_dir():
         p.error(f"--out {args.out}: its folder does not exist")
+    if args.targets:
+        if args.export or args.update_card:
+            p.error("--targets measures; --export and --update-card take the quality table")
+        targets(args)
+        return
     if (args.export or args.update_card) and (32 not in steps or "sde" not in samplers):
         p.error("the card needs the 32-step SDE row: keep 32 in --steps, sde in --samplers")
     if args.update_card and not (Path(args.update_card) / "card.json").is_file():
@@ -195,6 +226,79 @@ def main() -> None:
         card = json.loads(path.read_text()) | _measured(args, pipe, rows)
         path.write_text(json.dumps(card, indent=2) + "\n")
         print(f"updated {path}")
+
+
+TARGETS = {
+    "gen_ppl": ("gen PPL <= 1.5x real", lambda m, r: m["gen_ppl"] <= 1.5 * r["gen_ppl"]),
+    "entropy": ("entropy >= 0.95x real", lambda m, r: m["entropy"] >= 0.95 * r["entropy"]),
+    "mean_length": (
+        "mean length within 20% of real",
+        lambda m, r: abs(m["mean_length"] / r["mean_length"] - 1) <= 0.2,
+    ),
+    "copy_share": (
+        "8-word copies <= real's",
+        lambda m, r: m["copy_share"] <= r["copy_share"],
+    ),
+}
+"""The GPU-trained demo model's targets: (what, check(model row, real row))."""
+
+
+def targets(args: argparse.Namespace) -> None:
+    """``--targets``: per seed, the real verses and the model's own sampler, scored alike; each
+    target's ratio per seed, then PASS/FAIL per target (all seeds) and overall."""
+    seeds = [int(s) for s in args.seeds.split(",")]
+    pipe = ELFPipeline.from_pretrained(args.model)
+    judge = load_judge(args.judge)
+    train_grams = ngram_set(read_texts(args.train), 8)
+    valid = read_texts(args.valid)
+    if args.num > len(valid):
+        raise SystemExit(f"--num {args.num}: the valid split has only {len(valid)} verses")
+
+    def scored(texts: list[str]) -> dict:
+        m = score(texts, judge)
+        return m | {"copy_share": float(copies(texts, train_grams, 8).mean())}
+
+    rows, verdicts = [], {k: [] for k in TARGETS}
+    for seed in seeds:
+        pick = np.random.default_rng(seed).choice(len(valid), size=args.num, replace=False)
+        real = scored(prepared_like_rows(pipe, [valid[i] for i in pick]))
+        texts, seconds = timed_generate(
+            pipe,
+            args.num,
+            seed=seed,
+            batch_size=args.batch_size,
+            project_from=args.project_from,
+            gamma=args.gamma,
+        )
+        model = scored(texts)
+        for name, r in (("real", real), ("model", model)):
+            print(
+                f"seed {seed} {name:<5}: gen PPL {r['gen_ppl']:7.2f} [{r['gen_ppl_ci'][0]:.1f}, "
+                f"{r['gen_ppl_ci'][1]:.1f}]  entropy {r['entropy']:.3f} [{r['entropy_ci'][0]:.3f}, "
+                f"{r['entropy_ci'][1]:.3f}]  length {r['mean_length']:.1f}  copy "
+                f"{100 * r['copy_share']:.1f}%" + (f"  ({seconds:.0f} s)" if r is model else ""),
+                flush=True,
+            )
+        for key, (_, check) in TARGETS.items():
+            verdicts[key].append(bool(check(model, real)))
+        ratios = {k: model[k] / real[k] if real[k] else math.nan for k in TARGETS}
+        print(
+            f"seed {seed} ratios: "
+            + "  ".join(f"{k} {v:.3f}" for k, v in ratios.items())
+            + f"\n  first samples: {texts[:3]}",
+            flush=True,
+        )
+        rows.append({"seed": seed, "real": real, "model": model, "ratios": ratios, "texts": texts})
+    print(f"\ntargets ({args.num} samples x seeds {seeds}; a target passes on every seed):")
+    for key, (what, _) in TARGETS.items():
+        mark = "PASS" if all(verdicts[key]) else "FAIL"
+        print(f"  {mark}  {what:<34} per seed: {['pass' if v else 'fail' for v in verdicts[key]]}")
+    passed = all(all(v) for v in verdicts.values())
+    print("ALL TARGETS MET" if passed else "NOT MET: do not ship this model as meeting them")
+    record = {"model": args.model, "num": args.num, "seeds": seeds, "judge": args.judge}
+    record |= {"rows": rows, "verdicts": verdicts, "passed": passed}
+    Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
+    print(f"wrote {args.out}")
 
 
 KEEP = ("gen_ppl", "gen_ppl_ci", "entropy", "entropy_ci", "mean_length", "copy_share")
