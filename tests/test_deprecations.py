@@ -38,6 +38,7 @@ def test_a_renamed_module_still_imports_with_a_warning_naming_the_new_one(old):
         assert getattr(shim, name) is getattr(new, name)
 
 
+@pytest.mark.slow
 def test_the_package_imports_no_old_name():
     """Every module under the new names, and the lazy exports, load with no DeprecationWarning."""
     code = (

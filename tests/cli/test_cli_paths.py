@@ -138,6 +138,7 @@ def test_score_checks_before_scoring(tmp_path, capsys):
     assert code == 2 and "is a folder; give a JSONL file" in err
 
 
+@pytest.mark.e2e
 def test_sweep_keeps_an_earlier_sweep_unless_overwrite(tmp_path, model, capsys):
     out = tmp_path / "sweep"
     argv = ["sweep", "--model", model, "--out", out, "--num-samples", "2", "--judge", "none"]
@@ -176,6 +177,7 @@ def test_sweep_keeps_an_earlier_sweep_unless_overwrite(tmp_path, model, capsys):
         assert (out / "table.md").is_file()
 
 
+@pytest.mark.e2e
 def test_an_interrupted_sweep_resumes(tmp_path, model, capsys, monkeypatch):
     import elflow.evaluation as evaluation
 

@@ -20,6 +20,8 @@ from tests.data.conftest import write_jsonl
 
 ROOT = Path(__file__).resolve().parents[2]
 
+pytestmark = pytest.mark.e2e  # whole `elflow prepare` runs
+
 
 def _tables(folder: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(folder.glob("*.bin"))}
@@ -57,7 +59,6 @@ def test_any_number_of_workers_writes_the_same_folder(tokenizer, tmp_path):
     assert (rows.target.offsets == prepared.target.offsets).all()
 
 
-@pytest.mark.e2e  # the command in a subprocess, killed and run again
 def test_a_killed_preparation_resumes_without_redoing_finished_shards(tokenizer, tmp_path, capsys):
     verses = web_bible_texts("train")
     (tmp_path / "text.txt").write_text("\n".join(verses * 4) + "\n")  # ~6.5 MB

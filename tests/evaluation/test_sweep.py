@@ -70,6 +70,7 @@ def test_grid_cells_have_distinct_names():
         parse_grid("ode", {"steps": "4", "w": "1,1.0000001"})
 
 
+@pytest.mark.e2e
 def test_sweep_writes_grid_tables_plot_and_equals_sample_plus_score(model_dir, judge_dir, tmp_path):
     ref = tmp_path / "ref.jsonl"
     real = ["The Cat sat", "a dog ran", "In the beginning God created the heavens and the earth."]
@@ -244,6 +245,7 @@ def test_conditional_sweep_scores_bleu_against_refs(tmp_path):
     assert json.loads(scored.read_text())["bleu"] == metrics["bleu"]
 
 
+@pytest.mark.e2e
 def test_sweep_over_seeds_equals_sample_seeds_and_resumes_per_seed(
     model_dir, judge_dir, tmp_path, capsys
 ):

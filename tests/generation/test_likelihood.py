@@ -46,6 +46,7 @@ def test_the_ode_gives_the_exact_density_of_gaussian_data(t1):
     assert z0.shape == z.shape
 
 
+@pytest.mark.slow
 def test_hutchinson_estimates_the_exact_trace_of_a_network():
     torch.manual_seed(0)
     net = build_model(elf_tiny(encoder_dim=4, vocab_size=10, max_length=4, self_condition=False))
