@@ -338,7 +338,7 @@ class FrozenEncoder(nn.Module):
                 f"encoder folder '{name_or_path}' does not exist; pass an existing folder"
             )
         source = expanded if os.path.isdir(expanded) else name_or_path
-        if source == name_or_path:  # a Hub id
+        if not os.path.isdir(expanded):  # a Hub id (a relative folder here is not one)
             check_hub_download(name_or_path, "encoder")
         try:
             config = AutoConfig.from_pretrained(source, trust_remote_code=False)
