@@ -48,6 +48,7 @@ KEY_FLAGS: dict[str, str] = {
     "device=": "--device",
     "task=": "--task",
     "use_ema=False": "--no-ema",
+    "cuda_graphs=False": "--no-cuda-graphs",
     "checkpoint=": "--model",
 }
 """Key -> flag(s) in every command whose parser has the flag."""

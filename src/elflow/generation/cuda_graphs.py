@@ -178,7 +178,7 @@ class StepGraphs:
                 first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
                 raise ELFError(
                     f"capturing the sampling step in a CUDA graph failed ({first}); sample "
-                    "without graphs (cuda_graphs=False, --no-cuda-graphs)"
+                    "without graphs (cuda_graphs=False)"
                 ) from e
             self.runners[last] = runner
         z, x_hat = runner(*inputs)
