@@ -238,3 +238,27 @@ def test_a_bf16_residual_stream_carries_bf16_between_blocks_and_fp32_out():
     assert apply_overrides(RunConfig(), None, ["train.residual_dtype=bf16"]).train.residual_dtype
     with pytest.raises(ELFError, match="'fp32' or 'bf16', got 'fp16'"):
         TrainConfig(residual_dtype="fp16")
+
+
+# --- the compiled step through the trainer, under bf16 ------------------------------------------
+
+
+@pytest.mark.slow
+def test_the_compiled_step_trains_like_the_eager_step_under_bf16(assets, tmp_path):
+    """Through :func:`train`, bf16: the same losses as eager. (Regression: inductor's 512-bit CPU
+    kernels gave the timestep embedders NaN gradients from the first step, on AVX-512.)"""
+    import json
+
+    from elflow.train.loop import train
+    from tests.train.conftest import resolved
+    from tests.train_helpers import run_config
+
+    losses = {}
+    for mode in ("none", "step"):
+        settings = {"max_steps": 3, "save_every": 100, "precision": "bf16", "compile": mode}
+        cfg = resolved(run_config(assets, train=settings), tmp_path)
+        train(cfg, tmp_path / mode)
+        lines = (tmp_path / mode / "metrics.jsonl").read_text().splitlines()
+        losses[mode] = [json.loads(x)["loss"] for x in lines]
+    assert len(losses["step"]) == 3
+    assert_close(torch.tensor(losses["step"]), torch.tensor(losses["none"]), rtol=1e-3, atol=0)

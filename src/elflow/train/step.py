@@ -94,7 +94,9 @@ class ELFObjective:
         self.cfg = cfg
         self.compiled = None
         if cfg.train.compile == "step":
-            self.compiled = torch.compile(self.micro_batch, fullgraph=True)
+            self.compiled = torch.compile(
+                self.micro_batch, fullgraph=True, options=_step_compile_options()
+            )
 
     def denominator(self, batch: HostBatch | Batch) -> float:
         if batch.loss_tokens is None:  # a batch made by hand: read its mask
@@ -171,6 +173,23 @@ class ELFObjective:
         reference = cfg.train.procedure == "reference"
         out = branch_loss(forward, batch, draws, rows, cfg.objective, reference)
         return out.l2_sum + out.ce_sum, self.stats(batch, draws, out)
+
+
+def _step_compile_options() -> dict:
+    """Inductor options for the compiled step: the AVX2 vector width on a CPU with AVX-512.
+
+    NOTE: torch 2.13's inductor, in its 512-bit CPU kernels, gave NaN gradients for the timestep
+    embedders' first layers in the compiled bf16 step (finite eager, with per-block compile, and
+    with 256-bit or scalar kernels; found on a Xeon with AVX-512 and AMX). The option concerns
+    CPU kernels only: CUDA kernels are untouched.
+    """
+    try:
+        from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+        isa = pick_vec_isa()
+    except Exception:  # another torch layout, or no compiler: inductor decides itself
+        return {}
+    return {"cpp.simdlen": 256} if isa and isa.bit_width() > 256 else {}
 
 
 def loss_mask(batch: Batch, pad_with_eos: bool) -> Tensor:
