@@ -208,10 +208,17 @@ def write_samples(
         )
         sources = detokenize(tokenizer, src, spec.eos_id, spec.pad_id)
         n = len(sources)
-    # Periodic samples are free-length and one batch, through the pipeline's one path.
+    # Periodic samples are free-length and one batch, through the pipeline's one path; eager
+    # (no CUDA graphs): the network is built anew each time, so captured graphs would only hold
+    # memory until the garbage collector found them.
     sampler = replace(cfg.sampler, length_range="")
     texts = pipe(
-        None if sources else n, sources=sources, sampler=sampler, seed=cfg.train.seed, batch_size=n
+        None if sources else n,
+        sources=sources,
+        sampler=sampler,
+        seed=cfg.train.seed,
+        batch_size=n,
+        cuda_graphs=False,
     ).texts
     records = [{"id": i, "step": step, "text": text} for i, text in enumerate(texts)]
     for record, source in zip(records, sources or [], strict=False):
