@@ -11,6 +11,7 @@ wires the sampler (and projected sampling when asked for) for a model.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from functools import partial
 
@@ -167,53 +168,42 @@ def sample_model(
     if device.type == "cpu":
         keep_freed_memory()
     w = sampling_w(model, sampler.w)
-    if mode is not None and sampler.project_from >= 1.0:
-        with graphs.sampling_steps(
-            model,
-            partial(make_denoiser, model, w, t_eps, cfg=sampler.cfg),
-            len(generators),
-            (length, model.cfg.encoder_dim),
-            sampler,
-            noise_scale,
-            t_eps,
-            cond,
-            mode,
-        ) as runner:
-            return sample(
-                make_denoiser(model, w, t_eps, cond, sampler.cfg),
-                make_decoder(model, w),
-                generators,
-                (length, model.cfg.encoder_dim),
-                sampler,
-                noise_scale,
-                cond,
-                trajectory,
-                t_eps,
-                callback_on_step_end,
-                runner,
-            )
-    denoise = make_denoiser(model, w, t_eps, cond, sampler.cfg)
-    if sampler.project_from < 1.0:
+    shape = (length, model.cfg.encoder_dim)
+    if sampler.project_from < 1.0:  # projected sampling calls the encoder: always eager
         if projection is None or cond is not None:
             raise ELFError(
                 "projected sampling (sampler.project_from < 1) needs an unconditional model and "
                 "its encoder (sample(..., projection=pipe.projection())); project_from 1 turns "
                 "it off"
             )
-        decode_w = partial(decode_tokens, model)
-        denoise = project_denoiser(denoise, decode_w, w, t_eps, projection, sampler.project_from)
-    return sample(
-        denoise,
-        make_decoder(model, w),
-        generators,
-        (length, model.cfg.encoder_dim),
-        sampler,
-        noise_scale,
-        cond,
-        trajectory,
-        t_eps,
-        callback_on_step_end,
-    )
+        mode = None
+    if mode is None:
+        steps = contextlib.nullcontext(None)
+    else:
+        make = partial(make_denoiser, model, w, t_eps, cfg=sampler.cfg)
+        steps = graphs.sampling_steps(
+            model, make, len(generators), shape, sampler, noise_scale, t_eps, cond, mode
+        )
+    with steps as runner:
+        denoise = make_denoiser(model, w, t_eps, cond, sampler.cfg)
+        if sampler.project_from < 1.0:
+            decode_w = partial(decode_tokens, model)
+            denoise = project_denoiser(
+                denoise, decode_w, w, t_eps, projection, sampler.project_from
+            )
+        return sample(
+            denoise,
+            make_decoder(model, w),
+            generators,
+            shape,
+            sampler,
+            noise_scale,
+            cond,
+            trajectory,
+            t_eps,
+            callback_on_step_end,
+            runner,
+        )
 
 
 class TrainForward(nn.Module):
