@@ -83,6 +83,14 @@ def test_resaving_in_the_other_layout_removes_the_earlier_weights(tmp_path):
     assert _same(load_model(folder)[0], third)
 
 
+def test_a_folder_holding_only_shards_is_not_replaced_without_overwrite(tmp_path):
+    folder = tmp_path / "m"
+    save_model(folder, _model(0), ArtifactConfig(model=CFG), max_shard_size=4096)
+    (folder / "config.json").unlink()  # the index alone marks the model
+    with pytest.raises(ELFError, match=r"already holds model\.safetensors\.index\.json"):
+        save_model(folder, _model(1), ArtifactConfig(model=CFG))
+
+
 def test_sharding_refuses_ema_weights(tmp_path):
     model = _model()
     ema = {k: v.clone() for k, v in model.state_dict().items()}

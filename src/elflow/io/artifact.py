@@ -57,7 +57,7 @@ from elflow.paths import save_safetensors
 FORMAT = "elflow-model"
 FORMAT_VERSION = 1
 TOKENIZER_DIR, CARD = "tokenizer", "README.md"
-MODEL_FILES = (CONFIG, WEIGHTS, EMA_WEIGHTS, TOKENIZER_DIR, CARD)
+MODEL_FILES = (CONFIG, WEIGHTS, WEIGHTS_INDEX, EMA_WEIGHTS, TOKENIZER_DIR, CARD)
 """What a model folder holds (its tokenizer and model card written by ``ELFPipeline``):
 :func:`save_model` replaces any of them only with ``overwrite=True``."""
 
