@@ -64,13 +64,18 @@ def test_readme_command_parses(command):
 
 
 def _python_blocks() -> list[str]:
+    """The README's Python examples, and the training example the README points to in
+    docs/python-api.md."""
     blocks, _ = split_fenced((ROOT / "README.md").read_text())
-    return [body for lang, body in blocks if lang == "python"]
+    found = [body for lang, body in blocks if lang == "python"]
+    api, _ = split_fenced((ROOT / "docs" / "python-api.md").read_text())
+    return found + [body for lang, body in api if lang == "python" and "short_run(" in body]
 
 
 def test_readme_python_examples_run(tmp_path, monkeypatch):
-    """The Python API examples run as written, with tiny local models standing in for the Hub's
-    and a stand-in for the (hours-long) training call: names, keywords and return types hold."""
+    """The Python API examples (the README's, and its training example in the docs) run as
+    written, with tiny local models standing in for the Hub's and a stand-in for the (hours-long)
+    training call: names, keywords and return types hold."""
     import elflow
     import elflow.train
     from tests.builders import make_cond, make_uncond
