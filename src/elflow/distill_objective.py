@@ -26,6 +26,7 @@ from elflow.objective import (
     Draws,
     Forward,
     RowPlan,
+    batch_latents,
     host_index,
     nograd_prediction,
     sample_draws,
@@ -315,19 +316,11 @@ def prepare_rows(
     batch: Batch, draws: DistillDraws, ocfg: ObjectiveConfig, check_inputs: bool = True
 ) -> RowSetup:
     """The :class:`RowSetup` of ``batch`` under ``draws`` (shared by the distillation methods)."""
-    x = batch.x.float()
     if check_inputs:
-        check_finite(x, "the batch's latents")
-    B, L, _ = x.shape
-    cond = (
-        batch.cond_mask.bool()
-        if batch.cond_mask is not None
-        else torch.zeros(B, L, dtype=torch.bool, device=x.device)
-    )
+        check_finite(batch.x, "the batch's latents")
+    x, cond = batch_latents(batch)  # a dropped condition zeroes x (hence z, z_dec, SC, target)
+    B = x.shape[0]
     cond3 = cond[..., None]  # (B, L, 1)
-    if batch.label_drop is not None:
-        # Dropped condition: x (hence z, z_dec, every SC half and the target) is zero there.
-        x = x.masked_fill(cond3 & batch.label_drop.bool()[:, None, None], 0.0)
     dec = draws.decoder_active.bool()
     plan = draws.plan if draws.plan is not None else RowPlan.of(draws)  # type: ignore[arg-type]
     den_np = np.setdiff1d(np.arange(B), plan.decoder)

@@ -335,18 +335,10 @@ def branch_loss(
     Kept as one function: it reads as the spec's steps in their order (noising, the no-grad pass,
     the trained pass, the SC-CFG target, the losses), which is what a reviewer checks it against.
     """
-    x = batch.x.float()
-    B, L, _ = x.shape
+    x, cond = batch_latents(batch)
+    B = x.shape[0]
     dec_rows, sc_rows = rows.decoder, rows.self_cond
-    cond = (
-        batch.cond_mask.bool()
-        if batch.cond_mask is not None
-        else torch.zeros(B, L, dtype=torch.bool, device=x.device)
-    )
     cond3 = cond[..., None]  # (B, L, 1)
-    if batch.label_drop is not None:
-        # Dropped condition: x (hence z_t, z_dec, the SC halves and v*) is zero at the source.
-        x = x.masked_fill(cond3 & batch.label_drop.bool()[:, None, None], 0.0)
     t, w = draws.t.float(), draws.w.float()
     dec = draws.decoder_active.bool()
     sc = draws.use_self_cond.bool() & ~dec  # rows whose target needs the no-grad passes
@@ -416,6 +408,20 @@ def branch_loss(
         denom=denom,
         num_nograd_rows=0,
     )
+
+
+def batch_latents(batch: Batch) -> tuple[Tensor, Tensor]:
+    """(x (B, L, E) in fp32, cond (B, L) bool) of a batch; where a row's condition is dropped
+    (label drop, ELF_SPEC §3 step 10), x is zero at its source, so every later use (z_t, z_dec,
+    the self-conditioning halves, the targets) sees the zeroed values."""
+    x = batch.x.float()
+    B, L, _ = x.shape
+    if batch.cond_mask is None:
+        return x, torch.zeros(B, L, dtype=torch.bool, device=x.device)
+    cond = batch.cond_mask.bool()
+    if batch.label_drop is not None:
+        x = x.masked_fill(cond[..., None] & batch.label_drop.bool()[:, None, None], 0.0)
+    return x, cond
 
 
 def token_cross_entropy(logits: Tensor, ids: Tensor) -> Tensor:
