@@ -13,17 +13,14 @@ from elflow.errors import ELFError
 from elflow.io.artifact import ArtifactConfig, load_model, save_model, shard_bytes
 from elflow.io.sources import WEIGHTS, WEIGHTS_INDEX, resolve_source
 from elflow.model import build_model
+from tests.builders import perturb
 
 CFG = elf_tiny(encoder_dim=8, vocab_size=20, max_length=16)
 
 
 def _model(seed: int = 0):
     torch.manual_seed(seed)
-    model = build_model(CFG)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.01 * torch.randn_like(p))
-    return model.eval()
+    return perturb(build_model(CFG), seed)
 
 
 def _nbytes(model) -> int:
