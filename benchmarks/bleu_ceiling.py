@@ -17,8 +17,8 @@ from __future__ import annotations
 import argparse
 
 from elflow.evaluation import read_jsonl, score_samples
-from elflow.io.tokenizer import load_tokenizer
-from elflow.tokens import detokenize, token_spec, tokenize
+from elflow.text.tokenizer import load_tokenizer
+from elflow.text.tokens import detokenize, token_spec, tokenize
 
 
 def main() -> None:

@@ -5,7 +5,7 @@ Usage:
     python benchmarks/decode_memory.py --preset elf-small --batch 64
 
 Each setting runs in a fresh process: the network (fp32, random weights) is built, the peak
-resident set is reset (``/proc/self/clear_refs``), one ``elflow.wiring.decode_tokens`` call
+resident set is reset (``/proc/self/clear_refs``), one ``elflow.sampling.denoiser.decode_tokens`` call
 runs, and the peak resident set during it, less the resident set before it, is printed with the
 time. ``unchunked`` decodes the whole batch at once, as elflow did before the chunks
 (``DECODE_CHUNK_BYTES`` set beyond any batch).
@@ -32,9 +32,9 @@ def _status(field: str) -> int:
 def child(args) -> dict:
     import torch
 
-    from elflow import wiring
-    from elflow.config import model_preset
+    from elflow.config.schema import model_preset
     from elflow.model import build_model
+    from elflow.sampling.sample_loop import denoiser as wiring
 
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)

@@ -44,7 +44,7 @@ import torch
 from elflow.evaluation import load_judge
 from elflow.evaluation.copying import copies, ngram_set
 from elflow.examples import web_bible
-from elflow.generation.demo import export_demo
+from elflow.generation.demo_loader import export_demo
 from elflow.generation.pipeline import ELFPipeline
 from elflow.io import checkpoint as ckpt_io
 from elflow.model import build_model

@@ -21,11 +21,11 @@ import random
 
 import torch
 
-from elflow.encoder import FrozenEncoder
 from elflow.examples import web_bible
 from elflow.flow import interpolate
-from elflow.io.tokenizer import load_tokenizer
-from elflow.tokens import build_unconditional_row, token_spec, tokenize
+from elflow.text.encoder import FrozenEncoder
+from elflow.text.tokenizer import load_tokenizer
+from elflow.text.tokens import build_unconditional_row, token_spec, tokenize
 
 
 def encode_layers(enc, tokenizer, texts, L, pad_id, batch=64):

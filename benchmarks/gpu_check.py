@@ -70,9 +70,9 @@ def build_assets(root: Path, tiny: bool) -> dict[str, str]:
 
 def run_config(args, assets: dict[str, str], name: str):
     """owt-b (tiny: elf-tiny) at L 256 (tiny: 32) on the packed Bible verses, for run ``name``."""
+    from elflow.config.run_presets import preset
+    from elflow.config.train_config import apply_overrides
     from elflow.examples import web_bible
-    from elflow.train.config import apply_overrides
-    from elflow.train.presets import preset
 
     micro = max(1, args.batch // 2)
     length = LONG if name.endswith("-1024") else args.length
@@ -258,7 +258,7 @@ def forward_errors(model, device: torch.device, L: int, B: int) -> dict:
     E = model.cfg.encoder_dim
     g = torch.Generator(device=device).manual_seed(1)
     x_in = torch.randn(B, L, 2 * E, generator=g, device=device)
-    from elflow import fastpath
+    from elflow.runtime import bf16_fast_path as fastpath
 
     model.eval()
     out = {}
@@ -274,7 +274,7 @@ def forward_errors(model, device: torch.device, L: int, B: int) -> dict:
 
 def sample_all(model, args, device: torch.device, started: float) -> tuple[list, bool]:
     """Every sampler in every dtype; rows of timings and agreement with fp32."""
-    from elflow.config import SamplerConfig
+    from elflow.config.schema import SamplerConfig
 
     L, B = args.length, args.sample_batch
     model.eval()
@@ -316,8 +316,8 @@ def worker(args) -> int:
     """Everything, in this process (rank 0 of a one-process group)."""
     import torch.distributed as dist
 
-    from elflow.distributed import launched_by_torchrun, setup, teardown
     from elflow.io.artifact import load_model
+    from elflow.runtime.distributed import launched_by_torchrun, setup, teardown
 
     started = time.perf_counter()
     cuda = args.device_kind == "cuda"

@@ -26,13 +26,13 @@ Measured, each side as its users run it (``.sbs/`` must be in ``.git/info/exclud
   elflow lacks it), the authors' step on ``torch.compile(model)`` (their train.py compiles on
   CUDA only); tokens/s over steps 9 to 20 (compilation is over), peak memory
   (``torch.cuda.max_memory_allocated``), model and executed FLOPs a step and MFU / HFU by
-  docs/training.md "FLOPs and MFU" (peak from ``elflow.hardware.GPU_BF16_TFLOPS``: H100 SXM and
+  docs/training.md "FLOPs and MFU" (peak from ``elflow.runtime.hardware.GPU_BF16_TFLOPS``: H100 SXM and
   H200 989 TFLOP/s dense bf16), and the first 20 losses side by side (same batches and
   hyperparameters; not the same initial weights). The dry run also counts one authors' step
-  with :class:`elflow.profiling.OpCounter` against ``reference_step_flops``.
+  with :class:`elflow.runtime.profiling.OpCounter` against ``reference_step_flops``.
 - sampling s/batch at B 1, 8, 64 x L 256, 1024: the 32-step SDE (gamma 1.5, w 3) with decode,
   bf16, random ELF-B weights; elflow eager and with CUDA graphs (``cuda_graphs=`` of
-  ``elflow.wiring.sample_model``; CUDA only), the authors' sampler (their bf16 autocast is CUDA
+  ``elflow.sampling.denoiser.sample_model``; CUDA only), the authors' sampler (their bf16 autocast is CUDA
   only: fp32 in the dry run).
 - ``benchmarks/serve.py``'s load at 1, 16 and 64 clients against ``elflow serve`` on the GPU
   (the packaged demo model with projected sampling off: its encoder package is not on the
@@ -181,9 +181,9 @@ def build_encoder(root: Path, shapes: Shapes) -> Path:
 def elflow_config(shapes: Shapes, encoder: Path, mode: str, device: torch.device):
     """owt-b (the paper's ELF-B recipe) on the packed Bible rows, one micro-batch a step."""
     import elflow
+    from elflow.config.run_presets import preset
+    from elflow.config.train_config import apply_overrides
     from elflow.examples import web_bible
-    from elflow.train.config import apply_overrides
-    from elflow.train.presets import preset
 
     tokenizer = Path(elflow.__file__).resolve().parent / "demo_model" / "tokenizer"
     sets = [
@@ -437,7 +437,7 @@ def authors_train(authors: Authors, shapes: Shapes, encoder: Path, facts, device
         "losses": [float(x) for x in losses],
     }
     if counted:  # one more step without their optimizer (its Newton-Schulz is not the step's)
-        from elflow.profiling import OpCounter
+        from elflow.runtime.profiling import OpCounter
 
         idle = types.SimpleNamespace(step=lambda: None, zero_grad=lambda set_to_none=True: None)
         idle.param_groups = optimizer.param_groups
@@ -471,8 +471,8 @@ def time_batches(fn, repeats: int, device: torch.device) -> float:
 
 def elflow_sample(model, B: int, L: int, sampler, device, kw: dict) -> None:
     """One batch of elflow's sampler with decode, bf16 autocast (cached bf16 weights)."""
-    from elflow.sampling import sample_generators
-    from elflow.wiring import sample_model
+    from elflow.sampling.denoiser import sample_model
+    from elflow.sampling.sample_loop import sample_generators
 
     gens = sample_generators(0, range(B), device)
     with torch.autocast(device.type, dtype=torch.bfloat16), torch.no_grad():
@@ -507,9 +507,9 @@ def authors_sample(authors: Authors, net, config, sampler, B: int, L: int, steps
 
 def sampling(shapes: Shapes, authors: Authors | None, vocab: int, device, notes) -> list[dict]:
     """s/batch of the 32-step SDE with decode, bf16, at each (B, L)."""
-    from elflow.config import SamplerConfig, model_preset
+    from elflow.config.schema import SamplerConfig, model_preset
     from elflow.model import build_model
-    from elflow.wiring import sample_model
+    from elflow.sampling.denoiser import sample_model
 
     sampler = SamplerConfig(steps=shapes.sample_steps, sampler="sde", gamma=1.5, w=3.0)
     graphs = "cuda_graphs" in inspect.signature(sample_model).parameters
@@ -754,8 +754,8 @@ def section(name: str, report: dict, fn, *a):
 
 
 def run(args: argparse.Namespace) -> dict:
-    from elflow.hardware import peak_tflops
-    from elflow.train.config import COMPILE_MODES
+    from elflow.config.train_config import COMPILE_MODES
+    from elflow.runtime.hardware import peak_tflops
 
     shapes = DRY if args.cpu_dry_run else FULL
     device = torch.device("cpu" if args.cpu_dry_run else "cuda")

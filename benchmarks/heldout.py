@@ -18,16 +18,16 @@ from itertools import pairwise
 
 import torch
 
+from elflow.config.run_presets import preset
 from elflow.data.rows import build_dataset
+from elflow.distill.curriculum import teacher_objective
 from elflow.generation.pipeline import ELFPipeline, model_encoder
 from elflow.objective import elf_loss, sample_draws_keyed
+from elflow.sampling.denoiser import TrainForward
 from elflow.train.batches import make_batch
-from elflow.train.curriculum import teacher_objective
 from elflow.train.heldout import HeldOutSplit, RowSubset, heldout_loss, spread_rows
-from elflow.train.presets import preset
 from elflow.train.resume import model_encoder_config
 from elflow.train.step import ELFObjective
-from elflow.wiring import TrainForward
 
 BANDS = (0.0, 0.1, 0.2, 0.3, 0.5, 1.0)
 

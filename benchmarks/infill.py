@@ -22,7 +22,7 @@ import time
 from dataclasses import replace
 
 from elflow.evaluation import load_judge
-from elflow.evaluation.metrics import bleu, rouge
+from elflow.evaluation.text_metrics import bleu, rouge
 from elflow.examples import web_bible_texts
 from elflow.generation.infill import Gap, InfillRequest
 from elflow.generation.pipeline import ELFPipeline

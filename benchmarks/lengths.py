@@ -21,7 +21,7 @@ import numpy as np
 
 from elflow.examples import web_bible_texts
 from elflow.generation.pipeline import ELFPipeline
-from elflow.tokens import special_token_count
+from elflow.text.tokens import special_token_count
 
 
 def text_lengths(pipe: ELFPipeline, tokens) -> tuple[np.ndarray, np.ndarray]:

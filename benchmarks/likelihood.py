@@ -20,7 +20,7 @@ import time
 import numpy as np
 import torch
 
-from elflow.evaluation.metrics import bootstrap_ci
+from elflow.evaluation.text_metrics import bootstrap_ci
 from elflow.examples import web_bible_texts
 from elflow.generation.likelihood import text_likelihood
 from elflow.generation.pipeline import ELFPipeline

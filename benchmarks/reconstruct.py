@@ -26,7 +26,7 @@ import torch
 from elflow.examples import web_bible
 from elflow.flow import interpolate
 from elflow.generation.pipeline import ELFPipeline, model_encoder
-from elflow.wiring import decode_tokens
+from elflow.sampling.denoiser import decode_tokens
 
 
 def main() -> None:

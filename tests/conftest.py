@@ -114,7 +114,7 @@ def judge():
 @pytest.fixture(scope="session")
 def tiny_encoder():
     """A tiny random BERT with MiniLM's vocabulary size (30522), wrapped as a FrozenEncoder."""
-    from elflow.encoder import FrozenEncoder
+    from elflow.text.encoder import FrozenEncoder
     from tests.builders import tiny_bert
 
     torch.manual_seed(0)

@@ -62,9 +62,9 @@ def parse_error(command: str) -> str | None:
     """Why ``elflow COMMAND`` would not start as written (flags, and for train/distill the
     preset, ``--steps`` and every ``--set`` key), or None when it would."""
     from elflow.__main__ import build_parser
+    from elflow.config.run_presets import preset, short_run
+    from elflow.config.train_config import apply_overrides, override_keys
     from elflow.errors import ELFError
-    from elflow.train.config import apply_overrides, override_keys
-    from elflow.train.presets import preset, short_run
 
     stderr = io.StringIO()
     with contextlib.redirect_stderr(stderr):

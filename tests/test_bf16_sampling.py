@@ -1,15 +1,15 @@
-"""Sampling under bf16 autocast runs the network on cached bf16 weights (issue 27; elflow.fastpath)
+"""Sampling under bf16 autocast runs the network on cached bf16 weights (issue 27; elflow.runtime.bf16_fast_path)
 and stays as close to fp32 as per-op autocast (``ELFLOW_FAST_BF16=0``) does; fp32 sampling does
 not touch that path."""
 
 import pytest
 import torch
 
-from elflow import fastpath
-from elflow.config import SamplerConfig
+from elflow.config.schema import SamplerConfig
 from elflow.model import ELF
-from elflow.sampling import sample_generators
-from elflow.wiring import sample_model
+from elflow.runtime import bf16_fast_path as fastpath
+from elflow.sampling.denoiser import sample_model
+from elflow.sampling.sample_loop import sample_generators
 from tests.builders import varied_network
 
 E, V, L = 8, 20, 6

@@ -1,4 +1,4 @@
-"""Consistency distillation (elflow.consistency): the objective against a direct row-by-row
+"""Consistency distillation (elflow.distill.consistency): the objective against a direct row-by-row
 reference, and, on Gaussian data whose flow is known in closed form, the self-consistency
 identity, the targets' convergence to it and the student's sampler against the teacher's ODE."""
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from elflow.config import ObjectiveConfig, SamplerConfig
-from elflow.consistency import (
+from elflow.config.schema import ObjectiveConfig, SamplerConfig
+from elflow.distill.consistency import (
     ConsistencyConfig,
     ConsistencySettings,
     consistency_loss,
@@ -21,8 +21,8 @@ from elflow.consistency import (
     sample_consistency_draws_keyed,
 )
 from elflow.errors import ELFError
-from elflow.sampling import sample
-from elflow.wiring import TrainForward
+from elflow.sampling.denoiser import TrainForward
+from elflow.sampling.sample_loop import sample
 from tests.test_distill_objective import T_EPS, B, E, L, _batch, _model
 
 S = 2.0  # the path's noise scale
@@ -222,7 +222,7 @@ def test_the_students_sampler_agrees_with_the_teachers_ode_and_keeps_the_data_la
 
 
 def test_renoise_step_is_the_interpolation_of_the_prediction():
-    from elflow.sampling import Condition, StepContext
+    from elflow.sampling.sample_loop import Condition, StepContext
 
     g = torch.Generator().manual_seed(1)
     z, noise = torch.randn(2, L, E, generator=g), torch.randn(2, L, E, generator=g)

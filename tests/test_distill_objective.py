@@ -1,4 +1,4 @@
-"""The progressive-distillation objective (elflow.distill_objective, ELF_SPEC §8): the x-target
+"""The progressive-distillation objective (elflow.distill.progressive, ELF_SPEC §8): the x-target
 against a hand computation (plain and with a projected teacher), its limits (K = 1, tiny spans,
 constant teachers), condition handling, the per-row normalisation, the frozen teacher, keyed draws
 and round parsing."""
@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from elflow.config import ObjectiveConfig, elf_tiny
-from elflow.distill_objective import (
+from elflow.config.schema import ObjectiveConfig, elf_tiny
+from elflow.distill.progressive import (
     DistillConfig,
     DistillDraws,
     distill_loss,
@@ -23,8 +23,8 @@ from elflow.errors import ELFError
 from elflow.flow import euler_step, velocity
 from elflow.model import ELF, build_model
 from elflow.objective import Batch
-from elflow.projection import Projection
-from elflow.wiring import TrainForward, projector
+from elflow.sampling.denoiser import TrainForward, projector
+from elflow.sampling.projection import Projection
 
 E, V, L, B = 8, 20, 8, 4
 T_EPS = 0.05

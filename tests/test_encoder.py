@@ -1,4 +1,4 @@
-"""Tests for elflow.encoder (frozen encoder, spec §4 mask) and elflow.tokens (spec §10)."""
+"""Tests for elflow.text.encoder (frozen encoder, spec §4 mask) and elflow.text.tokens (spec §10)."""
 
 from __future__ import annotations
 
@@ -23,9 +23,9 @@ from transformers import (
     XLMModel,
 )
 
-from elflow.encoder import FrozenEncoder, encoder_attention_mask, measure_latent_std
 from elflow.errors import ELFError
-from elflow.tokens import (
+from elflow.text.encoder import FrozenEncoder, encoder_attention_mask, measure_latent_std
+from elflow.text.tokens import (
     build_conditional_row,
     build_unconditional_row,
     cut_at_eos,
@@ -409,7 +409,7 @@ NO_NETWORK = (
 
 
 def test_an_uncached_hub_encoder_without_network_fails_at_once_in_one_line(hub_calls, monkeypatch):
-    from elflow.io.tokenizer import load_tokenizer
+    from elflow.text.tokenizer import load_tokenizer
 
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)  # not set: the Hub is asked, once
     with pytest.raises(ELFError) as e:
@@ -438,7 +438,7 @@ def test_an_uncached_hub_encoder_with_hf_hub_offline_says_it_is_set(hub_calls, m
 def test_hub_check_asks_nothing_for_cached_models_and_folders(hub_calls, monkeypatch):
     import huggingface_hub
 
-    from elflow.encoder import check_hub_download
+    from elflow.text.encoder import check_hub_download
 
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     check_hub_download("./a-folder-that-is-not-here")  # the loader says it does not exist

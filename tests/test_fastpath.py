@@ -1,4 +1,4 @@
-"""The bf16 inference fast path (elflow.fastpath): ELF's blocks on cached bf16 weights under
+"""The bf16 inference fast path (elflow.runtime.bf16_fast_path): ELF's blocks on cached bf16 weights under
 autocast in eval mode without gradients, close to fp32 and to per-op autocast; one switch
 (``ELFLOW_FAST_BF16=0``) gives the plain path; ``ELF.forward`` itself keeps no state."""
 
@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from elflow import fastpath
 from elflow.model import ELF
+from elflow.runtime import bf16_fast_path as fastpath
 from tests.builders import varied_network
 
 E, V, MAX_LEN = 8, 20, 12
@@ -115,7 +115,9 @@ def test_forward_changes_no_state_of_the_model():
             fastpath.forward(model, x_in, t, w, 1.0)
     with torch.inference_mode(), _bf16():
         model(x_in, t, w)
-    assert _cached(model)  # the fast path's copy lives in elflow.fastpath, not on the model
+    assert _cached(
+        model
+    )  # the fast path's copy lives in elflow.runtime.bf16_fast_path, not on the model
     assert _snapshot(model) == before
 
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from elflow import hardware
-from elflow.hardware import slow_bf16_warning, use_bf16
-from elflow.train.config import apply_overrides
+from elflow.config.run_presets import preset
+from elflow.config.train_config import apply_overrides
+from elflow.runtime import hardware
+from elflow.runtime.hardware import slow_bf16_warning, use_bf16
 from elflow.train.optim import resolve_ns_dtype
-from elflow.train.presets import preset
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
@@ -76,7 +76,7 @@ def test_packed_bf16_linear_equals_f_linear(monkeypatch):
     """oneDNN's packed bf16 matmul (bias, and the SwiGLU's SiLU, fused) against plain F.linear."""
     import torch
 
-    from elflow import hardware
+    from elflow.runtime import hardware
 
     g = torch.Generator().manual_seed(0)
     w, b = torch.randn(24, 16, generator=g), torch.randn(24, generator=g)
@@ -119,10 +119,10 @@ def test_keep_freed_memory_applies_on_glibc_and_opts_out(monkeypatch, fresh_mall
 
 def test_cpu_sampling_keeps_freed_memory(monkeypatch):
     """sample_model sets the allocator up before it samples on a CPU (and only there)."""
-    from elflow import wiring
-    from elflow.config import SamplerConfig, model_preset
+    from elflow.config.schema import SamplerConfig, model_preset
     from elflow.model import build_model
-    from elflow.sampling import sample_generators
+    from elflow.sampling import denoiser as wiring
+    from elflow.sampling.sample_loop import sample_generators
 
     calls = []
     monkeypatch.setattr(wiring, "keep_freed_memory", lambda: calls.append(1) or True)

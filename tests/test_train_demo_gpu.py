@@ -55,7 +55,7 @@ def test_pack_round_trip_keeps_rows_and_rounds_matrices_only(tmp_path, monkeypat
 
 
 def test_use_pack_points_the_minilm_alias_at_the_unpacked_folder(tmp_path, monkeypatch):
-    from elflow.encoder import resolve_pretrained
+    from elflow.text.encoder import resolve_pretrained
 
     gpu = load("train_demo_gpu")
     src = tmp_path / "bert"

@@ -6,7 +6,7 @@ a denoise function; :func:`sample_model` wires it for a network). Names load on 
 ``import elflow`` does not import torch.
 """
 
-from elflow.lazy import lazy_exports
+from elflow.runtime.lazy_exports import lazy_exports
 
 __version__ = "0.3.0"
 
@@ -24,16 +24,16 @@ _EXPORTS = {
     "ELFError": "elflow.errors",
     "ELFPipeline": "elflow.generation.pipeline",
     "Generation": "elflow.generation.pipeline",
-    "StepState": "elflow.sampling",
-    "ModelConfig": "elflow.config",
-    "ObjectiveConfig": "elflow.config",
-    "SamplerConfig": "elflow.config",
-    "model_preset": "elflow.config",
-    "sample": "elflow.sampling",
-    "sample_generators": "elflow.sampling",
-    "TrainForward": "elflow.wiring",
-    "make_denoiser": "elflow.wiring",
-    "sample_model": "elflow.wiring",
+    "StepState": "elflow.sampling.sample_loop",
+    "ModelConfig": "elflow.config.schema",
+    "ObjectiveConfig": "elflow.config.schema",
+    "SamplerConfig": "elflow.config.schema",
+    "model_preset": "elflow.config.schema",
+    "sample": "elflow.sampling.sample_loop",
+    "sample_generators": "elflow.sampling.sample_loop",
+    "TrainForward": "elflow.sampling.denoiser",
+    "make_denoiser": "elflow.sampling.denoiser",
+    "sample_model": "elflow.sampling.denoiser",
 }
 __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

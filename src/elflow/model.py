@@ -23,10 +23,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from elflow.config import ModelConfig
+from elflow.config.schema import ModelConfig
 from elflow.errors import ELFError
-from elflow.hardware import full_precision, memory_bytes
-from elflow.head_loss import linear_cross_entropy
+from elflow.runtime.fused_head_loss import linear_cross_entropy
+from elflow.runtime.hardware import full_precision, memory_bytes
 
 if TYPE_CHECKING:
     from elflow.io.artifact import ArtifactConfig
@@ -190,7 +190,7 @@ class DecoderHead(nn.Module):
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Logits (..., V) of ``h`` (..., D); with target ``ids`` (...) and per-token ``weights``
         (...), instead (sum(weights x CE), the per-token CE (...) detached), in fp32 chunks of
-        tokens that never hold all the logits (:func:`elflow.head_loss.linear_cross_entropy`)."""
+        tokens that never hold all the logits (:func:`elflow.runtime.fused_head_loss.linear_cross_entropy`)."""
         if ids is None:
             return self.unembed(F.gelu(self.proj(h), approximate="tanh"))
         flat = h.reshape(-1, h.shape[-1])

@@ -13,7 +13,7 @@ import pytest
 
 from elflow.__main__ import COMMANDS, build_parser, main
 from elflow.cli.common import NUM_SAMPLES
-from elflow.config import SAMPLERS, SamplerConfig, field_docs
+from elflow.config.schema import SAMPLERS, SamplerConfig, field_docs
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +107,7 @@ def test_old_spellings_run_and_say_so_once(model, tmp_path, capsys):
 
 def test_train_and_distill_take_the_model_flag(model, capsys):
     from elflow.cli.common import model_from_args
-    from elflow.cli.train import init_from_args
+    from elflow.cli.train_cmd import init_from_args
 
     commands = _subparsers()
     args = commands["distill"].parse_args(["--teacher", str(model), "--out", "x"])

@@ -230,7 +230,7 @@ def test_an_interrupted_sweep_resumes(tmp_path, model, capsys, monkeypatch):
 def test_a_sweep_records_the_checkpoint_a_run_folder_resolves_to(tmp_path, model):
     import shutil
 
-    from elflow.evaluation import sweep
+    from elflow.evaluation import sweep_plan as sweep
 
     run = tmp_path / "run"
     shutil.copytree(model, run / "checkpoint-1")
@@ -328,7 +328,7 @@ def test_check_fixture_with_bad_metadata(tmp_path, capsys):
 
 
 def test_unforeseen_os_errors_are_one_line(tmp_path, capsys, monkeypatch):
-    from elflow.cli import model as model_cli
+    from elflow.cli import model_cmd as model_cli
 
     def boom(args):
         raise IsADirectoryError(21, "Is a directory", str(tmp_path))
@@ -380,7 +380,9 @@ OUTPUT_FLAGS = {
 
 def _no_loading(monkeypatch, seen: list):
     """load_pipeline records which folders existed when it was called, then stops the command."""
-    from elflow.cli import common, demo, sample
+    from elflow.cli import common
+    from elflow.cli import demo_cmd as demo
+    from elflow.cli import sample_cmd as sample
 
     def stop(*args, **kwargs):
         seen.append(True)

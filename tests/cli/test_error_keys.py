@@ -33,7 +33,7 @@ from elflow.cli.flags import (
     flag_names,
     key_flags,
 )
-from elflow.config import SamplerConfig
+from elflow.config.schema import SamplerConfig
 from elflow.errors import ELFError
 
 PACKAGE = Path(elflow.__file__).parent
@@ -124,7 +124,7 @@ def test_library_messages_name_keys_not_flags():
 def test_every_key_in_the_table_is_named_by_a_library_message():
     """No dead entries: each key is a SamplerConfig field's or spelled in library text (a sweep's
     resume check names the settings of sweep.json as ``key=``)."""
-    from elflow.evaluation.sweep import RESUME_KEYS
+    from elflow.evaluation.sweep_plan import RESUME_KEYS
 
     text = "\n".join(t for texts in _library_strings().values() for t in texts)
     named = {f"{k}=" for k in RESUME_KEYS} | {f"sampler.{k}=" for k in RESUME_KEYS}
@@ -228,7 +228,7 @@ def test_a_bad_value_in_a_models_config_names_the_file_not_a_flag(uncond, tmp_pa
 
 
 def test_distillation_rounds(tmp_path, capsys):
-    from elflow.distill_objective import parse_rounds
+    from elflow.distill.progressive import parse_rounds
 
     with pytest.raises(ELFError) as e:
         parse_rounds("3/4", teacher_steps=64)

@@ -1,4 +1,4 @@
-"""``elflow sample`` (elflow.cli.sample) on tiny models with the offline MiniLM tokenizer."""
+"""``elflow sample`` (elflow.cli.sample_cmd) on tiny models with the offline MiniLM tokenizer."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 
 from elflow import ArtifactConfig, build_model, save_model
 from elflow.__main__ import main as elflow_main
-from elflow.config import elf_tiny
+from elflow.config.schema import elf_tiny
 from elflow.generation.records import token_agreement
 from tests.builders import MINILM, read
 from tests.dist.launch import torchrun_elflow
@@ -61,16 +61,16 @@ def test_settings_on_every_line(uncond_model, tmp_path):
 
 
 def test_time_grid_options(uncond_model, tmp_path, monkeypatch):
-    import elflow.sampling
+    import elflow.sampling.sample_loop
 
     seen = []
-    real = elflow.sampling.logit_normal_grid
+    real = elflow.sampling.sample_loop.logit_normal_grid
 
     def spy(normal, mean, std):
         seen.append((mean, std))
         return real(normal, mean, std)
 
-    monkeypatch.setattr(elflow.sampling, "logit_normal_grid", spy)
+    monkeypatch.setattr(elflow.sampling.sample_loop, "logit_normal_grid", spy)
     args = ["--num-samples", "4", "--save-tokens"]
     late = sample(uncond_model, tmp_path / "late.jsonl", *args, "--time-mean", "0.5")
     assert (late[0]["time_mean"], late[0]["time_std"]) == (0.5, 0.8)
@@ -96,7 +96,7 @@ class CallCounter:
 
 
 def test_conditional_source_and_one_batched_cfg_call(cond_model, tmp_path, monkeypatch):
-    import elflow.cli.sample as gen
+    import elflow.cli.sample_cmd as gen
 
     sources = tmp_path / "src.jsonl"
     lines = [{"text": "the package provides a library", "id": "a"}, {"text": "a tool for text"}]
@@ -124,7 +124,8 @@ def test_conditional_source_and_one_batched_cfg_call(cond_model, tmp_path, monke
 
 
 def test_bf16_runs_and_agreement_is_reported(uncond_model, tmp_path, monkeypatch, capsys):
-    from elflow import errors, hardware
+    from elflow import errors
+    from elflow.runtime import hardware
 
     args = ["--num-samples", "4", "--steps", "3", "--save-tokens"]
     fp32 = sample(uncond_model, tmp_path / "fp32.jsonl", *args)

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 import elflow
+from elflow.config import run_presets as presets
+from elflow.config.run_presets import preset
 from elflow.examples import web_bible, web_bible_texts
-from elflow.train import presets
-from elflow.train.presets import preset
 from tests.data.conftest import SHARED_DATA
 
 PACKAGE = Path(elflow.__file__).resolve().parent

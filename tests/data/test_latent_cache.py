@@ -276,7 +276,7 @@ def test_a_builder_waiting_for_the_lock_loads_what_the_first_saved(
 
 def test_cache_root_follows_elflow_cache_then_xdg(tmp_path, monkeypatch):
     from elflow.evaluation.judge import cache_root as judge_root
-    from elflow.paths import cache_root
+    from elflow.io.paths import cache_root
 
     monkeypatch.setenv("ELFLOW_CACHE", str(tmp_path / "mine"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))

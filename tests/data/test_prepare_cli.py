@@ -8,7 +8,7 @@ import pytest
 from elflow.__main__ import main
 from elflow.data import DataConfig, build_dataset
 from elflow.errors import ELFError
-from elflow.io.tokenizer import load_tokenizer
+from elflow.text.tokenizer import load_tokenizer
 from tests.data.conftest import write_jsonl
 
 
@@ -138,7 +138,7 @@ def test_a_data_file_named_like_a_key_keeps_its_name(tokenizer, tmp_path, capsys
 
 
 def test_tokenizer_of_an_elflow_model_folder(tokenizer, tmp_path, capsys):
-    from elflow.io.sources import DEMO_MODEL as DEMO_DIR
+    from elflow.io.model_sources import DEMO_MODEL as DEMO_DIR
     from tests.builders import make_uncond
 
     assert load_tokenizer(str(DEMO_DIR)).get_vocab() == tokenizer.get_vocab()  # its tokenizer/
@@ -181,6 +181,6 @@ def test_ctrl_c_exits_130_with_one_line_saying_how_to_go_on(
     assert _prepare(tokenizer, data, tmp_path / "p") == 0  # the same command goes on
     assert json.loads((tmp_path / "p" / "meta.json").read_text())["num_docs"] == 2
     # Ctrl-C before the preparation starts (the tokenizer loading): 130 too.
-    monkeypatch.setattr("elflow.io.tokenizer.load_tokenizer", interrupted)
+    monkeypatch.setattr("elflow.text.tokenizer.load_tokenizer", interrupted)
     assert _prepare(tokenizer, data, tmp_path / "q") == 130
     assert "elflow: interrupted" in capsys.readouterr().err

@@ -113,14 +113,14 @@ def test_hugging_face_datasets_are_streamed(tokenizer, tmp_path):
     folder = tmp_path / "ds"
     folder.mkdir()
     write_jsonl(folder / "train.jsonl", [{"text": v} for v in web_bible_texts("train")[:50]])
-    from elflow.data.sources import iter_examples, resolve_source
+    from elflow.data.text_sources import iter_examples, resolve_source
 
     hf = DataConfig(path=str(folder), format="hf")
     src = resolve_source(hf, hf.path, streaming=True)
     assert src.container == "hf" and src.streaming and src.kind == "text"
     import datasets
 
-    from elflow.data.hf import load_hf
+    from elflow.data.hf_datasets import load_hf
 
     assert isinstance(load_hf(str(folder), "train", True), datasets.IterableDataset)
     assert len(list(iter_examples(src, hf))) == 50

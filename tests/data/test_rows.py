@@ -13,7 +13,7 @@ from elflow.data import DataConfig, RowDataset, TokenTable, build_dataset
 from elflow.data.preparation import prepare, prepared_latent_std
 from elflow.data.rows import read_meta
 from elflow.errors import ELFError
-from elflow.tokens import build_conditional_row, build_unconditional_row, token_spec, tokenize
+from elflow.text.tokens import build_conditional_row, build_unconditional_row, token_spec, tokenize
 from tests.data.conftest import shared_rows, write_jsonl
 
 
@@ -200,7 +200,7 @@ def test_damaged_prepared_folder_is_one_line(tokenizer, tmp_path):
 
 
 def test_prepare_checks_tokenizer_and_cli(tokenizer, tmp_path, capsys):
-    from elflow.cli import prepare as cli
+    from elflow.cli import prepare_cmd as cli
 
     recs = shared_rows("web_bible", 10)
     path = write_jsonl(tmp_path / "d.jsonl", recs)
@@ -270,7 +270,7 @@ def test_packing_keeps_rows_that_are_already_chunked():
 
 
 def test_start_up_reports_truncated_documents_and_warns_above_5_percent():
-    from elflow.train.presets import preset
+    from elflow.config.run_presets import preset
     from elflow.train.setup import data_notes
 
     cfg = preset("owt-b")
@@ -298,8 +298,8 @@ def test_a_memory_mapped_table_reads_single_tokens_from_its_file(tmp_path, monke
     """``TokenTable.at`` reads a handful of tokens with pread (no pages of the map touched) and
     gives what indexing gives, through ``head`` too; more go through the map; the over-long
     count of a memory-mapped table equals the in-memory one's."""
-    from elflow.data import tables
-    from elflow.data.tables import TableWriter
+    from elflow.data import token_tables as tables
+    from elflow.data.token_tables import TableWriter
 
     rng = np.random.default_rng(0)
     L, eos = 8, 2

@@ -148,7 +148,7 @@ def test_malformed_json_names_file_and_line(tmp_path):
 
 def test_plain_text_under_a_named_jsonl_format_says_which_setting(tmp_path):
     """A preset that names its format meets a user's .txt file: one line naming data.format."""
-    from elflow.train.presets import preset
+    from elflow.config.run_presets import preset
 
     path = tmp_path / "mine.txt"
     path.write_text("in the beginning\nthere was text\n")

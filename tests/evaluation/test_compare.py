@@ -10,8 +10,8 @@ import pytest
 
 from elflow.__main__ import main
 from elflow.errors import ELFError
-from elflow.evaluation import sweep
-from elflow.evaluation.compare import compare, load_result, markdown
+from elflow.evaluation import sweep_plan as sweep
+from elflow.evaluation.comparison import compare, load_result, markdown
 
 
 def _sweep(folder, cells):

@@ -9,7 +9,7 @@ import torch
 from elflow.errors import ELFError
 from elflow.evaluation import score_samples
 from elflow.evaluation.mauve import kmeans, mauve, mauve_from_histograms
-from elflow.evaluation.metrics import gen_ppl
+from elflow.evaluation.text_metrics import gen_ppl
 
 
 def test_histograms_equal_score_one_disjoint_near_zero():

@@ -13,7 +13,7 @@ from sacrebleu.metrics import BLEU
 
 from elflow.errors import ELFError
 from elflow.evaluation import bleu, bleu_cased, bootstrap_ci, gen_ppl, rouge, unigram_entropy
-from elflow.evaluation.metrics import bleu_from_stats, ppl_from_sums
+from elflow.evaluation.text_metrics import bleu_from_stats, ppl_from_sums
 from tests.builders import tiny_judge
 
 TEXTS = [

@@ -10,11 +10,11 @@ import shutil
 
 import pytest
 
-from elflow.cli import score as score_cli
+from elflow.cli import score_cmd as score_cli
 from elflow.errors import ELFError
 from elflow.evaluation import bleu, gen_ppl, load_judge, read_jsonl, score_samples
 from elflow.evaluation import judge as judge_mod
-from elflow.jsonl import finite_or_null
+from elflow.io.jsonl import finite_or_null
 
 SAMPLES = [
     {"id": 0, "text": "the cat sat on the mat ."},
@@ -215,7 +215,7 @@ def test_all_empty_samples_write_null(tmp_path, judge):
 
 
 def test_conditional_samples_align_on_source_id():
-    from elflow.evaluation.score import align_refs
+    from elflow.evaluation.scoring import align_refs
 
     samples = [{"id": 0, "source_id": "b", "text": "x"}, {"id": 1, "source_id": "a", "text": "y"}]
     refs = [{"id": "a", "text": "ref a"}, {"id": "b", "text": "ref b"}]

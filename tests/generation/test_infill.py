@@ -27,7 +27,7 @@ from elflow.generation.infill import (
     placeholder_id,
     survives,
 )
-from elflow.infill_maths import Template, constrained_tokens
+from elflow.sampling.infill_maths import Template, constrained_tokens
 from tests.builders import MINILM, VOCAB, make_cond, make_infill_model
 
 L = 16
@@ -308,8 +308,8 @@ def test_cli_infill_writes_fills_and_a_page_with_kept_text(model, tmp_path, caps
 
 
 def test_span_condition_keeps_all_but_one_span():
+    from elflow.config.train_config import RunConfig
     from elflow.train.batches import span_condition
-    from elflow.train.config import RunConfig
 
     cfg = RunConfig()
     cfg = replace(cfg, objective=replace(cfg.objective, span_cond_prob=1.0))
@@ -366,7 +366,7 @@ def test_every_sampler_setting_round_trips_through_a_record(model, tmp_path, fla
     import dataclasses
     import json
 
-    from elflow.config import SamplerConfig
+    from elflow.config.schema import SamplerConfig
     from elflow.generation.records import sampler_from_record
 
     out = tmp_path / "s.jsonl"

@@ -11,17 +11,17 @@ import torch
 
 from elflow import ELFPipeline
 from elflow.__main__ import main
-from elflow.config import elf_tiny
+from elflow.config.schema import elf_tiny
 from elflow.errors import ELFError
 from elflow.flow import velocity
-from elflow.likelihood_maths import (
+from elflow.model import build_model
+from elflow.sampling.likelihood_maths import (
     gaussian_log_density,
     nll_bound,
     ode_log_density,
     rademacher,
     velocity_and_divergence,
 )
-from elflow.model import build_model
 from tests.builders import make_infill_model
 
 MU, SD, S = 0.7, 0.5, 2.0

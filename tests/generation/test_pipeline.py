@@ -11,7 +11,7 @@ import torch
 
 from elflow import ArtifactConfig, ELFError, ELFPipeline, SamplerConfig, build_model, save_model
 from elflow.__main__ import main
-from elflow.config import elf_tiny
+from elflow.config.schema import elf_tiny
 from elflow.io.official import elflow_to_official
 from tests.builders import (
     MINILM,
@@ -76,8 +76,8 @@ def test_generate_conditional(cond_model):
 
 
 def test_a_given_encoder_must_fit_the_model(cond_model):
-    from elflow.encoder import FrozenEncoder
     from elflow.generation.pipeline import model_encoder
+    from elflow.text.encoder import FrozenEncoder
 
     config = ELFPipeline.from_pretrained(cond_model).config
     other = FrozenEncoder.from_pretrained(config.encoder)  # the paper's 0.2, not the model's 0.5
@@ -152,7 +152,7 @@ def test_cli_generate_info_import(uncond_model, tmp_path, capsys):
 
 
 def test_tokenizer_by_name_and_home_relative_folder(uncond_model, tmp_path, monkeypatch):
-    from elflow.io.tokenizer import load_tokenizer
+    from elflow.text.tokenizer import load_tokenizer
 
     load_tokenizer(MINILM).save_pretrained(tmp_path / "tok")
     monkeypatch.setenv("HOME", str(tmp_path))
@@ -176,7 +176,7 @@ def projected_dir(tmp_path_factory):
 
 
 def test_projected_sampling_loads_the_encoder_and_is_deterministic(projected_dir, monkeypatch):
-    from elflow import projection as sampling
+    from elflow.sampling import projection as sampling
 
     pipe = ELFPipeline.from_pretrained(projected_dir)
     assert pipe.encoder is None  # an unconditional model loads it only to project
@@ -196,7 +196,7 @@ def test_projected_sampling_loads_the_encoder_and_is_deterministic(projected_dir
 
 
 def test_projection_rows_are_the_training_rows(projected_dir, uncond_model):
-    from elflow.projection import text_rows
+    from elflow.sampling.projection import text_rows
 
     texts = ["in the beginning", "", "a much longer verse that will not fit in twelve tokens"]
     for folder, pad_with_eos in ((projected_dir, True), (uncond_model, False)):
@@ -222,8 +222,8 @@ def test_projected_sampling_is_refused_where_it_cannot_run(cond_model, projected
         packed.generate(n=2, sampler=replace(packed.sampler, steps=2))
     unprojected = replace(packed.sampler, steps=2, project_from=1.0)
     assert len(packed.generate(n=2, sampler=unprojected)) == 2
-    from elflow.train.config import RunConfig, apply_overrides, check_projection
-    from elflow.train.presets import preset
+    from elflow.config.run_presets import preset
+    from elflow.config.train_config import RunConfig, apply_overrides, check_projection
 
     config = ELFPipeline.from_pretrained(projected_dir).config
     conditional = RunConfig(

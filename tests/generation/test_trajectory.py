@@ -218,7 +218,7 @@ def test_settings_in_plain_words(tmp_path):
     ode = page_settings({**uniform, "sampler": "ode", "gamma": None, "project_from": None})
     assert ode["gamma"][0] == "not used" and ode["projection"][0] == "off"
     # Models: the shipped one by name, local folders by their own name, Hub ids as given.
-    from elflow.io.sources import DEMO_MODEL
+    from elflow.io.model_sources import DEMO_MODEL
 
     assert model_label("demo") == model_label(str(DEMO_MODEL)) == "the shipped demo model"
     (tmp_path / "mine").mkdir()
@@ -343,9 +343,9 @@ def test_the_page_names_the_steps_the_sampler_projects(sampler, steps, gamma, st
     sampler makes at t >= project_from (the SDE's last step is plain Euler, at t itself)."""
     import torch
 
-    from elflow.config import SamplerConfig
+    from elflow.config.schema import SamplerConfig
     from elflow.generation.trajectory import _projected_steps
-    from elflow.sampling import sample
+    from elflow.sampling.sample_loop import sample
 
     scfg = SamplerConfig(steps=steps, sampler=sampler, gamma=gamma, time_grid="uniform")
     step, touched = {"k": 0}, []

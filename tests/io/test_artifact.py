@@ -10,10 +10,12 @@ import pytest
 import torch
 
 from elflow import errors
-from elflow.config import SamplerConfig, elf_tiny
+from elflow.config.schema import SamplerConfig, elf_tiny
 from elflow.errors import ELFError
-from elflow.io import artifact, sources
+from elflow.io import artifact
+from elflow.io import model_sources as sources
 from elflow.io.artifact import ArtifactConfig, import_official, load_model, save_model
+from elflow.io.model_sources import resolve_source
 from elflow.io.official import (
     elflow_to_official,
     infer_model_config,
@@ -21,7 +23,6 @@ from elflow.io.official import (
     read_official_checkpoint,
     strip_prefixes,
 )
-from elflow.io.sources import resolve_source
 from elflow.model import build_model
 
 CFG = elf_tiny(encoder_dim=8, vocab_size=20, max_length=16)
@@ -463,8 +464,8 @@ def test_infer_model_config_at_widths_that_round_down():
 def test_fine_tune_from_an_authors_checkpoint_needs_no_task(tmp_path, capsys, monkeypatch):
     """train.init takes only the weights and dims of an authors' checkpoint (the lengths, task
     and padding are the run's): no task is guessed, and no note asks for one."""
-    from elflow.train.config import apply_overrides
-    from elflow.train.presets import preset
+    from elflow.config.run_presets import preset
+    from elflow.config.train_config import apply_overrides
     from elflow.train.resume import apply_init
 
     monkeypatch.setattr(errors, "_NOTED", set())

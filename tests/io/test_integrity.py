@@ -133,7 +133,7 @@ def test_non_finite_weights_are_refused_at_load(trained, tmp_path):
 
 def test_a_killed_prune_leaves_no_half_checkpoint(trained, tmp_path, monkeypatch):
     from elflow.io import checkpoint as ckpt_io
-    from elflow.io.sources import latest_run_checkpoint
+    from elflow.io.model_sources import latest_run_checkpoint
 
     run = _copy(trained, tmp_path)
     real = shutil.rmtree
@@ -165,7 +165,7 @@ def test_a_model_config_too_large_to_build_is_refused_before_allocating(
     assets,
 ):
     from elflow import load_model
-    from elflow.config import ModelConfig
+    from elflow.config.schema import ModelConfig
 
     model = tmp_path / "model"
     shutil.copytree(trained / "run" / "checkpoint-4", model)
@@ -181,7 +181,7 @@ def test_a_model_config_too_large_to_build_is_refused_before_allocating(
 
 
 def test_the_parameter_count_from_the_config_is_exact():
-    from elflow.config import ModelConfig
+    from elflow.config.schema import ModelConfig
     from elflow.model import build_model, count_parameters
 
     for kw in (
@@ -213,7 +213,7 @@ class Payload:
 
 
 def test_a_pickled_encoder_is_refused_without_running_it(assets, tmp_path):
-    from elflow.encoder import FrozenEncoder
+    from elflow.text.encoder import FrozenEncoder
 
     folder = tmp_path / "encoder"
     folder.mkdir()
@@ -230,7 +230,7 @@ def test_a_pickled_encoder_is_refused_without_running_it(assets, tmp_path):
 
 
 def test_a_tokenizer_of_the_wrong_schema_is_one_line(tmp_path):
-    from elflow.io.tokenizer import load_tokenizer
+    from elflow.text.tokenizer import load_tokenizer
 
     (tmp_path / "tokenizer.json").write_text(json.dumps({"model": {"type": "WordPiece"}}))
     with pytest.raises(ELFError) as e:

@@ -8,10 +8,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from elflow.config import elf_tiny
+from elflow.config.schema import elf_tiny
 from elflow.errors import ELFError
 from elflow.io.artifact import ArtifactConfig, load_model, save_model, shard_bytes
-from elflow.io.sources import WEIGHTS, WEIGHTS_INDEX, resolve_source
+from elflow.io.model_sources import WEIGHTS, WEIGHTS_INDEX, resolve_source
 from elflow.model import build_model
 from tests.builders import perturb
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from elflow import ELFPipeline
-from elflow.serving.protocol import Limits, RequestError, check_completion, parse_body
+from elflow.serving.api_schema import Limits, RequestError, check_completion, parse_body
 
 
 @pytest.fixture(scope="module")

@@ -17,9 +17,9 @@ import pytest
 from elflow import ELFPipeline
 from elflow.__main__ import main
 from elflow.errors import ELFError
+from elflow.serving.api_schema import Limits
 from elflow.serving.app import create_app
 from elflow.serving.batcher import Batcher
-from elflow.serving.protocol import Limits
 from tests.builders import CHROMIUM, CHROMIUM_FLAGS, read
 
 httpx = pytest.importorskip("httpx")
@@ -286,8 +286,8 @@ def test_a_chunked_body_is_read_no_further_than_the_limit():
 
     from starlette.requests import Request
 
+    from elflow.serving.api_schema import RequestError
     from elflow.serving.app import _read_body
-    from elflow.serving.protocol import RequestError
 
     received = []
 
@@ -365,7 +365,7 @@ def test_serve_refuses_bad_settings_in_one_line(capsys):
 
 def test_serve_flags_reach_the_limits(model):
     from elflow.__main__ import build_parser
-    from elflow.cli.serve import build
+    from elflow.cli.serve_cmd import build
 
     parser = build_parser()
     argv = ["serve", "--model", model, "--device", "cpu", "--max-n", "4"]
@@ -414,8 +414,8 @@ def test_the_playground_streams_the_denoising_in_chromium(url):
 
 
 def test_a_running_batch_stops_at_its_next_step_when_its_clients_are_gone(pipe):
+    from elflow.serving.api_schema import check_completion, parse_body
     from elflow.serving.batcher import Job
-    from elflow.serving.protocol import check_completion, parse_body
 
     batcher = Batcher(pipe)
     body = parse_body({"prompt": "", "stream": True, "steps": 3})
@@ -431,8 +431,8 @@ def test_a_running_batch_stops_at_its_next_step_when_its_clients_are_gone(pipe):
 
 
 def test_a_running_batch_stops_once_all_its_requests_are_gone_streaming_or_not(pipe):
+    from elflow.serving.api_schema import check_completion, parse_body
     from elflow.serving.batcher import Job, _Stopped, stop_when_gone
-    from elflow.serving.protocol import check_completion, parse_body
 
     done: list = []
     jobs = [

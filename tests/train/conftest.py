@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from elflow.train.config import RunConfig
+from elflow.config.train_config import RunConfig
 
 TINY_RUN = {
     "max_steps": 6,
@@ -48,8 +48,8 @@ class TinyRun:
 
 def resolved(config: dict, folder: Path) -> RunConfig:
     """``config`` over the bible-tiny preset, as ``elflow train --config`` resolves it."""
-    from elflow.train.config import apply_overrides
-    from elflow.train.presets import preset
+    from elflow.config.run_presets import preset
+    from elflow.config.train_config import apply_overrides
 
     path = folder / "cfg.json"
     path.write_text(json.dumps(config))

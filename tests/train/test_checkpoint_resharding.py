@@ -69,9 +69,9 @@ def test_ddp_resumes_on_four_processes(tmp_path, assets):
 
 def test_a_checkpoint_of_the_older_layout_still_resumes_bitwise(tmp_path, assets):
     """elflow < 0.3 wrote rank<r>.pt (optimizer state_dict, EMA state, RNG) per process."""
+    from elflow.config.run_presets import preset
+    from elflow.config.train_config import apply_overrides
     from elflow.io.checkpoint import load_rng
-    from elflow.train.config import apply_overrides
-    from elflow.train.presets import preset
     from elflow.train.setup import prepare_run
 
     cfg = run_config(assets, train=TRAIN)

@@ -12,14 +12,14 @@ import torch
 import torch.nn.functional as F
 from torch.testing import assert_close
 
-from elflow.config import ObjectiveConfig, elf_tiny
+from elflow.config.schema import ObjectiveConfig, elf_tiny
+from elflow.config.train_config import RunConfig, TrainConfig, apply_overrides, run_config_from_dict
 from elflow.errors import ELFError
-from elflow.head_loss import linear_cross_entropy
 from elflow.model import Attention, DecoderHead, build_model, rope_tables
 from elflow.objective import Batch, keyed_row_draws
-from elflow.train.config import RunConfig, TrainConfig, apply_overrides, run_config_from_dict
+from elflow.runtime.fused_head_loss import linear_cross_entropy
+from elflow.sampling.denoiser import TrainForward
 from elflow.train.step import ELFObjective
-from elflow.wiring import TrainForward
 
 E, V, L, B = 8, 20, 10, 6
 

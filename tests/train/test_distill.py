@@ -174,7 +174,7 @@ def test_projected_teacher_rounds_are_recorded_and_kept(tmp_path, assets, teache
 
 
 def test_projected_teacher_has_one_text_a_row(tmp_path, assets, teacher, capsys, monkeypatch):
-    import elflow.train.curriculum as distill_train
+    import elflow.distill.curriculum as distill_train
 
     # A student trained on packed rows records it, and samples without projection.
     packed = ("--set", "data.packing=true")
@@ -204,7 +204,7 @@ def test_projected_teacher_has_one_text_a_row(tmp_path, assets, teacher, capsys,
 
 def test_teacher_task(tmp_path, assets, teacher, capsys, monkeypatch):
     """--task names an authors' teacher's paper task; an elflow teacher's config gives its own."""
-    import elflow.train.curriculum as distill_train
+    import elflow.distill.curriculum as distill_train
 
     assert distill_cli(tmp_path, tmp_path / "a", assets, teacher, "2/2", "--task", "owt") == 2
     assert "applies to authors' checkpoints" in error_lines(capsys.readouterr().err)[0]

@@ -10,7 +10,7 @@ import pytest
 
 from elflow import load_model
 from elflow.__main__ import main
-from elflow.distill_methods import (
+from elflow.distill.methods import (
     DISTILL_METHODS,
     PD,
     DistillMethod,

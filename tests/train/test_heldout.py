@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from elflow.train.config import run_config_from_dict
+from elflow.config.train_config import run_config_from_dict
+from elflow.sampling.denoiser import TrainForward
 from elflow.train.heldout import HeldOutSplit, RowSubset, heldout_loss, spread_rows
 from elflow.train.step import ELFObjective
-from elflow.wiring import TrainForward
 from tests.train_helpers import (
     WORDS,
     assert_same,
@@ -83,9 +83,9 @@ def test_heldout_loss_is_logged_and_leaves_training_unchanged(
     # The logged value is the objective on the first 10 rows with the EMA weights, recomputed here.
     from elflow import load_model
     from elflow.data.rows import build_dataset
-    from elflow.encoder import FrozenEncoder
-    from elflow.io.tokenizer import load_tokenizer
-    from elflow.tokens import token_spec
+    from elflow.text.encoder import FrozenEncoder
+    from elflow.text.tokenizer import load_tokenizer
+    from elflow.text.tokens import token_spec
     from elflow.train.batches import make_batch
 
     ckpt = tmp_path / "eval" / "checkpoint-6"

@@ -9,9 +9,9 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from elflow import hardware
 from elflow.errors import ELFError
 from elflow.io.checkpoint import restore_optimizer
+from elflow.runtime import hardware
 from elflow.train.muon import NS_COEFFICIENTS, NS_EPS, ShardedMuon
 from elflow.train.optim import (
     CombinedOptimizer,

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from elflow.errors import ELFError
-from elflow.io.tokenizer import load_tokenizer
+from elflow.text.tokenizer import load_tokenizer
 from elflow.train.resume import (
     check_resumable,
     check_same_rows,

@@ -6,15 +6,15 @@ import json
 
 import pytest
 
-from elflow.errors import ELFError
-from elflow.train.config import (
+from elflow.config.run_presets import PRESETS, preset
+from elflow.config.train_config import (
     apply_overrides,
     override_keys,
     run_config_from_dict,
     run_config_to_dict,
 )
+from elflow.errors import ELFError
 from elflow.train.optim import peak_lr
-from elflow.train.presets import PRESETS, preset
 
 
 def test_paper_presets_have_the_released_settings():
@@ -61,7 +61,7 @@ def _recipe_table() -> list[dict[str, str]]:
 
 
 def test_paper_presets_equal_the_recipe_table_in_the_docs():
-    from elflow.config import MODEL_PRESETS
+    from elflow.config.schema import MODEL_PRESETS
 
     rows = _recipe_table()
     assert [r["preset"] for r in rows] == ["`owt-b`", "`owt-m`", "`owt-l`", "`de-en-b`", "`xsum-b`"]

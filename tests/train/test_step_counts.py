@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from elflow.config import ObjectiveConfig, elf_b, elf_tiny
+from elflow.config.schema import ObjectiveConfig, elf_b, elf_tiny
 from elflow.model import build_model
 from elflow.objective import Batch, RowPlan, elf_loss, sample_draws, sample_draws_keyed
-from elflow.profiling import OpCounter, optimizer_host_tensors
+from elflow.runtime.profiling import OpCounter, optimizer_host_tensors
+from elflow.sampling.denoiser import TrainForward
 from elflow.train.flops import (
     encoder_flops_per_token,
     executed_row_flops,
@@ -25,7 +26,6 @@ from elflow.train.flops import (
     train_row_flops,
 )
 from elflow.train.muon import assign_owners, newton_schulz_flops
-from elflow.wiring import TrainForward
 from tests.train_helpers import run_config, train_cli
 
 E, V, L = 8, 20, 10
@@ -94,8 +94,8 @@ def test_a_training_step_reads_the_device_only_when_it_logs(tmp_path, assets):
 
     cfg = run_config(assets, train={"log_every": 3, "max_steps": 6, "save_every": 100})
     (tmp_path / "cfg.json").write_text(json.dumps(cfg))
-    from elflow.train.config import apply_overrides
-    from elflow.train.presets import preset
+    from elflow.config.run_presets import preset
+    from elflow.config.train_config import apply_overrides
 
     run_cfg = apply_overrides(preset("bible-tiny"), tmp_path / "cfg.json")
     run = prepare_run(run_cfg, tmp_path / "run", "never")
@@ -151,12 +151,12 @@ def test_throughput_counts_valid_tokens_over_training_time(monkeypatch):
 
 
 def test_host_batches_know_the_loss_and_text_tokens(tmp_path, assets):
+    from elflow.config.run_presets import preset
+    from elflow.config.train_config import apply_overrides
     from elflow.data.rows import build_dataset
-    from elflow.io.tokenizer import load_tokenizer
-    from elflow.tokens import token_spec
+    from elflow.text.tokenizer import load_tokenizer
+    from elflow.text.tokens import token_spec
     from elflow.train.batches import host_batch
-    from elflow.train.config import apply_overrides
-    from elflow.train.presets import preset
     from elflow.train.step import loss_mask
 
     (tmp_path / "cfg.json").write_text(json.dumps(run_config(assets)))
@@ -381,7 +381,7 @@ def test_four_processes_with_accumulation_equal_one(tmp_path, assets, parallel):
 def test_fsdp2_computes_the_blocks_in_bf16_and_keeps_the_rest_fp32(monkeypatch):
     import torch.distributed as dist
 
-    from elflow.distributed import DistInfo, parallelize
+    from elflow.runtime.distributed import DistInfo, parallelize
     from tests.dist.launch import free_port
 
     dist.init_process_group(

@@ -16,7 +16,7 @@ import torch
 from elflow import ELFPipeline, load_model
 from elflow.__main__ import main
 from elflow.errors import ELFError
-from elflow.io.sources import resolve_source
+from elflow.io.model_sources import resolve_source
 from tests.train_helpers import (
     assert_same,
     assert_same_checkpoint,
@@ -458,9 +458,9 @@ def test_init_errors_are_one_line(tmp_path, assets, capsys):
     argv = ["train", "--preset", "bible-tiny", "--out", str(tmp_path / "p"), "--init", base]
     assert main([*argv, "--print-config"]) == 0
     assert json.loads(capsys.readouterr().out)["model"]["hidden_size"] == 32
-    from elflow.train.config import apply_overrides
-    from elflow.train.curriculum import distill
-    from elflow.train.presets import preset
+    from elflow.config.run_presets import preset
+    from elflow.config.train_config import apply_overrides
+    from elflow.distill.curriculum import distill
 
     with pytest.raises(ELFError, match="no use in distillation"):
         distill(
@@ -472,7 +472,7 @@ def test_init_errors_are_one_line(tmp_path, assets, capsys):
 
 
 def test_init_uses_the_model_folders_own_tokenizer(tmp_path, assets):
-    from elflow.io.tokenizer import load_tokenizer
+    from elflow.text.tokenizer import load_tokenizer
 
     assert train_cli(tmp_path, tmp_path / "base", run_config(assets, train={"max_steps": 1})) == 0
     model = tmp_path / "model"  # a model whose tokenizer name does not load here, with its files

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from elflow.distributed import DistInfo
 from elflow.errors import ELFError
+from elflow.runtime.distributed import DistInfo
 from tests.dist.launch import free_port
 from tests.train_helpers import assert_same_checkpoint, run_config, train_cli
 
@@ -58,9 +58,9 @@ def test_two_processes_build_the_latent_cache_once(tmp_path, assets):
 
 
 def test_large_raw_data_under_several_processes_is_refused(tmp_path, assets, monkeypatch):
+    from elflow.config.run_presets import preset
+    from elflow.config.train_config import apply_overrides
     from elflow.train import setup
-    from elflow.train.config import apply_overrides
-    from elflow.train.presets import preset
 
     cfg_path = tmp_path / "cfg.json"
     cfg_path.write_text(json.dumps(run_config(assets)))

@@ -60,8 +60,8 @@ def test_prune_never_deletes_later_checkpoints(tmp_path):
 def test_short_run_scales_schedule_checkpoints_evaluation_and_samples():
     """--steps N: warm-up 5%, wsd decay over the last 30%, saves and held-out losses every N/5,
     samples at the end, EMA warm-up; the keys a user sets win; with train.max_steps: refused."""
-    from elflow.train.config import apply_overrides
-    from elflow.train.presets import preset, short_run
+    from elflow.config.run_presets import preset, short_run
+    from elflow.config.train_config import apply_overrides
 
     for name in ("bible-tiny", "owt-b"):  # owt-b warms up by epochs and keeps a 0.9999 EMA
         cfg = short_run(preset(name), 1000)
@@ -110,8 +110,8 @@ def test_print_config_shows_the_encoders_width_and_vocabulary(tmp_path, assets, 
     assert (model["encoder_dim"], model["vocab_size"]) == (8, 30522)  # the tiny BERT, MiniLM's
     assert not (tmp_path / "o").exists()
     # Such a dump is a valid --config for a fine-tune: E and V are derived, not architecture.
-    from elflow.train.config import apply_overrides
-    from elflow.train.presets import preset
+    from elflow.config.run_presets import preset
+    from elflow.config.train_config import apply_overrides
     from elflow.train.resume import architecture_changes
 
     dumped = apply_overrides(

@@ -11,7 +11,7 @@ the source, so conditional datasets also cache the source-blind encoding (encode
 label_drop = 1) of every row; `get` picks per example, and label drop stays exact (2x memory).
 
 Saved (``save``/``load``): by default in the user cache,
-``$ELFLOW_CACHE/latents/<key>.safetensors`` (:func:`elflow.paths.cache_root`), so any later run on
+``$ELFLOW_CACHE/latents/<key>.safetensors`` (:func:`elflow.io.paths.cache_root`), so any later run on
 the same rows with the same encoder loads it in seconds instead of re-encoding every row;
 ``data.latent_cache_dir`` keeps it in the run folder or another folder instead. The file records a
 key (:func:`cache_key`: the rows, the encoder's weights, layer and normalisation, the storage
@@ -33,11 +33,11 @@ from filelock import FileLock, Timeout
 from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
-from elflow.data.config import DataConfig
+from elflow.config.data_config import DataConfig
 from elflow.data.rows import RowDataset
-from elflow.encoder import FrozenEncoder
 from elflow.errors import ELFError, first_line
-from elflow.paths import cache_root, save_safetensors
+from elflow.io.paths import cache_root, save_safetensors
+from elflow.text.encoder import FrozenEncoder
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 CACHE_FORMAT = 1

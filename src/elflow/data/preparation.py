@@ -1,7 +1,7 @@
 """One-time preparation of a corpus into a memory-mappable token folder (`elflow prepare`).
 
 The folder holds flat token files plus int64 document offsets (`tokens.*` for unconditional data,
-`source.*` and `target.*` for pairs; see :mod:`elflow.data.tables`) and `meta.json`: tokenizer name
+`source.*` and `target.*` for pairs; see :mod:`elflow.data.token_tables`) and `meta.json`: tokenizer name
 and vocabulary hash, dtype, document/token/truncation counts, and — when an encoder is given —
 `latent_std`, the RMS of its raw outputs over a fixed sample of rows (spec §10: measured at
 preparation for non-T5 encoders). The documents are tokenised in shards by N worker processes
@@ -19,14 +19,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from elflow.data.config import DataConfig
+from elflow.config.data_config import DataConfig
 from elflow.data.rows import RowDataset, read_meta
 from elflow.data.shards import SHARD_BYTES, remove_shards, tokenize_to_folder
-from elflow.data.sources import PREPARED_MARKER, Source, is_prepared, resolve_source
-from elflow.data.tables import token_dtype
-from elflow.encoder import FrozenEncoder, measure_latent_std
+from elflow.data.text_sources import PREPARED_MARKER, Source, is_prepared, resolve_source
+from elflow.data.token_tables import token_dtype
 from elflow.errors import ELFError, Interrupted
-from elflow.tokens import token_spec, vocab_hash
+from elflow.text.encoder import FrozenEncoder, measure_latent_std
+from elflow.text.tokens import token_spec, vocab_hash
 
 LATENT_STD_ROWS = 256
 LATENT_STD_BATCH = 32

@@ -18,12 +18,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from elflow.data.config import DataConfig
-from elflow.data.sources import PREPARED_MARKER, resolve_source
-from elflow.data.tables import TokenTable, tokenize_source
+from elflow.config.data_config import DataConfig
+from elflow.data.text_sources import PREPARED_MARKER, resolve_source
+from elflow.data.token_tables import TokenTable, tokenize_source
 from elflow.errors import ELFError
 from elflow.examples import missing_data_hint
-from elflow.tokens import token_spec, vocab_hash
+from elflow.text.tokens import token_spec, vocab_hash
 
 
 class RowDataset:

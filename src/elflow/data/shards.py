@@ -2,7 +2,7 @@
 
 The documents are read in order and cut into shards of about ``shard_bytes`` of text. Each shard
 is tokenised by one of ``workers`` processes (:class:`concurrent.futures.ProcessPoolExecutor`),
-which writes it as a small token table (:mod:`elflow.data.tables`) into ``FOLDER/shards/`` under
+which writes it as a small token table (:mod:`elflow.data.token_tables`) into ``FOLDER/shards/`` under
 a temporary name and renames it when complete; at most two shards per worker are in flight, so
 memory does not grow with the corpus. When every shard is there, they are concatenated in order
 into the folder's tables. A run that was killed keeps its finished shards: run again with the
@@ -26,11 +26,11 @@ from pathlib import Path
 
 import numpy as np
 
-from elflow.data.config import DataConfig
-from elflow.data.sources import Example, Source, iter_examples
-from elflow.data.tables import TableWriter, TokenTable, to_ids, token_dtype
+from elflow.config.data_config import DataConfig
+from elflow.data.text_sources import Example, Source, iter_examples
+from elflow.data.token_tables import TableWriter, TokenTable, to_ids, token_dtype
 from elflow.errors import ELFError
-from elflow.jsonl import is_gzip
+from elflow.io.jsonl import is_gzip
 
 SHARD_BYTES = 16 << 20
 """Text per shard (bytes of UTF-8): small enough to keep memory flat, large enough that a
@@ -65,7 +65,7 @@ def _init(encoder, eos: int, vocab: int, batch_size: int, single_thread: bool) -
             return [e.ids for e in encoder.encode_batch(texts, add_special_tokens=True)]
 
     else:
-        from elflow.tokens import tokenize
+        from elflow.text.tokens import tokenize
 
         def encode(texts: list[str]) -> list[list[int]]:
             return tokenize(encoder, texts)
@@ -175,7 +175,7 @@ def tokenize_to_folder(
     made = kept = docs = 0
     conditional = None
     pool = None
-    from elflow.tokens import token_spec
+    from elflow.text.tokens import token_spec
 
     spec = token_spec(tokenizer)
     init = (_encoder(tokenizer), spec.eos_id, spec.vocab_size, cfg.tokenize_batch_size)

@@ -22,9 +22,9 @@ from typing import Any
 import torch
 from filelock import FileLock
 
-from elflow import paths
 from elflow.errors import ELFError, first_line
-from elflow.evaluation.protocol import DEFAULT_JUDGE, KNOWN_JUDGES, SMOLLM2
+from elflow.evaluation.judge_protocol import DEFAULT_JUDGE, KNOWN_JUDGES, SMOLLM2
+from elflow.io import paths
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 END_OF_TEXT = "<|endoftext|>"
@@ -52,7 +52,7 @@ class Judge:
 
 def cache_root() -> Path:
     """Where converted judges live: `judges/` in elflow's cache (`$ELFLOW_CACHE`, else
-    `$XDG_CACHE_HOME/elflow`, else `~/.cache/elflow`; :func:`elflow.paths.cache_root`)."""
+    `$XDG_CACHE_HOME/elflow`, else `~/.cache/elflow`; :func:`elflow.io.paths.cache_root`)."""
     return paths.cache_root() / "judges"
 
 

@@ -4,7 +4,7 @@ Implemented here from the paper's definition, following the reference package ``
 0.4.0 step by step, because that package needs ``faiss-cpu`` and scikit-learn (unpinned):
 
 1. features: the judge's last hidden state (after its final norm) at each text's last token
-   (:func:`elflow.evaluation.metrics.gen_ppl` with ``features=True``; the package uses GPT-2
+   (:func:`elflow.evaluation.text_metrics.gen_ppl` with ``features=True``; the package uses GPT-2
    Large, elflow the judge of the run, so MAUVE values are comparable only under one judge);
 2. quantise: L2-normalise, PCA keeping 90% of the variance, k-means (k-means++, 5 restarts,
    500 iterations, seeded) into ``round(min(n_p, n_q) / 10)`` clusters, fitted on both sets;

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from elflow.errors import ELFError
-from elflow.jsonl import read_jsonl
+from elflow.io.jsonl import read_jsonl
 
 
 def align_refs(samples: list[dict[str, Any]], refs: list[dict[str, Any]]) -> list[str]:

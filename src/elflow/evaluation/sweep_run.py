@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from elflow.config import SamplerConfig
+from elflow.config.schema import SamplerConfig
 from elflow.evaluation.grid import Cell
 
 
@@ -71,7 +71,7 @@ def sweep(
     (:func:`elflow.evaluation.load_judge`) or None to sample only; ``refs`` reference records
     for BLEU/ROUGE; ``reference`` real texts for MAUVE and a row of their own.
     """
-    from elflow.distributed import DistInfo
+    from elflow.runtime.distributed import DistInfo
 
     out = Path(out)
     if samplers is None:
@@ -115,10 +115,10 @@ class Sweep:
 
     def prepare_reference(self, texts: list[str], scfg: Any) -> None:
         """The real text as the model's training rows hold it, saved, and its MAUVE features."""
-        from elflow.evaluation import sweep as sw
-        from elflow.evaluation.score import reference_features
+        from elflow.evaluation import sweep_plan as sw
+        from elflow.evaluation.scoring import reference_features
         from elflow.generation.records import settings_record
-        from elflow.jsonl import write_jsonl
+        from elflow.io.jsonl import write_jsonl
 
         record = settings_record(self.pipe, scfg, seed=0, bf16=False, model=self.model, ema=True)
         length = record["length"]  # a sample's tokens: what the training rows are cut to
@@ -151,14 +151,14 @@ class Sweep:
     def cell(self, label: str, cell: Any, scfg: Any) -> dict | None:
         """Sample and score one cell (or read it back under ``--resume``); its table row on
         rank 0, None elsewhere."""
-        from elflow.distributed import broadcast_object
         from elflow.evaluation import score_samples
-        from elflow.evaluation import sweep as sw
+        from elflow.evaluation import sweep_plan as sw
         from elflow.evaluation.diversity import degenerate
-        from elflow.evaluation.score import write_metrics
-        from elflow.evaluation.tables import SETTING_COLUMNS
+        from elflow.evaluation.report_tables import SETTING_COLUMNS
+        from elflow.evaluation.scoring import write_metrics
         from elflow.generation.records import recorded_project_from, sample_records
-        from elflow.jsonl import write_jsonl
+        from elflow.io.jsonl import write_jsonl
+        from elflow.runtime.distributed import broadcast_object
 
         args, info = self.options, self.info
         sample_file = self.out / "samples" / f"{cell.name}.jsonl"
@@ -223,8 +223,8 @@ class Sweep:
     def finish(self, rows: list[dict]) -> None:
         """The real-text row, the tables and the frontier plot (rank 0)."""
         from elflow.evaluation import score_samples
-        from elflow.evaluation import sweep as sw
-        from elflow.evaluation.score import write_metrics
+        from elflow.evaluation import sweep_plan as sw
+        from elflow.evaluation.scoring import write_metrics
 
         ref_metrics = None
         if self.reference is not None:

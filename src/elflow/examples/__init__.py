@@ -32,7 +32,7 @@ def web_bible(split: str = "train") -> str:
 
 def web_bible_texts(split: str = "train") -> list[str]:
     """The verses of a packaged World English Bible split, in file order."""
-    from elflow.jsonl import read_jsonl
+    from elflow.io.jsonl import read_jsonl
 
     return [row["text"] for row in read_jsonl(web_bible(split))]
 

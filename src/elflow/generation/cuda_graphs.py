@@ -6,7 +6,7 @@ once over static copies of its inputs (after a warm-up on a side stream) and rep
 :class:`StepGraphs` holds one bucket's runners (the sampler's step, the last Euler step) over a
 static copy of the condition, and :class:`GraphCache`, one per model, keeps a bounded number of
 buckets, keyed by batch, length and everything the step closes over, all in one memory pool.
-The noise is drawn outside the graph (:func:`elflow.sampling.sample`), so texts equal the
+The noise is drawn outside the graph (:func:`elflow.sampling.sample_loop.sample`), so texts equal the
 eager path's. :func:`sampling_steps` is what the wiring and the engine call.
 """
 
@@ -21,10 +21,10 @@ from dataclasses import astuple, dataclass
 import torch
 from torch import Tensor, nn
 
-from elflow import fastpath
-from elflow.config import SamplerConfig
+from elflow.config.schema import SamplerConfig
 from elflow.errors import ELFError
-from elflow.sampling import Condition, Denoiser, StepRunner, noise_draws, step_function
+from elflow.runtime import bf16_fast_path as fastpath
+from elflow.sampling.sample_loop import Condition, Denoiser, StepRunner, noise_draws, step_function
 
 MAX_BUCKETS = 8
 """Buckets a model's :class:`GraphCache` keeps (least recently used dropped first)."""
@@ -130,7 +130,7 @@ def _static_condition(cond: Condition | None) -> Condition | None:
 class StepGraphs:
     """One bucket: the sampler's step and the last (Euler) step, each a :class:`GraphRunner`
     made on first use, over a static copy of the condition (:meth:`load` refreshes it). Called
-    as an :data:`elflow.sampling.StepRunner`."""
+    as an :data:`elflow.sampling.sample_loop.StepRunner`."""
 
     def __init__(
         self,
@@ -290,7 +290,7 @@ def sampling_steps(
     mode: str | None,
     kind: str = "",
 ) -> Iterator[StepRunner | None]:
-    """The :data:`~elflow.sampling.StepRunner` of this batch's bucket (None: sample eagerly),
+    """The :data:`~elflow.sampling.sample_loop.StepRunner` of this batch's bucket (None: sample eagerly),
     its condition loaded; the model's cache stays locked until the block ends.
 
     Args:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from elflow.config import SamplerConfig
+from elflow.config.schema import SamplerConfig
 from elflow.errors import ELFError
 from elflow.generation.infill import (
     Infilled,
@@ -33,8 +33,8 @@ from elflow.generation.infill import (
     survives,
     verbatim_text,
 )
-from elflow.projection import Projection
-from elflow.sampling import Seeds, StepCallback, StepState, sample_generators, seed_of
+from elflow.sampling.projection import Projection
+from elflow.sampling.sample_loop import Seeds, StepCallback, StepState, sample_generators, seed_of
 
 if TYPE_CHECKING:
     from elflow.generation.pipeline import ELFPipeline, Generation
@@ -172,7 +172,7 @@ def run_rows(
 
 def _free(pipe, rows, sampler, gens, projection, frames, decode_steps, on_step, callback, graphs):
     from elflow.generation.pipeline import Generation
-    from elflow.wiring import sample_model
+    from elflow.sampling.denoiser import sample_model
 
     cond, cond_mask = None, None
     if pipe.config.conditional:
@@ -202,9 +202,9 @@ def _free(pipe, rows, sampler, gens, projection, frames, decode_steps, on_step, 
 
 def _infill(pipe, rows, sampler, gens, frames, decode_steps, on_step, callback, mode) -> Infilled:
     from elflow.generation.cuda_graphs import sampling_steps
-    from elflow.infill_maths import constrained_tokens, initial_condition, refresh_denoiser
-    from elflow.sampling import sample
-    from elflow.wiring import decode_logits, make_denoiser, sampling_w
+    from elflow.sampling.denoiser import decode_logits, make_denoiser, sampling_w
+    from elflow.sampling.infill_maths import constrained_tokens, initial_condition, refresh_denoiser
+    from elflow.sampling.sample_loop import sample
 
     cfg, model, tok = pipe.config, pipe.model, pipe.tokens
     L, dev = cfg.model.max_length, pipe.device

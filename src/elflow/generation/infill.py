@@ -4,7 +4,7 @@ A template is text with gaps, ``In the beginning [___] the earth.``: ``[___]`` i
 default length, ``[___5]`` one of 5 tokens, ``[___3-8]`` one of 3 to 8 tokens (drawn per sample,
 keyed by (seed, index)). Or explicit tokens and a keep mask. Each becomes a row laid out as the
 model's training rows are (its special tokens, its padding): every position but the fill is kept.
-A target length is the template ``[___n]`` (:func:`length_template`). ``elflow.infill_maths``
+A target length is the template ``[___n]`` (:func:`length_template`). ``elflow.sampling.infill_maths``
 holds the sampling side; :meth:`elflow.ELFPipeline.infill` puts them together.
 """
 
@@ -20,10 +20,10 @@ from numbers import Integral
 import torch
 from torch import Tensor
 
-from elflow.config import SamplerConfig, length_bounds
+from elflow.config.schema import SamplerConfig, length_bounds
 from elflow.errors import ELFError
-from elflow.infill_maths import FillVocabulary, Template
-from elflow.sampling import Seeds, seed_of
+from elflow.sampling.infill_maths import FillVocabulary, Template
+from elflow.sampling.sample_loop import Seeds, seed_of
 
 GAP = re.compile(r"\[___(?:(\d+)(?:-(\d+))?)?\]")
 """A gap in a template: ``[___]``, ``[___N]`` or ``[___A-B]`` (tokens)."""

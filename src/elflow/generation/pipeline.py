@@ -19,8 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from elflow.config import SamplerConfig, length_bounds
-from elflow.encoder import FrozenEncoder
+from elflow.config.schema import SamplerConfig, length_bounds
 from elflow.errors import ELFError
 from elflow.generation.engine import make_rows, run_rows
 from elflow.generation.infill import (
@@ -31,14 +30,15 @@ from elflow.generation.infill import (
     infill_batch,
     words_to_tokens,
 )
-from elflow.infill_maths import FillVocabulary
 from elflow.io.artifact import ArtifactConfig, load_resolved
-from elflow.io.sources import resolve_source
-from elflow.io.tokenizer import check_tokenizer, load_tokenizer, model_tokenizer
+from elflow.io.model_sources import resolve_source
 from elflow.model import ELF
-from elflow.projection import Projection
-from elflow.sampling import Condition, Seeds, StepCallback, seeds_of
-from elflow.tokens import (
+from elflow.sampling.infill_maths import FillVocabulary
+from elflow.sampling.projection import Projection
+from elflow.sampling.sample_loop import Condition, Seeds, StepCallback, seeds_of
+from elflow.text.encoder import FrozenEncoder
+from elflow.text.tokenizer import check_tokenizer, load_tokenizer, model_tokenizer
+from elflow.text.tokens import (
     TokenSpec,
     build_unconditional_row,
     detokenize,
@@ -393,7 +393,7 @@ class ELFPipeline:
         """``pipe(n)`` / ``pipe(sources=[...])``, the transformers and diffusers way: like
         :meth:`generate`, returning a :class:`Generation` with ``texts``, ``tokens`` and, when
         asked for, the per-step ``trajectory``; ``callback_on_step_end`` gets each batch's
-        :class:`elflow.sampling.StepState` after every step. ``seed``: one for every sample
+        :class:`elflow.sampling.sample_loop.StepState` after every step. ``seed``: one for every sample
         (sample i depends on (seed, i)), or a list of one per sample. ``cuda_graphs``: each
         step replays a captured CUDA graph (None: on CUDA, eager elsewhere; False: eager; True
         off CUDA: an error; docs/sampling.md)."""
@@ -424,7 +424,7 @@ class ELFPipeline:
 
     def to(self, device: torch.device | str) -> ELFPipeline:
         """Move the model (and the encoder, if loaded) to ``device``; returns the pipeline.
-        Sampling precision is chosen per call (``elflow.hardware``'s bf16 autocast on CUDA), so
+        Sampling precision is chosen per call (``elflow.runtime.hardware``'s bf16 autocast on CUDA), so
         the weights stay fp32."""
         device = check_device(device)
         self.model.to(device)

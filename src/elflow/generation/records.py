@@ -19,14 +19,14 @@ from typing import Any
 
 import torch.distributed as dist
 
-from elflow.config import SamplerConfig, sampler_own_settings, unused_settings
-from elflow.distributed import DistInfo
+from elflow.config.schema import SamplerConfig, sampler_own_settings, unused_settings
 from elflow.errors import ELFError, note_once
 from elflow.generation.infill import InfillRequest, infill_batch
 from elflow.generation.pipeline import ELFPipeline, check_batch_size
-from elflow.hardware import bf16_autocast, fast_bf16
-from elflow.jsonl import read_jsonl
-from elflow.paths import input_file
+from elflow.io.jsonl import read_jsonl
+from elflow.io.paths import input_file
+from elflow.runtime.distributed import DistInfo
+from elflow.runtime.hardware import bf16_autocast, fast_bf16
 
 
 @dataclass

@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-from elflow.config import SAMPLERS
+from elflow.config.schema import SAMPLERS
 
 
 def changed_words(prev: Sequence[str], cur: Sequence[str]) -> list[int]:
@@ -80,7 +80,7 @@ def plain(value: Any) -> str:
 def model_label(model: str) -> str:
     """How a page names the model: the shipped demo model by name, a local folder or file by its
     own name (a checkpoint with its run's), a Hub id as given; never a local absolute path."""
-    from elflow.io.sources import DEMO_MODEL
+    from elflow.io.model_sources import DEMO_MODEL
 
     if model == "demo":
         return "the shipped demo model"
@@ -107,7 +107,7 @@ def _projected_steps(s: Mapping[str, Any], start: float) -> str:
         at = t[:-1]
         spec = SAMPLERS.get(s.get("sampler", ""))
         if spec is not None and spec.eval_time is not None:  # e.g. the SDE's, stepped back;
-            # not the last step, which is plain Euler (elflow.sampling.sample)
+            # not the last step, which is plain Euler (elflow.sampling.sample_loop.sample)
             back = spec.eval_time(at, t[1:], s)
             at = torch.cat([back[:-1], at[-1:]])
         touched = [k + 1 for k in range(steps) if at[k] >= start]

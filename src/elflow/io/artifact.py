@@ -6,7 +6,7 @@ padding policy, noise scale, t_eps, sampler defaults). A training checkpoint fol
 ``ema.safetensors`` (preferred for sampling). :func:`load_model` accepts any model source: such a
 folder, a run folder (its latest ``checkpoint-<step>``), an elflow model on the Hub, or an authors'
 checkpoint (pickle file, folder of ``checkpoint_<step>`` files, or a Hub id), resolved by
-:mod:`elflow.io.sources`.
+:mod:`elflow.io.model_sources`.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from elflow.config import (
+from elflow.config.schema import (
     PAPER_TASKS,
     T5_SMALL,
     ModelConfig,
@@ -35,13 +35,7 @@ from elflow.config import (
 )
 from elflow.errors import ELFError, first_line, note_once
 from elflow.io.manifest import intact
-from elflow.io.official import (
-    infer_model_config,
-    load_state_dict_strict,
-    official_to_elflow,
-    read_official_checkpoint,
-)
-from elflow.io.sources import (
+from elflow.io.model_sources import (
     CONFIG,
     EMA_WEIGHTS,
     WEIGHTS,
@@ -51,8 +45,14 @@ from elflow.io.sources import (
     resolve_source,
     run_checkpoints,
 )
+from elflow.io.official import (
+    infer_model_config,
+    load_state_dict_strict,
+    official_to_elflow,
+    read_official_checkpoint,
+)
+from elflow.io.paths import save_safetensors
 from elflow.model import ELF, check_fits
-from elflow.paths import save_safetensors
 
 FORMAT = "elflow-model"
 FORMAT_VERSION = 1

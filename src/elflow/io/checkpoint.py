@@ -29,12 +29,18 @@ import torch
 from safetensors.torch import load_file
 from torch import Tensor
 
-from elflow.distributed import DistInfo, barrier, broadcast_object
 from elflow.errors import ELFError, first_line
 from elflow.io.artifact import ArtifactConfig
 from elflow.io.manifest import fsync_dir, write_manifest
-from elflow.io.sources import CONFIG, EMA_WEIGHTS, WEIGHTS, latest_run_checkpoint, run_checkpoints
-from elflow.paths import save_safetensors
+from elflow.io.model_sources import (
+    CONFIG,
+    EMA_WEIGHTS,
+    WEIGHTS,
+    latest_run_checkpoint,
+    run_checkpoints,
+)
+from elflow.io.paths import save_safetensors
+from elflow.runtime.distributed import DistInfo, barrier, broadcast_object
 
 STATE = "state.json"
 

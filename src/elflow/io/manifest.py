@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from elflow.errors import ELFError, note_once
-from elflow.io.sources import run_checkpoints
+from elflow.io.model_sources import run_checkpoints
 
 MANIFEST = "manifest.json"
 

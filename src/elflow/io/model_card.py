@@ -12,9 +12,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from elflow.encoder import how_to_get
 from elflow.errors import ELFError, first_line
 from elflow.io.artifact import CARD, ArtifactConfig
+from elflow.text.encoder import how_to_get
 
 
 def model_card(config: ArtifactConfig, metrics: dict | None = None) -> str:

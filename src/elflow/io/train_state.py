@@ -23,8 +23,8 @@ import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from elflow.distributed import gloo_group
 from elflow.errors import ELFError, first_line
+from elflow.runtime.distributed import gloo_group
 
 FOLDER = "train-state"
 """The DCP folder inside a checkpoint folder."""

@@ -22,8 +22,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
 
-from elflow.serving.batcher import Batcher, Job, QueueFull
-from elflow.serving.protocol import (
+from elflow.serving.api_schema import (
     Completion,
     Limits,
     RequestError,
@@ -33,6 +32,7 @@ from elflow.serving.protocol import (
     response_body,
     step_event,
 )
+from elflow.serving.batcher import Batcher, Job, QueueFull
 
 POLL_S = 0.2
 """How often a waiting request looks at its client and its deadline."""

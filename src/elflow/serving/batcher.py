@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from elflow.errors import ELFError
-from elflow.serving.metrics import Metrics
-from elflow.serving.protocol import Completion, RequestError
+from elflow.serving.api_schema import Completion, RequestError
+from elflow.serving.server_metrics import Metrics
 
 
 class QueueFull(Exception):
@@ -205,7 +205,7 @@ class Batcher:
 
     def _run(self, jobs: list[Job]) -> None:
         from elflow.generation.engine import run_rows
-        from elflow.hardware import bf16_autocast
+        from elflow.runtime.hardware import bf16_autocast
 
         rows = [row for job in jobs for row in job.completion.rows]
         spans, at = [], 0

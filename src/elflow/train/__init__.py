@@ -5,16 +5,16 @@
 ``distill(...)`` runs the progressive-distillation curriculum (``curriculum.py``, spec §8).
 """
 
-from elflow.lazy import lazy_exports
+from elflow.runtime.lazy_exports import lazy_exports
 
 __all__ = ["RunConfig", "apply_overrides", "distill", "preset", "train"]
 __getattr__, __dir__ = lazy_exports(
     __name__,
     {
-        "RunConfig": "elflow.train.config",
-        "apply_overrides": "elflow.train.config",
-        "distill": "elflow.train.curriculum",
-        "preset": "elflow.train.presets",
+        "RunConfig": "elflow.config.train_config",
+        "apply_overrides": "elflow.config.train_config",
+        "distill": "elflow.distill.curriculum",
+        "preset": "elflow.config.run_presets",
         "train": "elflow.train.loop",
     },
 )

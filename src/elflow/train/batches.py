@@ -18,11 +18,11 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from elflow.config.train_config import RunConfig
 from elflow.data.latent_cache import LatentCache
-from elflow.data.order import StreamOrder, keyed_bernoulli, keyed_uniform, rank_positions
-from elflow.encoder import FrozenEncoder
+from elflow.data.row_order import StreamOrder, keyed_bernoulli, keyed_uniform, rank_positions
 from elflow.objective import Batch
-from elflow.train.config import RunConfig
+from elflow.text.encoder import FrozenEncoder
 
 
 @dataclass

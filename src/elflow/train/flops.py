@@ -17,7 +17,7 @@ linear layer is twice its forward, except where its input needs no gradient (the
 projection, the timestep embedders' first layers); attention's backward is twice its forward in
 model FLOPs, 2.5 times in executed FLOPs (``torch.utils.flop_counter``'s count of the fused
 kernels). ``tests/train/test_step_counts.py`` checks these formulas against
-:class:`elflow.profiling.OpCounter`'s count of a real step.
+:class:`elflow.runtime.profiling.OpCounter`'s count of a real step.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from elflow.config import ModelConfig, ObjectiveConfig
+from elflow.config.schema import ModelConfig, ObjectiveConfig
 
 FREQ_DIM = 256
 """The timestep embedders' sinusoidal feature width (ELF_SPEC §2)."""

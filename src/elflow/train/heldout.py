@@ -18,17 +18,17 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from elflow.config import ModelConfig
+from elflow.config.schema import ModelConfig
+from elflow.config.train_config import RunConfig
 from elflow.data.latent_cache import LatentCache
 from elflow.data.rows import RowDataset, build_dataset
-from elflow.distributed import DistInfo, all_reduce_sum
-from elflow.encoder import FrozenEncoder
 from elflow.errors import ELFError
 from elflow.objective import Batch
+from elflow.runtime.distributed import DistInfo, all_reduce_sum
+from elflow.sampling.denoiser import TrainForward
+from elflow.text.encoder import FrozenEncoder
 from elflow.train.batches import make_batch
-from elflow.train.config import RunConfig
 from elflow.train.ema import EMA, ema_network
-from elflow.wiring import TrainForward
 
 BatchMaker = Callable[[np.ndarray, np.ndarray], Batch]
 """(row indices into the split's rows, draw keys) -> Batch."""

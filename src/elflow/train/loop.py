@@ -22,12 +22,12 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from elflow.distributed import DistInfo, all_reduce_min, failure_line, is_collective_failure
+from elflow.config.train_config import RunConfig, run_config_to_dict
 from elflow.errors import ELFError, Interrupted
-from elflow.hardware import bf16_autocast
 from elflow.io import checkpoint as ckpt_io
-from elflow.projection import Projection
-from elflow.train.config import RunConfig, run_config_to_dict
+from elflow.runtime.distributed import DistInfo, all_reduce_min, failure_line, is_collective_failure
+from elflow.runtime.hardware import bf16_autocast
+from elflow.sampling.projection import Projection
 from elflow.train.optim import learning_rate, set_lr
 from elflow.train.reporting import Reporter
 from elflow.train.setup import Run, prepare_run

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from elflow.errors import ELFError, require
-from elflow.hardware import fast_bf16
+from elflow.runtime.hardware import fast_bf16
 from elflow.train.muon import ShardedMuon
 
 
@@ -59,7 +59,7 @@ class OptimConfig:
     muon_ns_dtype: str = "auto"
     """Newton–Schulz precision: bfloat16 (torch.optim.Muon's) or float32 (the reference's;
     reproducible across process counts, see ShardedMuon); auto = bfloat16 on CUDA and on a CPU
-    with native bf16, else float32 (see ``elflow.hardware``)."""
+    with native bf16, else float32 (see ``elflow.runtime.hardware``)."""
     clip_grad_norm: float = 1.0
     """Clip the global gradient norm to this value (0 disables clipping)."""
 

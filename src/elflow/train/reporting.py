@@ -22,16 +22,16 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from elflow.config import ModelConfig
+from elflow.config.schema import ModelConfig
+from elflow.config.train_config import RunConfig, run_config_to_dict
 from elflow.data.rows import RowDataset
-from elflow.distributed import DistInfo, all_reduce_sum
-from elflow.encoder import FrozenEncoder
 from elflow.errors import ELFError
 from elflow.io import checkpoint as ckpt_io
 from elflow.io.artifact import ArtifactConfig
-from elflow.jsonl import finite_or_null, write_jsonl
-from elflow.tokens import detokenize, token_spec
-from elflow.train.config import RunConfig, run_config_to_dict
+from elflow.io.jsonl import finite_or_null, write_jsonl
+from elflow.runtime.distributed import DistInfo, all_reduce_sum
+from elflow.text.encoder import FrozenEncoder
+from elflow.text.tokens import detokenize, token_spec
 from elflow.train.ema import EMA, ema_network
 from elflow.train.heldout import branch_means, heldout_scores, heldout_splits
 from elflow.train.step import NUM_STATS, StepMetrics

@@ -15,16 +15,21 @@ from pathlib import Path
 import torch.distributed as dist
 from torch import Tensor
 
-from elflow.distributed import broadcast_object
-from elflow.encoder import PACKAGED_MODELS
+from elflow.config.train_config import (
+    EncoderConfig,
+    RunConfig,
+    run_config_from_dict,
+    run_config_to_dict,
+)
 from elflow.errors import ELFError
 from elflow.io import checkpoint as ckpt_io
 from elflow.io.artifact import ArtifactConfig, load_resolved, read_config
 from elflow.io.manifest import intact
-from elflow.io.sources import resolve_source
-from elflow.io.tokenizer import load_tokenizer
-from elflow.tokens import vocab_hash
-from elflow.train.config import EncoderConfig, RunConfig, run_config_from_dict, run_config_to_dict
+from elflow.io.model_sources import resolve_source
+from elflow.runtime.distributed import broadcast_object
+from elflow.text.encoder import PACKAGED_MODELS
+from elflow.text.tokenizer import load_tokenizer
+from elflow.text.tokens import vocab_hash
 
 
 def resolve_resume(out: Path, resume: str | None) -> Path | None:

@@ -23,12 +23,22 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from elflow.config.train_config import RunConfig, check_projection
 from elflow.data.latent_cache import LatentCache, shared_latent_cache
-from elflow.data.order import StreamOrder
 from elflow.data.preparation import measure_first_rows_latent_std, prepared_latent_std
+from elflow.data.row_order import StreamOrder
 from elflow.data.rows import RowDataset, build_dataset
-from elflow.data.sources import resolve_source as data_source
-from elflow.distributed import (
+from elflow.data.text_sources import resolve_source as data_source
+from elflow.errors import ELFError, note_once
+from elflow.io import checkpoint as ckpt_io
+from elflow.io import train_state
+from elflow.io.artifact import ArtifactConfig
+from elflow.io.jsonl import is_gzip
+from elflow.io.official import load_state_dict_strict
+from elflow.io.paths import output_dir
+from elflow.io.run_lock import RunLock
+from elflow.model import ELF, build_model, check_fits, count_parameters
+from elflow.runtime.distributed import (
     DistInfo,
     barrier,
     broadcast_object,
@@ -36,20 +46,11 @@ from elflow.distributed import (
     parallelize,
     setup,
 )
-from elflow.encoder import FrozenEncoder
-from elflow.errors import ELFError, note_once
-from elflow.hardware import slow_bf16_warning, use_bf16
-from elflow.io import checkpoint as ckpt_io
-from elflow.io import train_state
-from elflow.io.artifact import ArtifactConfig
-from elflow.io.official import load_state_dict_strict
-from elflow.io.run_lock import RunLock
-from elflow.io.tokenizer import load_tokenizer
-from elflow.jsonl import is_gzip
-from elflow.model import ELF, build_model, check_fits, count_parameters
-from elflow.paths import output_dir
-from elflow.tokens import TokenSpec, special_token_count, token_spec, vocab_hash
-from elflow.train.config import RunConfig, check_projection
+from elflow.runtime.hardware import slow_bf16_warning, use_bf16
+from elflow.sampling.denoiser import TrainForward
+from elflow.text.encoder import FrozenEncoder
+from elflow.text.tokenizer import load_tokenizer
+from elflow.text.tokens import TokenSpec, special_token_count, token_spec, vocab_hash
 from elflow.train.ema import EMA
 from elflow.train.heldout import valid_rows
 from elflow.train.optim import OptimConfig, build_optimizer, resolve_ns_dtype
@@ -65,7 +66,6 @@ from elflow.train.resume import (
     resumed_settings,
     saved_run_config,
 )
-from elflow.wiring import TrainForward
 
 
 @dataclass(frozen=True)

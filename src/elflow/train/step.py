@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from elflow.distributed import all_reduce_sum, gradient_sync
+from elflow.config.train_config import RunConfig
 from elflow.objective import (
     Batch,
     BranchRows,
@@ -34,8 +34,8 @@ from elflow.objective import (
     keyed_row_draws,
     sample_draws_keyed,
 )
+from elflow.runtime.distributed import all_reduce_sum, gradient_sync
 from elflow.train.batches import BatchLoader, HostBatch
-from elflow.train.config import RunConfig
 
 NUM_STATS = 5
 """A micro-batch's logging sums: l2 sum, ce sum, l2 tokens, ce tokens, non-finite latents."""
@@ -87,7 +87,7 @@ class ELFObjective:
     (:meth:`RowPlan.padded`: dynamo specialises sizes 0 and 1), so one graph serves every step:
     no recompile, and no masked passes over all rows (which would run the no-grad pass and the
     V-way head on every row). The decoder head's chunk loop is one opaque op inside it
-    (:mod:`elflow.head_loss`). Another micro-batch shape (B, L) compiles once more.
+    (:mod:`elflow.runtime.fused_head_loss`). Another micro-batch shape (B, L) compiles once more.
     """
 
     def __init__(self, cfg: RunConfig) -> None:

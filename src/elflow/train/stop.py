@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from elflow.distributed import DistInfo, control_group
+from elflow.runtime.distributed import DistInfo, control_group
 
 
 class StopSignal:

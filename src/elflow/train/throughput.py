@@ -4,7 +4,7 @@ tokens/s counts the valid (non-padding) tokens of every process, over the window
 time spent in checkpoints, evaluations and samples. FLOPs follow docs/training.md "FLOPs and
 MFU" (:mod:`elflow.train.flops`, padding positions included: the device computes them): the
 model's and the executed FLOPs per second, and MFU (model) and HFU (executed) over the
-processes' summed bf16 peak (:func:`elflow.hardware.peak_tflops`, or ``train.peak_tflops``).
+processes' summed bf16 peak (:func:`elflow.runtime.hardware.peak_tflops`, or ``train.peak_tflops``).
 Peak memory is this process's: the CUDA allocator's high-water mark on a GPU, the peak resident
 set on a CPU.
 """
@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from elflow.hardware import peak_tflops
+from elflow.runtime.hardware import peak_tflops
 from elflow.train.flops import encoder_flops_per_token, executed_row_flops, model_row_flops
 
 
