@@ -32,9 +32,9 @@ def _status(field: str) -> int:
 def child(args) -> dict:
     import torch
 
-    from elflow.config.schema import model_preset
+    from elflow.config import model_preset
     from elflow.model import build_model
-    from elflow.sampling.sample_loop import denoiser as wiring
+    from elflow.sampling import denoiser as wiring
 
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)

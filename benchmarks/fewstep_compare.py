@@ -53,7 +53,7 @@ def row_cost(method: str, k: int, decoder_prob: float, bootstrap: float = 0.0) -
 
 def bootstrap_share(spans: str, grid_steps: str) -> float:
     """The share of cd rows whose span ends before t = 1 (their target is the student's)."""
-    from elflow.config.schema import ObjectiveConfig
+    from elflow.config import ObjectiveConfig
     from elflow.distill.consistency import ConsistencyConfig, ConsistencySettings
     from elflow.distill.consistency import sample_consistency_draws_keyed as draws
 

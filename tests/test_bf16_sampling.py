@@ -5,11 +5,11 @@ not touch that path."""
 import pytest
 import torch
 
-from elflow.config.schema import SamplerConfig
+from elflow.config import SamplerConfig
 from elflow.model import ELF
 from elflow.runtime import bf16_fast_path as fastpath
 from elflow.sampling.denoiser import sample_model
-from elflow.sampling.sample_loop import sample_generators
+from elflow.sampling import sample_generators
 from tests.builders import varied_network
 
 E, V, L = 8, 20, 6

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from elflow.config.schema import ObjectiveConfig, SamplerConfig
+from elflow.config import ObjectiveConfig, SamplerConfig
 from elflow.distill.consistency import (
     ConsistencyConfig,
     ConsistencySettings,
@@ -22,7 +22,7 @@ from elflow.distill.consistency import (
 )
 from elflow.errors import ELFError
 from elflow.sampling.denoiser import TrainForward
-from elflow.sampling.sample_loop import sample
+from elflow.sampling import sample
 from tests.test_distill_objective import T_EPS, B, E, L, _batch, _model
 
 S = 2.0  # the path's noise scale
@@ -222,7 +222,7 @@ def test_the_students_sampler_agrees_with_the_teachers_ode_and_keeps_the_data_la
 
 
 def test_renoise_step_is_the_interpolation_of_the_prediction():
-    from elflow.sampling.sample_loop import Condition, StepContext
+    from elflow.sampling import Condition, StepContext
 
     g = torch.Generator().manual_seed(1)
     z, noise = torch.randn(2, L, E, generator=g), torch.randn(2, L, E, generator=g)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from elflow.config.schema import ObjectiveConfig, elf_tiny
+from elflow.config import ObjectiveConfig, elf_tiny
 from elflow.distill.progressive import (
     DistillConfig,
     DistillDraws,

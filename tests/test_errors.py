@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from elflow import Batch, ELFError, ObjectiveConfig, SamplerConfig, build_model, elf_loss
-from elflow.config.schema import elf_tiny
+from elflow.config import elf_tiny
 from elflow.objective import sample_draws
 from elflow.sampling.denoiser import TrainForward, sample_model
-from elflow.sampling.sample_loop import Condition, sample_generators
+from elflow.sampling import Condition, sample_generators
 
 CFG = elf_tiny(encoder_dim=8, vocab_size=20, max_length=8)
 

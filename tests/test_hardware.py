@@ -119,10 +119,10 @@ def test_keep_freed_memory_applies_on_glibc_and_opts_out(monkeypatch, fresh_mall
 
 def test_cpu_sampling_keeps_freed_memory(monkeypatch):
     """sample_model sets the allocator up before it samples on a CPU (and only there)."""
-    from elflow.config.schema import SamplerConfig, model_preset
+    from elflow.config import SamplerConfig, model_preset
     from elflow.model import build_model
     from elflow.sampling import denoiser as wiring
-    from elflow.sampling.sample_loop import sample_generators
+    from elflow.sampling import sample_generators
 
     calls = []
     monkeypatch.setattr(wiring, "keep_freed_memory", lambda: calls.append(1) or True)

@@ -8,7 +8,7 @@ from torch import nn
 from torch.testing import assert_close
 
 from elflow import load_model
-from elflow.config.schema import ModelConfig, elf_tiny, from_dict, model_preset
+from elflow.config import ModelConfig, elf_tiny, from_dict, model_preset
 from elflow.errors import ELFError
 from elflow.model import ELF, RMSNorm, apply_rope, build_model, count_parameters, rope_tables
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from elflow.config.schema import ObjectiveConfig, elf_tiny
+from elflow.config import ObjectiveConfig, elf_tiny
 from elflow.model import ELF, build_model
 from elflow.objective import Batch, Draws, elf_loss, sample_draws
 from elflow.sampling.denoiser import TrainForward

@@ -8,13 +8,13 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from elflow.config.schema import SamplerConfig, elf_tiny
+from elflow.config import SamplerConfig, elf_tiny
 from elflow.errors import ELFError
 from elflow.flow import uniform_grid, velocity
 from elflow.model import ELF, build_model
 from elflow.sampling.denoiser import decode_tokens, make_denoiser, sample_model
 from elflow.sampling.projection import Projection, project_denoiser, text_rows
-from elflow.sampling.sample_loop import (
+from elflow.sampling import (
     Condition,
     heun_step,
     ode_step,
@@ -527,7 +527,7 @@ def test_pc_with_a_constant_denoiser_moves_towards_it():
     def denoise(z, x_prev, t):
         return c, velocity(c, z, t, 0.05)
 
-    from elflow.sampling.sample_loop import pc_step
+    from elflow.sampling import pc_step
 
     z = torch.randn(2, L, E, generator=torch.Generator().manual_seed(1))
     noise = torch.zeros_like(z)  # no noise: the corrector only follows the score
@@ -539,7 +539,7 @@ def test_pc_with_a_constant_denoiser_moves_towards_it():
 
 
 def test_a_step_count_past_any_use_is_refused():
-    from elflow.config.schema import MAX_STEPS
+    from elflow.config import MAX_STEPS
 
     assert SamplerConfig(steps=MAX_STEPS).steps == MAX_STEPS
     with pytest.raises(ELFError, match=r"^sampler\.steps 99999999999 is over 100000; "):

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from elflow.config.schema import ModelConfig
+from elflow.config import ModelConfig
 from elflow.errors import ELFError
 from elflow.runtime.fused_head_loss import linear_cross_entropy
 from elflow.runtime.hardware import full_precision, memory_bytes

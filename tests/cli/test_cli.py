@@ -13,7 +13,7 @@ import pytest
 
 from elflow.__main__ import COMMANDS, build_parser, main
 from elflow.cli.common import NUM_SAMPLES
-from elflow.config.schema import SAMPLERS, SamplerConfig, field_docs
+from elflow.config import SAMPLERS, SamplerConfig, field_docs
 
 
 @pytest.fixture(scope="module")

@@ -33,7 +33,7 @@ from elflow.cli.flags import (
     flag_names,
     key_flags,
 )
-from elflow.config.schema import SamplerConfig
+from elflow.config import SamplerConfig
 from elflow.errors import ELFError
 
 PACKAGE = Path(elflow.__file__).parent

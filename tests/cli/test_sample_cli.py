@@ -11,7 +11,7 @@ import pytest
 
 from elflow import ArtifactConfig, build_model, save_model
 from elflow.__main__ import main as elflow_main
-from elflow.config.schema import elf_tiny
+from elflow.config import elf_tiny
 from elflow.generation.records import token_agreement
 from tests.builders import MINILM, read
 from tests.dist.launch import torchrun_elflow

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from tests.dist.launch import spawn_gloo
 
-from elflow.config.schema import elf_tiny
+from elflow.config import elf_tiny
 from elflow.train.ema import EMA
 from elflow.model import ELF, build_model
 from elflow.train.optim import OptimConfig, build_optimizer, learning_rate, set_lr

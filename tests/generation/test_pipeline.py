@@ -11,7 +11,7 @@ import torch
 
 from elflow import ArtifactConfig, ELFError, ELFPipeline, SamplerConfig, build_model, save_model
 from elflow.__main__ import main
-from elflow.config.schema import elf_tiny
+from elflow.config import elf_tiny
 from elflow.io.official import elflow_to_official
 from tests.builders import (
     MINILM,

@@ -343,9 +343,9 @@ def test_the_page_names_the_steps_the_sampler_projects(sampler, steps, gamma, st
     sampler makes at t >= project_from (the SDE's last step is plain Euler, at t itself)."""
     import torch
 
-    from elflow.config.schema import SamplerConfig
+    from elflow.config import SamplerConfig
     from elflow.generation.trajectory import _projected_steps
-    from elflow.sampling.sample_loop import sample
+    from elflow.sampling import sample
 
     scfg = SamplerConfig(steps=steps, sampler=sampler, gamma=gamma, time_grid="uniform")
     step, touched = {"k": 0}, []

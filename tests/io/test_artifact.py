@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from elflow import errors
-from elflow.config.schema import SamplerConfig, elf_tiny
+from elflow.config import SamplerConfig, elf_tiny
 from elflow.errors import ELFError
 from elflow.io import artifact
 from elflow.io import model_sources as sources

@@ -165,7 +165,7 @@ def test_a_model_config_too_large_to_build_is_refused_before_allocating(
     assets,
 ):
     from elflow import load_model
-    from elflow.config.schema import ModelConfig
+    from elflow.config import ModelConfig
 
     model = tmp_path / "model"
     shutil.copytree(trained / "run" / "checkpoint-4", model)
@@ -181,7 +181,7 @@ def test_a_model_config_too_large_to_build_is_refused_before_allocating(
 
 
 def test_the_parameter_count_from_the_config_is_exact():
-    from elflow.config.schema import ModelConfig
+    from elflow.config import ModelConfig
     from elflow.model import build_model, count_parameters
 
     for kw in (

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from elflow.config.schema import elf_tiny
+from elflow.config import elf_tiny
 from elflow.io.artifact import ArtifactConfig
 from elflow.io.model_card import model_card
 

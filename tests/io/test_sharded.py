@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from elflow.config.schema import elf_tiny
+from elflow.config import elf_tiny
 from elflow.errors import ELFError
 from elflow.io.artifact import ArtifactConfig, load_model, save_model, shard_bytes
 from elflow.io.model_sources import WEIGHTS, WEIGHTS_INDEX, resolve_source

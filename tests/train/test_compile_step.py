@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch.testing import assert_close
 
-from elflow.config.schema import ObjectiveConfig, elf_tiny
+from elflow.config import ObjectiveConfig, elf_tiny
 from elflow.config.train_config import RunConfig, TrainConfig, apply_overrides, run_config_from_dict
 from elflow.errors import ELFError
 from elflow.model import Attention, DecoderHead, build_model, rope_tables

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from elflow.config.schema import elf_tiny
+from elflow.config import elf_tiny
 from elflow.errors import ELFError
 from elflow.model import build_model
 from elflow.train.ema import EMA, initial_share

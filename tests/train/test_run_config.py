@@ -61,7 +61,7 @@ def _recipe_table() -> list[dict[str, str]]:
 
 
 def test_paper_presets_equal_the_recipe_table_in_the_docs():
-    from elflow.config.schema import MODEL_PRESETS
+    from elflow.config import MODEL_PRESETS
 
     rows = _recipe_table()
     assert [r["preset"] for r in rows] == ["`owt-b`", "`owt-m`", "`owt-l`", "`de-en-b`", "`xsum-b`"]

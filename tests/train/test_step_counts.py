@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from elflow.config.schema import ObjectiveConfig, elf_b, elf_tiny
+from elflow.config import ObjectiveConfig, elf_b, elf_tiny
 from elflow.model import build_model
 from elflow.objective import Batch, RowPlan, elf_loss, sample_draws, sample_draws_keyed
 from elflow.runtime.profiling import OpCounter, optimizer_host_tensors

@@ -8,7 +8,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from elflow.config.schema import CHOICES, PAPER_TASKS, SamplerConfig, fewstep_sampler, field_docs
+from elflow.config import CHOICES, PAPER_TASKS, SamplerConfig, fewstep_sampler, field_docs
 from elflow.errors import ELFError, note_once
 
 NUM_SAMPLES = 4

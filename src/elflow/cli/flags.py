@@ -16,7 +16,7 @@ import dataclasses
 import re
 from collections.abc import Collection, Mapping
 
-from elflow.config.schema import SamplerConfig
+from elflow.config import SamplerConfig
 
 
 def _flag(name: str) -> str:

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from elflow.config.data_config import FORMATS, DataConfig
-from elflow.config.schema import field_docs
+from elflow.config import field_docs
 from elflow.errors import ELFError, Interrupted
 
 

@@ -1,6 +1,6 @@
 """A sweep's grid: the sampler settings it varies, as data (ELF_SPEC §5).
 
-An axis is a :class:`~elflow.config.schema.SamplerConfig` field that ``elflow sweep`` takes as a comma
+An axis is a :class:`~elflow.config.SamplerConfig` field that ``elflow sweep`` takes as a comma
 list; a cell is one sampler and one value per axis that applies to it (``gamma``: the SDE only;
 ``None``: the model's value). Adding an axis is one :class:`Axis` entry in :data:`AXES`: its flag,
 its parsing and its part of the cell names follow. Light: no torch, so the command line imports it.
@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from elflow.config.schema import SAMPLERS, unused_settings
+from elflow.config import SAMPLERS, unused_settings
 from elflow.errors import ELFError
 
 
@@ -36,7 +36,7 @@ class Axis:
 
     def applies(self, sampler: str) -> bool:
         """Whether the axis varies ``sampler``: common settings always, a sampler's own
-        settings (:attr:`elflow.config.schema.SamplerSpec.settings`) for that sampler only."""
+        settings (:attr:`elflow.config.SamplerSpec.settings`) for that sampler only."""
         return self.field not in unused_settings(sampler)
 
 

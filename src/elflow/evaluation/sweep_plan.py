@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from elflow.config.schema import SamplerConfig
+from elflow.config import SamplerConfig
 from elflow.errors import ELFError
 from elflow.evaluation.grid import AXES, Cell, grid
 from elflow.evaluation.report_tables import COLUMNS, fmt, plot_frontier, table_row, write_tables

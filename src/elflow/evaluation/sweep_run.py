@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from elflow.config.schema import SamplerConfig
+from elflow.config import SamplerConfig
 from elflow.evaluation.grid import Cell
 
 

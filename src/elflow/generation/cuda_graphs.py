@@ -21,10 +21,10 @@ from dataclasses import astuple, dataclass
 import torch
 from torch import Tensor, nn
 
-from elflow.config.schema import SamplerConfig
+from elflow.config import SamplerConfig
 from elflow.errors import ELFError
 from elflow.runtime import bf16_fast_path as fastpath
-from elflow.sampling.sample_loop import Condition, Denoiser, StepRunner, noise_draws, step_function
+from elflow.sampling import Condition, Denoiser, StepRunner, noise_draws, step_function
 
 MAX_BUCKETS = 8
 """Buckets a model's :class:`GraphCache` keeps (least recently used dropped first)."""

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from elflow.config.schema import SamplerConfig
+from elflow.config import SamplerConfig
 from elflow.errors import ELFError
 from elflow.generation.infill import (
     Infilled,
@@ -34,7 +34,7 @@ from elflow.generation.infill import (
     verbatim_text,
 )
 from elflow.sampling.projection import Projection
-from elflow.sampling.sample_loop import Seeds, StepCallback, StepState, sample_generators, seed_of
+from elflow.sampling import Seeds, StepCallback, StepState, sample_generators, seed_of
 
 if TYPE_CHECKING:
     from elflow.generation.pipeline import ELFPipeline, Generation
@@ -204,7 +204,7 @@ def _infill(pipe, rows, sampler, gens, frames, decode_steps, on_step, callback, 
     from elflow.generation.cuda_graphs import sampling_steps
     from elflow.sampling.denoiser import decode_logits, make_denoiser, sampling_w
     from elflow.sampling.infill_maths import constrained_tokens, initial_condition, refresh_denoiser
-    from elflow.sampling.sample_loop import sample
+    from elflow.sampling import sample
 
     cfg, model, tok = pipe.config, pipe.model, pipe.tokens
     L, dev = cfg.model.max_length, pipe.device

@@ -20,10 +20,10 @@ from numbers import Integral
 import torch
 from torch import Tensor
 
-from elflow.config.schema import SamplerConfig, length_bounds
+from elflow.config import SamplerConfig, length_bounds
 from elflow.errors import ELFError
 from elflow.sampling.infill_maths import FillVocabulary, Template
-from elflow.sampling.sample_loop import Seeds, seed_of
+from elflow.sampling import Seeds, seed_of
 
 GAP = re.compile(r"\[___(?:(\d+)(?:-(\d+))?)?\]")
 """A gap in a template: ``[___]``, ``[___N]`` or ``[___A-B]`` (tokens)."""

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from elflow.config.schema import SamplerConfig, length_bounds
+from elflow.config import SamplerConfig, length_bounds
 from elflow.errors import ELFError
 from elflow.generation.engine import make_rows, run_rows
 from elflow.generation.infill import (
@@ -35,7 +35,7 @@ from elflow.io.model_sources import resolve_source
 from elflow.model import ELF
 from elflow.sampling.infill_maths import FillVocabulary
 from elflow.sampling.projection import Projection
-from elflow.sampling.sample_loop import Condition, Seeds, StepCallback, seeds_of
+from elflow.sampling import Condition, Seeds, StepCallback, seeds_of
 from elflow.text.encoder import FrozenEncoder
 from elflow.text.tokenizer import check_tokenizer, load_tokenizer, model_tokenizer
 from elflow.text.tokens import (

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from elflow.config.schema import SamplerConfig, sampler_own_settings, unused_settings
+from elflow.config import SamplerConfig, sampler_own_settings, unused_settings
 from elflow.errors import ELFError, note_once
 from elflow.generation.infill import InfillRequest, infill_batch
 from elflow.generation.pipeline import ELFPipeline, check_batch_size

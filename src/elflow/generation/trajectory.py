@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-from elflow.config.schema import SAMPLERS
+from elflow.config import SAMPLERS
 
 
 def changed_words(prev: Sequence[str], cur: Sequence[str]) -> list[int]:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from elflow.config.schema import (
+from elflow.config import (
     PAPER_TASKS,
     T5_SMALL,
     ModelConfig,

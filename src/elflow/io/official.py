@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from elflow.config.schema import ModelConfig
+from elflow.config import ModelConfig
 from elflow.errors import ELFError, first_line, note_once
 
 Transform = Callable[[Tensor], Tensor]

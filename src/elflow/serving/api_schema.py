@@ -21,7 +21,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from elflow.config.schema import SamplerConfig
+from elflow.config import SamplerConfig
 from elflow.errors import ELFError
 from elflow.generation.engine import Row
 from elflow.generation.infill import GAP, InfillRequest, build_template, parse_template

@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 from torch import Tensor
 
-from elflow.config.schema import ObjectiveConfig
+from elflow.config import ObjectiveConfig
 from elflow.errors import ELFError
 from elflow.io.official import (
     elflow_to_official,
@@ -30,7 +30,7 @@ from elflow.io.official import (
 from elflow.model import ELF
 from elflow.objective import Batch, Draws, elf_loss
 from elflow.sampling.denoiser import TrainForward, decode_tokens, make_denoiser
-from elflow.sampling.sample_loop import Condition, ode_step, sde_step
+from elflow.sampling import Condition, ode_step, sde_step
 
 BUNDLED_FIXTURE = Path(__file__).resolve().parent / "fixtures" / "elf_reference_tiny.safetensors"
 """The reference fixture shipped with elflow (``elflow check-fixture`` with no argument)."""

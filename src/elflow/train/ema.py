@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from elflow.config.schema import ModelConfig
+from elflow.config import ModelConfig
 from elflow.errors import ELFError
 from elflow.model import ELF, check_fits
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from elflow.config.schema import ModelConfig, ObjectiveConfig
+from elflow.config import ModelConfig, ObjectiveConfig
 
 FREQ_DIM = 256
 """The timestep embedders' sinusoidal feature width (ELF_SPEC §2)."""

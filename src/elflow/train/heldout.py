@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from elflow.config.schema import ModelConfig
+from elflow.config import ModelConfig
 from elflow.config.train_config import RunConfig
 from elflow.data.latent_cache import LatentCache
 from elflow.data.rows import RowDataset, build_dataset

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from elflow.config.schema import ModelConfig
+from elflow.config import ModelConfig
 from elflow.config.train_config import RunConfig, run_config_to_dict
 from elflow.data.rows import RowDataset
 from elflow.errors import ELFError
