@@ -4,10 +4,10 @@ Usage:
     python benchmarks/decode_memory.py                          # ELF-B, batch 256, L 128, V 32,100
     python benchmarks/decode_memory.py --preset elf-small --batch 64
 
-Each setting runs in a fresh process: the network (fp32, random weights) is built, the peak
-resident set is reset (``/proc/self/clear_refs``), one ``elflow.sampling.denoiser.decode_tokens`` call
-runs, and the peak resident set during it, less the resident set before it, is printed with the
-time. ``unchunked`` decodes the whole batch at once, as elflow did before the chunks
+Each setting runs in a fresh process: the network (fp32, random weights) is built, the peak resident
+set is reset (``/proc/self/clear_refs``), one ``elflow.sampling.denoiser.decode_tokens`` call runs,
+and the peak resident set during it, less the resident set before it, is printed with the time.
+``unchunked`` decodes the whole batch at once, as elflow did before the chunks
 (``DECODE_CHUNK_BYTES`` set beyond any batch).
 """
 

@@ -22,18 +22,18 @@ tokenizer), recorded and fed to their step in the same order. Their files are ne
 Measured, each side as its users run it (``.sbs/`` must be in ``.git/info/exclude``):
 
 - training ELF-B at L 1024, batch 32, the same lr (blr 1e-3 x B / 256, 5 warm-up steps) and
-  Muon: elflow with ``train.compile`` ``blocks`` and ``step`` (skipped with a note where this
-  elflow lacks it), the authors' step on ``torch.compile(model)`` (their train.py compiles on
-  CUDA only); tokens/s over steps 9 to 20 (compilation is over), peak memory
+  Muon: elflow with ``train.compile`` ``blocks`` and ``step`` (skipped with a note where this elflow
+  lacks it), the authors' step on ``torch.compile(model)`` (their train.py compiles on CUDA only);
+  tokens/s over steps 9 to 20 (compilation is over), peak memory
   (``torch.cuda.max_memory_allocated``), model and executed FLOPs a step and MFU / HFU by
-  docs/training.md "FLOPs and MFU" (peak from ``elflow.runtime.hardware.GPU_BF16_TFLOPS``: H100 SXM and
-  H200 989 TFLOP/s dense bf16), and the first 20 losses side by side (same batches and
-  hyperparameters; not the same initial weights). The dry run also counts one authors' step
-  with :class:`elflow.runtime.profiling.OpCounter` against ``reference_step_flops``.
+  docs/training.md "FLOPs and MFU" (peak from ``elflow.runtime.hardware.GPU_BF16_TFLOPS``: H100 SXM
+  and H200 989 TFLOP/s dense bf16), and the first 20 losses side by side (same batches and
+  hyperparameters; not the same initial weights). The dry run also counts one authors' step with
+  :class:`elflow.runtime.profiling.OpCounter` against ``reference_step_flops``.
 - sampling s/batch at B 1, 8, 64 x L 256, 1024: the 32-step SDE (gamma 1.5, w 3) with decode,
   bf16, random ELF-B weights; elflow eager and with CUDA graphs (``cuda_graphs=`` of
-  ``elflow.sampling.denoiser.sample_model``; CUDA only), the authors' sampler (their bf16 autocast is CUDA
-  only: fp32 in the dry run).
+  ``elflow.sampling.denoiser.sample_model``; CUDA only), the authors' sampler (their bf16
+  autocast is CUDA only: fp32 in the dry run).
 - ``benchmarks/serve.py``'s load at 1, 16 and 64 clients against ``elflow serve`` on the GPU
   (the packaged demo model with projected sampling off: its encoder package is not on the
   GPU machine); needs fastapi and uvicorn (``--prepare-wheels`` fetches them).
@@ -471,8 +471,8 @@ def time_batches(fn, repeats: int, device: torch.device) -> float:
 
 def elflow_sample(model, B: int, L: int, sampler, device, kw: dict) -> None:
     """One batch of elflow's sampler with decode, bf16 autocast (cached bf16 weights)."""
-    from elflow.sampling.denoiser import sample_model
     from elflow.sampling import sample_generators
+    from elflow.sampling.denoiser import sample_model
 
     gens = sample_generators(0, range(B), device)
     with torch.autocast(device.type, dtype=torch.bfloat16), torch.no_grad():

@@ -10,20 +10,19 @@ Usage:
 
 Randomly initialised weights (the speed does not depend on them), self-conditioning CFG w 3,
 unconditional, one warm-up batch per setting, then ``--repeats`` timed batches per setting,
-interleaved across the dtypes; the median is printed (s/batch, samples/s, tokens/s = B L / s).
-bf16 is ``torch.autocast``, under which an eval-mode model samples on cached bf16 weights
-(``elflow.runtime.bf16_fast_path``); ``bf16-per-op`` turns that off (``ELFLOW_FAST_BF16=0``: per-op autocast,
-as training runs it) for comparison. The share of tokens identical to fp32 is printed for each
-bf16 row. At ELF-B, B 4, L 64, 32-step SDE the authors' code took 65.3 s (fp32) and 6.77 s
-(bf16) per batch on a 2-core Xeon with AMX (measured side by side): ``x authors`` divides those
-by ours.
-With ``--checkpoint`` (any model source) it times ``elflow sample``'s own path
-(``sample_records``: sampling, decoding, detokenising) on that model, whose bf16
-agreement with fp32 is the meaningful one (a random network's argmax is near-uniform).
-Sampling on a CPU keeps freed memory for reuse (``elflow.runtime.hardware.keep_freed_memory``);
-``--malloc default`` leaves glibc's allocator as it comes, as before that change. The setting is
-process-wide and earlier settings' allocations warm the allocator for later ones: time one dtype
-per process to see a user's first batch.
+interleaved across the dtypes; the median is printed (s/batch, samples/s, tokens/s = B L / s). bf16
+is ``torch.autocast``, under which an eval-mode model samples on cached bf16 weights
+(``elflow.runtime.bf16_fast_path``); ``bf16-per-op`` turns that off (``ELFLOW_FAST_BF16=0``: per-op
+autocast, as training runs it) for comparison. The share of tokens identical to fp32 is printed for
+each bf16 row. At ELF-B, B 4, L 64, 32-step SDE the authors' code took 65.3 s (fp32) and 6.77 s
+(bf16) per batch on a 2-core Xeon with AMX (measured side by side): ``x authors`` divides those by
+ours. With ``--checkpoint`` (any model source) it times ``elflow sample``'s own path
+(``sample_records``: sampling, decoding, detokenising) on that model, whose bf16 agreement with fp32
+is the meaningful one (a random network's argmax is near-uniform). Sampling on a CPU keeps freed
+memory for reuse (``elflow.runtime.hardware.keep_freed_memory``); ``--malloc default`` leaves
+glibc's allocator as it comes, as before that change. The setting is process-wide and earlier
+settings' allocations warm the allocator for later ones: time one dtype per process to see a user's
+first batch.
 """
 
 from __future__ import annotations
@@ -41,8 +40,8 @@ from elflow.config import SamplerConfig, model_preset
 from elflow.model import build_model
 from elflow.runtime import bf16_fast_path as fastpath
 from elflow.runtime.hardware import MALLOC_ENV, keep_freed_memory
-from elflow.sampling.denoiser import sample_model
 from elflow.sampling import sample_generators
+from elflow.sampling.denoiser import sample_model
 
 SIZES = {
     # name: (model preset, E, V, L, batch)

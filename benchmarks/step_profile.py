@@ -11,10 +11,10 @@ Usage:
 The run is built by ``elflow.train.setup.prepare_run`` from the preset, with a T5-shaped random
 encoder of the preset's encoder width (``--encoder-dim``), the packaged tokenizer and the packaged
 Bible verses as data. ``--warmup`` optimizer steps run first (optimizer state, caches); the next
-step is counted with :class:`elflow.runtime.profiling.OpCounter`: host syncs and aten ops per micro-batch
-and per step outside them, FLOPs per token by the dtype the matrix products compute in, the bytes
-autograd saves per token, the collective payload bytes per rank, and the optimiser's FLOPs per
-rank (Muon's Newton-Schulz). ``--as-cuda`` (default on) sets what a CUDA run resolves 'auto' to:
+step is counted with :class:`elflow.runtime.profiling.OpCounter`: host syncs and aten ops per
+micro-batch and per step outside them, FLOPs per token by the dtype the matrix products compute in,
+the bytes autograd saves per token, the collective payload bytes per rank, and the optimiser's FLOPs
+per rank (Muon's Newton-Schulz). ``--as-cuda`` (default on) sets what a CUDA run resolves 'auto' to:
 bf16 autocast, the encoder in bf16, bf16 Newton-Schulz, TF32 allowed; ``--no-as-cuda`` takes the
 settings as given. ``--world N`` runs N gloo processes on this machine (DDP or FSDP2).
 

@@ -1,6 +1,6 @@
-"""Sampling under bf16 autocast runs the network on cached bf16 weights (issue 27; elflow.runtime.bf16_fast_path)
-and stays as close to fp32 as per-op autocast (``ELFLOW_FAST_BF16=0``) does; fp32 sampling does
-not touch that path."""
+"""Sampling under bf16 autocast runs the network on cached bf16 weights
+(elflow.runtime.bf16_fast_path) and stays as close to fp32 as per-op autocast
+(``ELFLOW_FAST_BF16=0``) does; fp32 sampling does not touch that path."""
 
 import pytest
 import torch
@@ -8,8 +8,8 @@ import torch
 from elflow.config import SamplerConfig
 from elflow.model import ELF
 from elflow.runtime import bf16_fast_path as fastpath
-from elflow.sampling.denoiser import sample_model
 from elflow.sampling import sample_generators
+from elflow.sampling.denoiser import sample_model
 from tests.builders import varied_network
 
 E, V, L = 8, 20, 6

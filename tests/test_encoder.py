@@ -1,4 +1,5 @@
-"""Tests for elflow.text.encoder (frozen encoder, spec §4 mask) and elflow.text.tokens (spec §10)."""
+"""Tests for elflow.text.encoder (frozen encoder, spec §4 mask) and elflow.text.tokens
+(spec §10)."""
 
 from __future__ import annotations
 

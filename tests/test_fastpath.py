@@ -1,6 +1,6 @@
-"""The bf16 inference fast path (elflow.runtime.bf16_fast_path): ELF's blocks on cached bf16 weights under
-autocast in eval mode without gradients, close to fp32 and to per-op autocast; one switch
-(``ELFLOW_FAST_BF16=0``) gives the plain path; ``ELF.forward`` itself keeps no state."""
+"""The bf16 inference fast path (elflow.runtime.bf16_fast_path): ELF's blocks on cached bf16
+weights under autocast in eval mode without gradients, close to fp32 and to per-op autocast; one
+switch (``ELFLOW_FAST_BF16=0``) gives the plain path; ``ELF.forward`` itself keeps no state."""
 
 import copy
 import gc
