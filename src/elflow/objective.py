@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from elflow.config.schema import ObjectiveConfig
+from elflow.config.objective_config import ObjectiveConfig
 from elflow.errors import ELFError, check_finite
 from elflow.flow import interpolate, log_uniform_scale, logit_normal, velocity
 from elflow.runtime.keyed_random import host_normal, host_uniform, keyed_normals

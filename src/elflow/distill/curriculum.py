@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from elflow.config.schema import ObjectiveConfig
+from elflow.config.objective_config import ObjectiveConfig
 from elflow.config.train_config import (
     RunConfig,
     run_config_from_dict,

@@ -19,13 +19,9 @@ from typing import Any, NamedTuple
 
 from torch import Tensor
 
-from elflow.config.schema import (
-    ObjectiveConfig,
-    SamplerConfig,
-    fewstep_sampler,
-    field_docs,
-    from_dict,
-)
+from elflow.config.objective_config import ObjectiveConfig
+from elflow.config.sampler_config import SamplerConfig, fewstep_sampler
+from elflow.config.serialise import field_docs, from_dict
 from elflow.distill.consistency import (
     ConsistencyConfig,
     ConsistencySettings,

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from elflow.config.schema import ObjectiveConfig
+from elflow.config.objective_config import ObjectiveConfig
 from elflow.errors import ELFError, check_finite, require
 from elflow.flow import euler_step, interpolate, logit_normal, velocity
 from elflow.objective import (

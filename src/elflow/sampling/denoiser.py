@@ -18,21 +18,15 @@ from functools import partial
 import torch
 from torch import Tensor, nn
 
-from elflow.config.schema import SamplerConfig
+from elflow.config.sampler_config import SamplerConfig
 from elflow.errors import ELFError
 from elflow.flow import velocity
 from elflow.model import ELF
 from elflow.runtime import bf16_fast_path as fastpath
 from elflow.runtime.hardware import keep_freed_memory
 from elflow.sampling.projection import Project, Projection, project_denoiser, project_rows
-from elflow.sampling.sample_loop import (
-    Condition,
-    Decoder,
-    Denoiser,
-    SampleOutput,
-    StepCallback,
-    sample,
-)
+from elflow.sampling.sample_loop import SampleOutput, StepCallback, sample
+from elflow.sampling.step_context import Condition, Decoder, Denoiser
 
 
 def sampling_w(model: ELF, w: float | Tensor) -> float | Tensor | None:

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from elflow.flow import velocity
-from elflow.sampling.sample_loop import Denoiser
+from elflow.sampling.step_context import Denoiser
 
 Encode = Callable[[Tensor, Tensor], Tensor]
 """``encode(ids, mask) -> latents``: (B, L) token rows to normalised (B, L, E) latents."""
