@@ -21,7 +21,7 @@ from elflow.distill.consistency import (
 )
 from elflow.errors import ELFError
 from elflow.sampling import renoise_step, sample
-from elflow.sampling.denoiser import TrainForward
+from elflow.train.forward import TrainForward
 from tests.test_distill_objective import T_EPS, B, E, L, _batch, _model
 
 S = 2.0  # the path's noise scale

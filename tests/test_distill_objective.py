@@ -23,8 +23,9 @@ from elflow.errors import ELFError
 from elflow.flow import euler_step, velocity
 from elflow.model import ELF, build_model
 from elflow.objective import Batch
-from elflow.sampling.denoiser import TrainForward, projector
+from elflow.sampling.denoiser import projector
 from elflow.sampling.projection import Projection
+from elflow.train.forward import TrainForward
 
 E, V, L, B = 8, 20, 8, 4
 T_EPS = 0.05

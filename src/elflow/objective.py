@@ -35,7 +35,7 @@ Forward = Callable[..., tuple[Tensor, "Tensor | None"]]
 """``forward(x_in, t, w, gate, head_rows=None, targets=None, weights=None) -> (x_pred, out)``: one
 network call; ``out`` is the decoder head's logits for ``head_rows`` (None: none computed), or,
 given the rows' ``targets`` and per-token ``weights``, its cross-entropy sum(weights x CE)
-(:class:`elflow.sampling.denoiser.TrainForward`)."""
+(:class:`elflow.train.forward.TrainForward`)."""
 
 
 @dataclass
@@ -284,7 +284,7 @@ def network_traits(forward: Forward) -> tuple[bool, bool]:
     """(deterministic, sees_w) of a forward function, read from its attributes (a DDP wrapper's
     from its ``module``): ``deterministic`` (no active dropout: the trained pass's output can
     stand for a second no-grad pass; default False, always correct) and ``sees_w`` (the network
-    has SC-CFG scale tokens; default True). :class:`elflow.sampling.denoiser.TrainForward` sets both."""
+    has SC-CFG scale tokens; default True). :class:`elflow.train.forward.TrainForward` sets both."""
     inner = getattr(forward, "module", forward)
     return bool(getattr(inner, "deterministic", False)), bool(getattr(inner, "sees_w", True))
 
@@ -301,7 +301,7 @@ def elf_loss(
     plan made into index tensors, then :func:`branch_loss`.
 
     Args:
-        forward: the network's forward function (:class:`elflow.sampling.denoiser.TrainForward`, possibly
+        forward: the network's forward function (:class:`elflow.train.forward.TrainForward`, possibly
             wrapped in DDP or FSDP2: every network call then goes through the wrapper).
         check_inputs: refuse non-finite latents at once (a device read; the trainer checks
             them with its other metrics instead).

@@ -48,11 +48,12 @@ from elflow.io.paths import output_dir
 from elflow.model import ELF
 from elflow.objective import Batch
 from elflow.runtime.distributed import DistInfo
-from elflow.sampling.denoiser import TrainForward, projector
+from elflow.sampling.denoiser import projector
 from elflow.sampling.projection import Projection
 from elflow.text.tokenizer import load_tokenizer
 from elflow.text.tokens import vocab_hash
 from elflow.train.ema import initial_share
+from elflow.train.forward import TrainForward
 from elflow.train.loop import train
 from elflow.train.resume import init_tokenizer, local_absolute, model_encoder_config
 from elflow.train.step import StepLoss

@@ -69,7 +69,7 @@ class StageLoss(NamedTuple):
 
 StageLossFn = Callable[..., StageLoss]
 """``loss(student, teacher, batch, positions, stage, objective, seed, project) -> StageLoss``:
-``student``/``teacher`` are forward functions (:class:`elflow.sampling.denoiser.TrainForward`), ``positions``
+``student``/``teacher`` are forward functions (:class:`elflow.train.forward.TrainForward`), ``positions``
 the batch's stream positions (every random draw keyed by (``seed``, position)), ``stage`` a
 :class:`Stage`, ``objective`` the §3 :class:`ObjectiveConfig`, ``project`` the teacher's projector
 or None."""

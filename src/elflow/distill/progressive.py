@@ -424,7 +424,7 @@ def distill_loss(
     trained pass, the per-row losses (:func:`student_loss`).
 
     Args:
-        student: the student's forward function (:class:`elflow.sampling.denoiser.TrainForward`, possibly
+        student: the student's forward function (:class:`elflow.train.forward.TrainForward`, possibly
             wrapped in DDP or FSDP2).
         teacher: the frozen teacher's forward function (in eval mode, never wrapped); every
             teacher pass runs under no_grad and only on the rows that need it.
