@@ -10,12 +10,11 @@ import torch
 from torch.testing import assert_close
 
 from elflow.config import ObjectiveConfig, elf_tiny
+from elflow.distill.distill_config import DistillConfig, parse_rounds
 from elflow.distill.progressive import (
-    DistillConfig,
     DistillDraws,
     distill_loss,
     distill_targets,
-    parse_rounds,
     sample_distill_draws,
     sample_distill_draws_keyed,
 )

@@ -29,8 +29,8 @@ from elflow.config.train_config import (
     RunConfig,
     run_config_from_dict,
 )
+from elflow.distill.distill_config import DistillConfig, check_project_from
 from elflow.distill.methods import DistillMethod, Stage, distill_method, method_settings
-from elflow.distill.progressive import DistillConfig, check_project_from
 from elflow.distill.rounds import (
     check_no_later_rounds,
     check_round_objective,

@@ -146,7 +146,8 @@ def sample_model(
     callback_on_step_end: StepCallback | None = None,
     cuda_graphs: bool | None = None,
 ) -> SampleOutput:
-    """:func:`elflow.sampling.sample_loop.sample` with ``model``'s denoiser and decoder (ELF_SPEC §5).
+    """:func:`elflow.sampling.sample_loop.sample` with ``model``'s denoiser and decoder
+    (ELF_SPEC §5).
 
     ``sampler.project_from < 1`` wraps the denoiser in projected sampling
     (:func:`elflow.sampling.projection.project_denoiser`), which needs ``projection`` (unconditional

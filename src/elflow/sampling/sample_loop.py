@@ -2,12 +2,13 @@
 theirs (:mod:`elflow.sampling.samplers`, found through :mod:`elflow.sampling.registry`).
 
 Pure tensor functions over two callables: ``denoise(z, x_prev, t) -> (x_hat, v_hat)`` (the
-guided network call, with the condition reset; :func:`elflow.sampling.denoiser.make_denoiser` builds it
-from a model) and ``decode(z) -> tokens`` (decode mode at t = 1). Randomness comes from explicit
-per-sample generators, so a sample depends on (seed, index) only, never on the batch it is in.
+guided network call, with the condition reset; :func:`elflow.sampling.denoiser.make_denoiser`
+builds it from a model) and ``decode(z) -> tokens`` (decode mode at t = 1). Randomness comes
+from explicit per-sample generators, so a sample depends on (seed, index) only, never on the
+batch it is in.
 With ``trajectory=True`` :func:`sample` also returns each step's decoded x_hat (§10).
-Projected sampling wraps the denoiser (:mod:`elflow.sampling.projection`); nothing here knows of it. A
-:data:`StepRunner` may run each step instead of the loop (CUDA graph replay,
+Projected sampling wraps the denoiser (:mod:`elflow.sampling.projection`); nothing here knows
+of it. A :data:`StepRunner` may run each step instead of the loop (CUDA graph replay,
 :mod:`elflow.generation.cuda_graphs`): the step's noise is then drawn here, in the same order.
 """
 
@@ -158,7 +159,8 @@ def sample(
     """Integrate from noise to t = 1 and decode (ELF_SPEC §5). One generator per sample.
 
     Args:
-        denoise, decode: the network's calls (:func:`elflow.sampling.denoiser.sample_model` wires them).
+        denoise, decode: the network's calls (:func:`elflow.sampling.denoiser.sample_model`
+            wires them).
         shape: (L, E), one sample's latents.
         sampler: steps, method, gamma (and its schedule) and time grid; its guidance scales
             (w, cfg) and ``project_from`` are the denoiser's business.
