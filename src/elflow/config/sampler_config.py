@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -173,7 +173,7 @@ def fewstep_sampler(base: SamplerConfig, steps: int) -> SamplerConfig:
 
 TIME_GRIDS = ("logit_normal", "uniform")
 GAMMA_SCHEDULES = ("constant", "linear", "quadratic", "cosine")
-CHOICES: dict[str, tuple[str, ...]] = {
+CHOICES: dict[str, Collection[str]] = {
     "sampler": SAMPLERS,
     "time_grid": TIME_GRIDS,
     "gamma_schedule": GAMMA_SCHEDULES,
