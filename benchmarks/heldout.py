@@ -23,8 +23,8 @@ from elflow.data.rows import build_dataset
 from elflow.distill.curriculum import teacher_objective
 from elflow.generation.pipeline import ELFPipeline, model_encoder
 from elflow.objective import elf_loss, sample_draws_keyed
-from elflow.sampling.denoiser import TrainForward
 from elflow.train.batches import make_batch
+from elflow.train.forward import TrainForward
 from elflow.train.heldout import HeldOutSplit, RowSubset, heldout_loss, spread_rows
 from elflow.train.resume import model_encoder_config
 from elflow.train.step import ELFObjective

@@ -22,7 +22,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from elflow.config import ObjectiveConfig, model_preset
 from elflow.model import build_model, count_parameters
 from elflow.objective import Batch, elf_loss, sample_draws
-from elflow.sampling.denoiser import TrainForward
+from elflow.train.forward import TrainForward
 
 SIZES = {
     # name: (model preset, E, V, L, B)

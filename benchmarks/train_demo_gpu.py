@@ -204,9 +204,9 @@ def check_pack(pack: Path, rows: int = 256) -> dict:
     from elflow.config.run_presets import preset
     from elflow.data.rows import build_dataset
     from elflow.generation.pipeline import ELFPipeline, model_encoder
-    from elflow.sampling.denoiser import TrainForward
     from elflow.text.encoder import FrozenEncoder
     from elflow.train.batches import make_batch
+    from elflow.train.forward import TrainForward
     from elflow.train.heldout import HeldOutSplit, RowSubset, heldout_loss, spread_rows
     from elflow.train.step import ELFObjective
 

@@ -16,13 +16,12 @@ from elflow.distill.consistency import (
     ConsistencySettings,
     consistency_loss,
     consistency_targets,
-    renoise_step,
     sample_consistency_draws,
     sample_consistency_draws_keyed,
 )
 from elflow.errors import ELFError
-from elflow.sampling.denoiser import TrainForward
-from elflow.sampling import sample
+from elflow.sampling import renoise_step, sample
+from elflow.train.forward import TrainForward
 from tests.test_distill_objective import T_EPS, B, E, L, _batch, _model
 
 S = 2.0  # the path's noise scale

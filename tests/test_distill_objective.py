@@ -10,12 +10,11 @@ import torch
 from torch.testing import assert_close
 
 from elflow.config import ObjectiveConfig, elf_tiny
+from elflow.distill.distill_config import DistillConfig, parse_rounds
 from elflow.distill.progressive import (
-    DistillConfig,
     DistillDraws,
     distill_loss,
     distill_targets,
-    parse_rounds,
     sample_distill_draws,
     sample_distill_draws_keyed,
 )
@@ -23,8 +22,9 @@ from elflow.errors import ELFError
 from elflow.flow import euler_step, velocity
 from elflow.model import ELF, build_model
 from elflow.objective import Batch
-from elflow.sampling.denoiser import TrainForward, projector
+from elflow.sampling.denoiser import projector
 from elflow.sampling.projection import Projection
+from elflow.train.forward import TrainForward
 
 E, V, L, B = 8, 20, 8, 4
 T_EPS = 0.05

@@ -1,4 +1,4 @@
-"""The ELF network (elflow.model) and its configuration (elflow.config.schema)."""
+"""The ELF network (elflow.model) and its configuration (elflow.config.model_config)."""
 
 import math
 

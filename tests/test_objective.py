@@ -10,7 +10,7 @@ from torch.testing import assert_close
 from elflow.config import ObjectiveConfig, elf_tiny
 from elflow.model import ELF, build_model
 from elflow.objective import Batch, Draws, elf_loss, sample_draws
-from elflow.sampling.denoiser import TrainForward
+from elflow.train.forward import TrainForward
 
 E, V, L, B = 8, 20, 10, 6
 

@@ -31,7 +31,7 @@ _EXPORTS = {
     "model_preset": "elflow.config",
     "sample": "elflow.sampling",
     "sample_generators": "elflow.sampling",
-    "TrainForward": "elflow.sampling.denoiser",
+    "TrainForward": "elflow.train.forward",
     "make_denoiser": "elflow.sampling.denoiser",
     "sample_model": "elflow.sampling.denoiser",
 }

@@ -13,7 +13,7 @@ import math
 import torch
 from torch import Tensor
 
-from elflow.config.schema import GAMMA_SCHEDULES
+from elflow.config.sampler_config import GAMMA_SCHEDULES
 
 
 def _bcast(t: Tensor, like: Tensor) -> Tensor:

@@ -3,9 +3,9 @@
 :func:`elf_loss` is a deterministic function of the batch and of explicit random draws
 (:class:`Draws`); :func:`sample_draws` makes the draws from a generator, and
 :func:`sample_draws_keyed` (training) draws them for a batch of stream positions in a few batched
-calls, each row's a function of (seed, position) alone (:mod:`elflow.runtime.keyed_random`). Which rows take
-which branch is a :class:`RowPlan` of host index arrays, so that a training step selects rows
-without reading the device. Two procedures compute the same loss and gradients:
+calls, each row's a function of (seed, position) alone (:mod:`elflow.runtime.keyed_random`).
+Which rows take which branch is a :class:`RowPlan` of host index arrays, so that a training
+step selects rows without reading the device. Two procedures compute the same loss and gradients:
 
 - ``"reference"``: the authors' procedure: a no-grad unconditional pass and a no-grad
   self-conditioned pass over every row, and the V-way decoder head on every row of every pass
@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from elflow.config.schema import ObjectiveConfig
+from elflow.config.objective_config import ObjectiveConfig
 from elflow.errors import ELFError, check_finite
 from elflow.flow import interpolate, log_uniform_scale, logit_normal, velocity
 from elflow.runtime.keyed_random import host_normal, host_uniform, keyed_normals
@@ -35,7 +35,7 @@ Forward = Callable[..., tuple[Tensor, "Tensor | None"]]
 """``forward(x_in, t, w, gate, head_rows=None, targets=None, weights=None) -> (x_pred, out)``: one
 network call; ``out`` is the decoder head's logits for ``head_rows`` (None: none computed), or,
 given the rows' ``targets`` and per-token ``weights``, its cross-entropy sum(weights x CE)
-(:class:`elflow.sampling.denoiser.TrainForward`)."""
+(:class:`elflow.train.forward.TrainForward`)."""
 
 
 @dataclass
@@ -226,9 +226,9 @@ def sample_draws_keyed(
 
     The per-example scalars (t, branch, self-conditioning, w) are drawn on the host, which then
     knows the :class:`RowPlan`; the (L, E) noise and the (L,) decoder mixing weights in one
-    batched call on ``device`` (:func:`elflow.runtime.keyed_random.keyed_normals`). A row uses its path noise
-    (denoiser rows) or its decoder noise (decoder rows), never both, so the two fields are the
-    same tensor.
+    batched call on ``device`` (:func:`elflow.runtime.keyed_random.keyed_normals`). A row uses its
+    path noise (denoiser rows) or its decoder noise (decoder rows), never both, so the two fields
+    are the same tensor.
     """
     scalars, plan = keyed_row_draws(positions, cfg, seed)
     device = torch.device(device)
@@ -284,7 +284,7 @@ def network_traits(forward: Forward) -> tuple[bool, bool]:
     """(deterministic, sees_w) of a forward function, read from its attributes (a DDP wrapper's
     from its ``module``): ``deterministic`` (no active dropout: the trained pass's output can
     stand for a second no-grad pass; default False, always correct) and ``sees_w`` (the network
-    has SC-CFG scale tokens; default True). :class:`elflow.sampling.denoiser.TrainForward` sets both."""
+    has SC-CFG scale tokens; default True). :class:`elflow.train.forward.TrainForward` sets both."""
     inner = getattr(forward, "module", forward)
     return bool(getattr(inner, "deterministic", False)), bool(getattr(inner, "sees_w", True))
 
@@ -301,8 +301,8 @@ def elf_loss(
     plan made into index tensors, then :func:`branch_loss`.
 
     Args:
-        forward: the network's forward function (:class:`elflow.sampling.denoiser.TrainForward`, possibly
-            wrapped in DDP or FSDP2: every network call then goes through the wrapper).
+        forward: the network's forward function (:class:`elflow.train.forward.TrainForward`,
+            possibly wrapped in DDP or FSDP2: every network call then goes through the wrapper).
         check_inputs: refuse non-finite latents at once (a device read; the trainer checks
             them with its other metrics instead).
     """

@@ -228,7 +228,7 @@ def test_a_bad_value_in_a_models_config_names_the_file_not_a_flag(uncond, tmp_pa
 
 
 def test_distillation_rounds(tmp_path, capsys):
-    from elflow.distill.progressive import parse_rounds
+    from elflow.distill.distill_config import parse_rounds
 
     with pytest.raises(ELFError) as e:
         parse_rounds("3/4", teacher_steps=64)

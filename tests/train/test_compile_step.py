@@ -18,7 +18,7 @@ from elflow.errors import ELFError
 from elflow.model import Attention, DecoderHead, build_model, rope_tables
 from elflow.objective import Batch, keyed_row_draws
 from elflow.runtime.fused_head_loss import linear_cross_entropy
-from elflow.sampling.denoiser import TrainForward
+from elflow.train.forward import TrainForward
 from elflow.train.step import ELFObjective
 
 E, V, L, B = 8, 20, 10, 6

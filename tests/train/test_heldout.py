@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from elflow.config.train_config import run_config_from_dict
-from elflow.sampling.denoiser import TrainForward
+from elflow.train.forward import TrainForward
 from elflow.train.heldout import HeldOutSplit, RowSubset, heldout_loss, spread_rows
 from elflow.train.step import ELFObjective
 from tests.train_helpers import (

@@ -15,7 +15,6 @@ from elflow.config import ObjectiveConfig, elf_b, elf_tiny
 from elflow.model import build_model
 from elflow.objective import Batch, RowPlan, elf_loss, sample_draws, sample_draws_keyed
 from elflow.runtime.profiling import OpCounter, optimizer_host_tensors
-from elflow.sampling.denoiser import TrainForward
 from elflow.train.flops import (
     encoder_flops_per_token,
     executed_row_flops,
@@ -25,6 +24,7 @@ from elflow.train.flops import (
     reference_step_flops,
     train_row_flops,
 )
+from elflow.train.forward import TrainForward
 from elflow.train.muon import assign_owners, newton_schulz_flops
 from tests.train_helpers import run_config, train_cli
 

@@ -8,7 +8,14 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from elflow.config import CHOICES, PAPER_TASKS, SamplerConfig, fewstep_sampler, field_docs
+from elflow.config import (
+    CHOICES,
+    PAPER_TASKS,
+    SamplerConfig,
+    change_sampler,
+    fewstep_sampler,
+    field_docs,
+)
 from elflow.errors import ELFError, note_once
 
 NUM_SAMPLES = 4
@@ -195,12 +202,7 @@ def sampler_from_args(
         for f in dataclasses.fields(SamplerConfig)
         if f.name not in skip and getattr(args, f.name, None) is not None
     }
-    if changes.get("sampler") == "sde" and "gamma" not in changes and base.gamma == 0.0:
-        raise ELFError(
-            "the SDE with this model's default gamma 0 is the ODE; give --gamma, e.g. 1.5, the "
-            "paper's unconditional value"
-        )
-    return dataclasses.replace(base, **changes)
+    return change_sampler(base, changes)
 
 
 def checked_sampler(args: argparse.Namespace, pipe: Any, skip: tuple[str, ...] = ()):

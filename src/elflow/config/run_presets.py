@@ -18,16 +18,9 @@ from dataclasses import replace
 from typing import Any
 
 from elflow.config.data_config import DataConfig
-from elflow.config.schema import (
-    T5_SMALL,
-    ModelConfig,
-    ObjectiveConfig,
-    SamplerConfig,
-    elf_b,
-    elf_l,
-    elf_m,
-    elf_small,
-)
+from elflow.config.model_config import T5_SMALL, ModelConfig, elf_b, elf_l, elf_m, elf_small
+from elflow.config.objective_config import ObjectiveConfig
+from elflow.config.sampler_config import SamplerConfig
 from elflow.config.train_config import EncoderConfig, RunConfig, TrainConfig
 from elflow.errors import ELFError, require
 from elflow.examples import web_bible

@@ -14,18 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from elflow.config.data_config import DataConfig
-from elflow.config.schema import (
-    T5_SMALL,
-    ModelConfig,
-    ObjectiveConfig,
-    SamplerConfig,
-    check_guidance,
-    check_task,
-    coerce_field,
-    elf_b,
-    from_dict,
-    to_dict,
-)
+from elflow.config.model_config import T5_SMALL, ModelConfig, elf_b
+from elflow.config.objective_config import ObjectiveConfig
+from elflow.config.sampler_config import SamplerConfig, check_guidance, check_task
+from elflow.config.serialise import coerce_field, from_dict, to_dict
 from elflow.errors import ELFError, first_line, note_once, require
 from elflow.train.optim import OptimConfig
 

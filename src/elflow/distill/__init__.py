@@ -1,1 +1,2 @@
-"""Few-step students (ELF_SPEC §11): progressive distillation, consistency distillation, their registry and the training curriculum."""
+"""Few-step students (ELF_SPEC §11): progressive distillation, consistency distillation, their
+registry and the training curriculum."""

@@ -11,7 +11,8 @@ LCM's skipping-step solver: Luo et al. 2023, "Latent Consistency Models", §4.3)
 z_{t'} when t' = 1 (no bootstrapping: the teacher's K-step endpoint, Luhman & Luhman 2021) and
 otherwise the student's own no-grad x-prediction at (z_{t'}, t') (stop-gradient target weights,
 as in "Improved Techniques for Training Consistency Models", Song & Dhariwal 2023, §3.2).
-A student samples with :func:`renoise_step`, the multistep consistency sampler (Alg. 1).
+A student samples with the re-noising sampler (:mod:`elflow.sampling.samplers.renoise`), the
+multistep consistency sampler (Alg. 1).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from elflow.config.schema import ObjectiveConfig
+from elflow.config.objective_config import ObjectiveConfig
 from elflow.distill.progressive import (
     DistillDraws,
     DistillLossOutput,
@@ -263,14 +264,3 @@ def consistency_loss(
         )
         x_target.index_copy_(0, rows.den_rows, targets)
     return student_loss(student, batch, rows, z_t, sc_half, t, x_target, ocfg)
-
-
-def renoise_step(denoise, z: Tensor, x_prev: Tensor, t: Tensor, t_next: Tensor, ctx):
-    """Multistep consistency sampling (Song et al. 2023, Alg. 1): take the x-prediction at
-    (z, t) as the sample, then put fresh noise back to t_next: z' = t' x_hat + (1 - t') s ε
-    (the condition reset). The sampler's last step is Euler, which lands on x_hat."""
-    x_hat, _ = denoise(z, x_prev, t)
-    z_next = interpolate(x_hat, ctx.noise(), t_next, ctx.noise_scale)
-    if ctx.cond is not None:
-        z_next = torch.where(ctx.cond.mask.bool()[..., None], ctx.cond.latents, z_next)
-    return z_next, x_hat

@@ -24,13 +24,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from elflow.config.schema import ObjectiveConfig
+from elflow.config.objective_config import ObjectiveConfig
 from elflow.config.train_config import (
     RunConfig,
     run_config_from_dict,
 )
+from elflow.distill.distill_config import DistillConfig, check_project_from
 from elflow.distill.methods import DistillMethod, Stage, distill_method, method_settings
-from elflow.distill.progressive import DistillConfig, check_project_from
 from elflow.distill.rounds import (
     check_no_later_rounds,
     check_round_objective,
@@ -48,11 +48,12 @@ from elflow.io.paths import output_dir
 from elflow.model import ELF
 from elflow.objective import Batch
 from elflow.runtime.distributed import DistInfo
-from elflow.sampling.denoiser import TrainForward, projector
+from elflow.sampling.denoiser import projector
 from elflow.sampling.projection import Projection
 from elflow.text.tokenizer import load_tokenizer
 from elflow.text.tokens import vocab_hash
 from elflow.train.ema import initial_share
+from elflow.train.forward import TrainForward
 from elflow.train.loop import train
 from elflow.train.resume import init_tokenizer, local_absolute, model_encoder_config
 from elflow.train.step import StepLoss

@@ -5,9 +5,10 @@ A method is a :class:`DistillMethod`: its settings (a frozen dataclass), the sta
 (a function of the student, the frozen teacher, a batch and its stream positions) and the sampler
 its students are saved with. ``elflow distill --method NAME`` and
 :func:`elflow.distill.curriculum.distill` read :data:`DISTILL_METHODS`; the built-in ones are
-``pd`` (the maths in :mod:`elflow.distill.progressive`) and ``cd`` (:mod:`elflow.distill.consistency`),
-registered at the end of this module; :func:`register_distill_method` adds another, so a third
-method is one module: its maths, its settings and its :class:`DistillMethod`.
+``pd`` (the maths in :mod:`elflow.distill.progressive`) and ``cd``
+(:mod:`elflow.distill.consistency`), registered at the end of this module;
+:func:`register_distill_method` adds another, so a third method is one module: its maths, its
+settings and its :class:`DistillMethod`.
 """
 
 from __future__ import annotations
@@ -19,26 +20,17 @@ from typing import Any, NamedTuple
 
 from torch import Tensor
 
-from elflow.config.schema import (
-    ObjectiveConfig,
-    SamplerConfig,
-    fewstep_sampler,
-    field_docs,
-    from_dict,
-)
+from elflow.config.objective_config import ObjectiveConfig
+from elflow.config.sampler_config import SamplerConfig, fewstep_sampler
+from elflow.config.serialise import field_docs, from_dict
 from elflow.distill.consistency import (
     ConsistencyConfig,
     ConsistencySettings,
     consistency_loss,
     sample_consistency_draws_keyed,
 )
-from elflow.distill.progressive import (
-    ROUNDS,
-    DistillConfig,
-    distill_loss,
-    parse_rounds,
-    sample_distill_draws_keyed,
-)
+from elflow.distill.distill_config import ROUNDS, DistillConfig, parse_rounds
+from elflow.distill.progressive import distill_loss, sample_distill_draws_keyed
 from elflow.errors import ELFError
 
 
@@ -54,7 +46,7 @@ class Stage:
     """The student's sampling steps, written into its config."""
     spec: Any
     """The settings the stage's loss takes (progressive distillation's: a round's
-    :class:`elflow.distill.progressive.DistillConfig`)."""
+    :class:`elflow.distill.distill_config.DistillConfig`)."""
     record: dict[str, Any] = field(default_factory=dict)
     """JSON-ready: recorded in the round's ``round.json``; a ``settings`` entry is also checked
     against an existing round before it is continued."""
@@ -73,10 +65,10 @@ class StageLoss(NamedTuple):
 
 StageLossFn = Callable[..., StageLoss]
 """``loss(student, teacher, batch, positions, stage, objective, seed, project) -> StageLoss``:
-``student``/``teacher`` are forward functions (:class:`elflow.sampling.denoiser.TrainForward`), ``positions``
-the batch's stream positions (every random draw keyed by (``seed``, position)), ``stage`` a
-:class:`Stage`, ``objective`` the §3 :class:`ObjectiveConfig`, ``project`` the teacher's projector
-or None."""
+``student``/``teacher`` are forward functions (:class:`elflow.train.forward.TrainForward`),
+``positions`` the batch's stream positions (every random draw keyed by (``seed``, position)),
+``stage`` a :class:`Stage`, ``objective`` the §3 :class:`ObjectiveConfig`, ``project`` the
+teacher's projector or None."""
 
 
 @dataclass(frozen=True)

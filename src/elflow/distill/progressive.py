@@ -11,14 +11,15 @@ function of the batch and of explicit draws (:class:`DistillDraws`), like
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from elflow.config.schema import ObjectiveConfig
-from elflow.errors import ELFError, check_finite, require
+from elflow.config.objective_config import ObjectiveConfig
+from elflow.distill.distill_config import DistillConfig
+from elflow.errors import ELFError, check_finite
 from elflow.flow import euler_step, interpolate, logit_normal, velocity
 from elflow.objective import (
     Batch,
@@ -35,99 +36,10 @@ from elflow.objective import (
 from elflow.runtime.keyed_random import host_normal
 from elflow.sampling.projection import Project
 
-ROUNDS = "16/4,8/8,4/16,2/32,1/64"
-"""The paper's curriculum (student steps / teacher sub-steps per student step)."""
 MIN_SPAN = 1e-3
 """Below this student step size the x-target is the teacher's last x-prediction (ELF_SPEC §8)."""
 MIN_TS_SCALE = 1e-6
 """t_s = u * max(1 - delta, MIN_TS_SCALE): keeps t_s a (tiny) draw in the one-step round."""
-
-
-@dataclass(frozen=True)
-class DistillConfig:
-    """One distillation round (ELF_SPEC §8). The settings shared with §3 (t_eps, noise scale, time
-    distribution, decoder branch, self-conditioning probability, w range, label drop, padding) are
-    the nested :class:`ObjectiveConfig`, so a teacher's objective config is reused unchanged."""
-
-    student_steps: int = 16
-    """N: the student's sampling steps; its step size is delta = 1 / N."""
-    teacher_substeps: int = 4
-    """K: teacher Euler sub-steps per student step (the paper keeps N * K = 64)."""
-    teacher_steps: int | None = 64
-    """N * K must equal this (teacher sub-steps of 1/64 on average); None allows any N, K."""
-    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
-    """The §3 settings shared by the decoder rows and the student-step rows."""
-    project_from: float = 1.0
-    """elflow addition (1 = off, the paper): the teacher's x-predictions at t >= project_from
-    (its sub-steps' and the self-conditioning half's) are replaced by the encoder's latents of
-    their decoded text, as in projected sampling, so that the student learns the projected
-    trajectory. Unconditional teachers with one text per row only."""
-
-    def __post_init__(self) -> None:
-        _check_round(self.student_steps, self.teacher_substeps, self.teacher_steps)
-        check_project_from(self.project_from, "distill.project_from")
-
-    @property
-    def delta(self) -> float:
-        """The student's step size 1 / N."""
-        return 1.0 / self.student_steps
-
-
-def _check_round(
-    n: int,
-    k: int,
-    teacher_steps: int | None,
-    where: str = "",
-    steps_name: str = "teacher_steps",
-    allow: str = "set teacher_steps to None",
-) -> None:
-    """N and K positive and, unless ``teacher_steps`` is None (or 0), N x K == teacher_steps.
-    ``where``, ``steps_name`` and ``allow`` word the error (the caller's keys or arguments)."""
-    for name, v in (("student_steps", n), ("teacher_substeps", k)):
-        require(
-            isinstance(v, int) and not isinstance(v, bool) and v >= 1,
-            f"distill.{name} must be a positive integer, got {v!r}",
-        )
-    require(
-        not teacher_steps or n * k == teacher_steps,
-        f"round {n}/{k}{where} has N x K = {n * k}, but {steps_name} is {teacher_steps} "
-        f"(teacher sub-step 1/{teacher_steps}); change the round so that N x K matches, or "
-        f"{allow} to allow any N x K",
-    )
-
-
-def check_project_from(value: object, name: str) -> None:
-    """A projection start is a number in [0, 1]; ``name`` words the error (a key or argument)."""
-    require(
-        isinstance(value, int | float) and not isinstance(value, bool) and 0.0 <= value <= 1.0,
-        f"{name} must be a number in [0, 1] (1 = off), got {value!r}",
-    )
-
-
-def parse_rounds(spec: str = ROUNDS, teacher_steps: int | None = 64) -> list[tuple[int, int]]:
-    """``"16/4,8/8"`` -> ``[(16, 4), (8, 8)]``: (student steps N, teacher sub-steps K) per round.
-
-    Each round must have N * K == ``teacher_steps`` (ELF_SPEC §8's sub-step size 1/64) unless
-    ``teacher_steps`` is None or 0. The two arguments are :func:`elflow.distill.curriculum.distill`'s
-    ``rounds`` and ``teacher_steps``, and the errors name them so (``rounds=``).
-    """
-    if teacher_steps is not None and not (type(teacher_steps) is int and teacher_steps >= 0):
-        raise ELFError(
-            f"teacher_steps= must be a positive integer (or 0 to allow any N x K), "
-            f"got {teacher_steps!r}"
-        )
-    rounds = []
-    for item in spec.split(","):
-        parts = item.strip().split("/")
-        if len(parts) != 2 or not all(p.strip().isdecimal() and int(p) > 0 for p in parts):
-            raise ELFError(
-                f"bad round {item.strip()!r} in rounds={spec!r}: write rounds as N/K pairs of "
-                "positive integers separated by commas, e.g. 16/4,8/8"
-            )
-        n, k = int(parts[0]), int(parts[1])
-        _check_round(n, k, teacher_steps, " in rounds=", "teacher_steps=", "pass teacher_steps=0")
-        rounds.append((n, k))
-    return rounds
 
 
 @dataclass
@@ -424,8 +336,8 @@ def distill_loss(
     trained pass, the per-row losses (:func:`student_loss`).
 
     Args:
-        student: the student's forward function (:class:`elflow.sampling.denoiser.TrainForward`, possibly
-            wrapped in DDP or FSDP2).
+        student: the student's forward function (:class:`elflow.train.forward.TrainForward`,
+            possibly wrapped in DDP or FSDP2).
         teacher: the frozen teacher's forward function (in eval mode, never wrapped); every
             teacher pass runs under no_grad and only on the rows that need it.
         project: the teacher's projector (:func:`elflow.sampling.denoiser.projector`), which

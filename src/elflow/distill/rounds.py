@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from elflow.config.schema import ObjectiveConfig
+from elflow.config.objective_config import ObjectiveConfig
 from elflow.config.train_config import run_config_from_dict
 from elflow.errors import ELFError
 from elflow.io import checkpoint as ckpt_io

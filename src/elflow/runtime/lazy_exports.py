@@ -4,6 +4,7 @@ not import torch or transformers until a name that needs them is used."""
 from __future__ import annotations
 
 import importlib
+import pkgutil
 from collections.abc import Callable
 from typing import Any
 
@@ -22,3 +23,15 @@ def lazy_exports(
         return sorted(exports)
 
     return getattr_, dir_
+
+
+def submodules(package: str) -> tuple[str, ...]:
+    """The names of ``package``'s modules (``pkgutil.iter_modules``), listed without importing
+    them, sorted."""
+    path = importlib.import_module(package).__path__
+    return tuple(sorted(m.name for m in pkgutil.iter_modules(path) if not m.name.startswith("_")))
+
+
+def module_attribute(module: str, name: str) -> Any:
+    """``module.name``, importing ``module`` on first use."""
+    return getattr(importlib.import_module(module), name)

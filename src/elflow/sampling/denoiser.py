@@ -1,12 +1,12 @@
-"""The wiring: the network adapted, in one place, to what the maths takes (ELF_SPEC §3, §5, §10).
+"""The sampler's wiring: the network adapted to what the sampling maths takes (ELF_SPEC §5, §10).
 
-``sampling.py``, ``projection.py``, ``objective.py`` and ``distill_objective.py`` never see
-:class:`ELF` (``model.py``, the network): the samplers take a ``denoise(z, x_prev, t) -> (x_hat,
-v_hat)`` function and a ``decode(z)`` function, the objectives a forward function ``(x_in, t, w,
-gate, head_rows) -> (x_pred, logits)``. This module builds them from a network:
-:func:`make_denoiser` (self-conditioning CFG's scale, classifier-free guidance in one batched call,
-the condition reset), :func:`make_decoder`, :class:`TrainForward`, and :func:`sample_model`, which
-wires the sampler (and projected sampling when asked for) for a model.
+The samplers (:mod:`elflow.sampling.sample_loop`, :mod:`elflow.sampling.samplers`) and projection
+never see :class:`ELF` (``model.py``, the network): they take a ``denoise(z, x_prev, t) ->
+(x_hat, v_hat)`` function and a ``decode(z)`` function. This module builds them from a network:
+:func:`make_denoiser` (self-conditioning CFG's scale, classifier-free guidance in one batched
+call, the condition reset), :func:`make_decoder`, and :func:`sample_model`, which wires the
+sampler (and projected sampling when asked for) for a model. The objectives' forward function is
+:class:`elflow.train.forward.TrainForward`.
 """
 
 from __future__ import annotations
@@ -16,23 +16,17 @@ from collections.abc import Sequence
 from functools import partial
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from elflow.config.schema import SamplerConfig
+from elflow.config.sampler_config import SamplerConfig
 from elflow.errors import ELFError
 from elflow.flow import velocity
 from elflow.model import ELF
 from elflow.runtime import bf16_fast_path as fastpath
 from elflow.runtime.hardware import keep_freed_memory
 from elflow.sampling.projection import Project, Projection, project_denoiser, project_rows
-from elflow.sampling.sample_loop import (
-    Condition,
-    Decoder,
-    Denoiser,
-    SampleOutput,
-    StepCallback,
-    sample,
-)
+from elflow.sampling.sample_loop import SampleOutput, StepCallback, sample
+from elflow.sampling.step_context import Condition, Decoder, Denoiser
 
 
 def sampling_w(model: ELF, w: float | Tensor) -> float | Tensor | None:
@@ -152,7 +146,8 @@ def sample_model(
     callback_on_step_end: StepCallback | None = None,
     cuda_graphs: bool | None = None,
 ) -> SampleOutput:
-    """:func:`elflow.sampling.sample_loop.sample` with ``model``'s denoiser and decoder (ELF_SPEC §5).
+    """:func:`elflow.sampling.sample_loop.sample` with ``model``'s denoiser and decoder
+    (ELF_SPEC §5).
 
     ``sampler.project_from < 1`` wraps the denoiser in projected sampling
     (:func:`elflow.sampling.projection.project_denoiser`), which needs ``projection`` (unconditional
@@ -204,57 +199,3 @@ def sample_model(
             callback_on_step_end,
             runner,
         )
-
-
-class TrainForward(nn.Module):
-    """One network call of an objective: x-prediction, plus decoder logits for ``head_rows``.
-
-    NOTE: the decoder head runs inside this forward so that DDP and FSDP2, which wrap this module,
-    see every parameter use inside ``forward`` (a separate ``decode_logits`` call would bypass
-    FSDP2's unsharding and DDP's unused-parameter bookkeeping). With zero decoder rows the head
-    still runs on an empty slice, so its parameters get (zero) gradients on every rank.
-    """
-
-    def __init__(self, model: ELF) -> None:
-        super().__init__()
-        self.model = model
-
-    @property
-    def deterministic(self) -> bool:
-        """The output is a function of the input (no dropout is active), so the objective may
-        reuse the trained pass's output instead of a second no-grad pass."""
-        return self.model.cfg.dropout == 0.0 or not self.model.training
-
-    @property
-    def sees_w(self) -> bool:
-        """Whether the network has SC-CFG scale tokens (else its consistent target is w = 1)."""
-        return self.model.cfg.num_scale_tokens > 0
-
-    def forward(
-        self,
-        x_in: Tensor,
-        t: Tensor | float,
-        w: Tensor | float | None,
-        gate: Tensor | float,
-        head_rows: Tensor | None = None,
-        targets: Tensor | None = None,
-        weights: Tensor | None = None,
-    ) -> tuple[Tensor, Tensor | None]:
-        """(x_pred, decoder logits of ``head_rows``: row indices or a mask; None: no logits).
-
-        With ``targets`` (R, L), the token ids of the R ``head_rows``, and ``weights`` (R, L),
-        the second output is instead the head's cross-entropy sum, sum(weights x CE), computed in
-        chunks of tokens without ever holding the (R, L, V) logits (:meth:`ELF.decode_loss`).
-        """
-        # In eval mode without gradients under autocast (held-out losses, a distillation
-        # teacher) the blocks take the bf16 fast path; training always runs self.model(...).
-        x_pred, hidden = fastpath.forward(self.model, x_in, t, w, gate)
-        if head_rows is None:
-            return x_pred, None
-        if head_rows.dtype == torch.bool:  # a mask (a device read); indices do not wait
-            rows = hidden[head_rows]
-        else:
-            rows = hidden.index_select(0, head_rows)
-        if targets is None:
-            return x_pred, self.model.decode_logits(rows)
-        return x_pred, self.model.decode_loss(rows, targets, weights)[0]

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from elflow.flow import velocity
-from elflow.sampling.sample_loop import Condition, Denoiser
+from elflow.sampling.step_context import Condition, Denoiser
 
 Logits = Callable[[Tensor], Tensor]
 """``logits(z) -> (B, L, V)``: decode-mode logits of latents at t = 1."""

@@ -4,8 +4,8 @@ A clean estimate x_hat made at t >= ``project_from`` is replaced by the frozen e
 of the text it decodes to (decode-mode argmax, cut after the first EOS, padded as the training
 rows), and the velocity is recomputed from it, so that the steps that commit to words move
 towards latents of real token sequences. Everything here takes callables: ``decode(z, w) ->
-tokens`` and the encoder's ``encode(ids, mask) -> latents``; :mod:`elflow.sampling.denoiser` supplies them
-for a model. Unconditional models with one text per row only.
+tokens`` and the encoder's ``encode(ids, mask) -> latents``; :mod:`elflow.sampling.denoiser`
+supplies them for a model. Unconditional models with one text per row only.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from elflow.flow import velocity
-from elflow.sampling.sample_loop import Denoiser
+from elflow.sampling.step_context import Denoiser
 
 Encode = Callable[[Tensor, Tensor], Tensor]
 """``encode(ids, mask) -> latents``: (B, L) token rows to normalised (B, L, E) latents."""

@@ -1,12 +1,14 @@
-"""Samplers: ODE, SDE and Heun steps and the loop from noise to tokens (paper §3.3; ELF_SPEC §5).
+"""The sampling loop from noise to tokens (paper §3.3; ELF_SPEC §5); the samplers' steps are
+theirs (:mod:`elflow.sampling.samplers`, found through :mod:`elflow.sampling.registry`).
 
 Pure tensor functions over two callables: ``denoise(z, x_prev, t) -> (x_hat, v_hat)`` (the
-guided network call, with the condition reset; :func:`elflow.sampling.denoiser.make_denoiser` builds it
-from a model) and ``decode(z) -> tokens`` (decode mode at t = 1). Randomness comes from explicit
-per-sample generators, so a sample depends on (seed, index) only, never on the batch it is in.
+guided network call, with the condition reset; :func:`elflow.sampling.denoiser.make_denoiser`
+builds it from a model) and ``decode(z) -> tokens`` (decode mode at t = 1). Randomness comes
+from explicit per-sample generators, so a sample depends on (seed, index) only, never on the
+batch it is in.
 With ``trajectory=True`` :func:`sample` also returns each step's decoded x_hat (§10).
-Projected sampling wraps the denoiser (:mod:`elflow.sampling.projection`); nothing here knows of it. A
-:data:`StepRunner` may run each step instead of the loop (CUDA graph replay,
+Projected sampling wraps the denoiser (:mod:`elflow.sampling.projection`); nothing here knows
+of it. A :data:`StepRunner` may run each step instead of the loop (CUDA graph replay,
 :mod:`elflow.generation.cuda_graphs`): the step's noise is then drawn here, in the same order.
 """
 
@@ -19,101 +21,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from elflow.config.schema import SAMPLERS, SamplerConfig
+from elflow.config.sampler_config import SamplerConfig
 from elflow.errors import ELFError, check_finite
-from elflow.flow import (
-    euler_step,
-    gamma_at,
-    langevin_step,
-    logit_normal_grid,
-    score_from_x,
-    sde_backtrack,
-    uniform_grid,
-)
-
-Denoiser = Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
-"""``denoise(z, x_prev, t) -> (x_hat, v_hat)``, each (B, L, E); t (B,) or a scalar."""
-Decoder = Callable[[Tensor], Tensor]
-"""``decode(z) -> tokens``: (B, L, E) latents at t = 1 to (B, L) argmax token ids."""
-
-
-@dataclass
-class Condition:
-    """Clean condition latents: a conditional model's source, or an infilling template's kept
-    positions (held clean at every step; the sampler resets z there after each step, so an
-    infilling refresh that rewrites ``latents`` moves z with it)."""
-
-    latents: Tensor
-    """(B, L, E) clean latents, meaningful at condition positions."""
-    mask: Tensor
-    """(B, L) 1 at condition positions."""
-    guided: Tensor | None = None
-    """(B, L) the positions classifier-free guidance drops in its unconditional evaluation
-    (a source); None: all of ``mask``."""
-
-
-def ode_step(
-    denoise: Denoiser, z: Tensor, x_prev: Tensor, t: Tensor, t_next: Tensor
-) -> tuple[Tensor, Tensor]:
-    """Euler step; returns (z_next, x_hat) where x_hat is the next self-conditioning input."""
-    x_hat, v = denoise(z, x_prev, t)
-    return euler_step(z, v, t, t_next), x_hat
-
-
-def sde_step(
-    denoise: Denoiser,
-    z: Tensor,
-    x_prev: Tensor,
-    t: Tensor,
-    t_next: Tensor,
-    gamma: float | Tensor,
-    noise: Tensor,
-    noise_scale: float,
-    cond: Condition | None = None,
-) -> tuple[Tensor, Tensor]:
-    """gamma-SDE step: re-inject noise back to t_back = alpha t, then Euler to t_next (``gamma``
-    a number or per row)."""
-    z_back, t_back = sde_backtrack(z, t, t_next, gamma, noise, noise_scale)
-    if cond is not None:
-        z_back = torch.where(cond.mask.bool()[..., None], cond.latents, z_back)
-    x_hat, v = denoise(z_back, x_prev, t_back)
-    return euler_step(z_back, v, t_back, t_next), x_hat
-
-
-def heun_step(
-    denoise: Denoiser, z: Tensor, x_prev: Tensor, t: Tensor, t_next: Tensor
-) -> tuple[Tensor, Tensor]:
-    """Heun (second order): Euler predictor, corrector at (z_pred, t_next) self-conditioned on the
-    predictor's x_hat, velocities averaged (ELF_SPEC §10)."""
-    x_hat, v = denoise(z, x_prev, t)
-    z_pred = euler_step(z, v, t, t_next)
-    x_hat2, v2 = denoise(z_pred, x_hat, t_next)
-    return euler_step(z, 0.5 * (v + v2), t, t_next), x_hat2
-
-
-def pc_step(
-    denoise: Denoiser,
-    z: Tensor,
-    x_prev: Tensor,
-    t: Tensor,
-    t_next: Tensor,
-    noise: Tensor,
-    snr: float,
-    noise_scale: float,
-    t_eps: float,
-    cond: Condition | None = None,
-) -> tuple[Tensor, Tensor]:
-    """Predictor-corrector (an elflow addition): an Euler predictor to t_next, then one Langevin
-    corrector move at t_next with the score of the x-prediction there (self-conditioned on the
-    predictor's x_hat), its step size set by ``snr``. Two network evaluations."""
-    x_hat, v = denoise(z, x_prev, t)
-    z_pred = euler_step(z, v, t, t_next)
-    x_hat2, _ = denoise(z_pred, x_hat, t_next)
-    score = score_from_x(z_pred, x_hat2, t_next, noise_scale, t_eps)
-    z_next = langevin_step(z_pred, score, noise, snr)
-    if cond is not None:
-        z_next = torch.where(cond.mask.bool()[..., None], cond.latents, z_next)
-    return z_next, x_hat2
+from elflow.flow import logit_normal_grid, uniform_grid
+from elflow.sampling.registry import noise_draws, sampler_step
+from elflow.sampling.samplers.ode import ode_step
+from elflow.sampling.step_context import Condition, Decoder, Denoiser, StepContext
 
 
 def sample_seed(seed: int, index: int) -> int:
@@ -163,55 +76,6 @@ class SampleOutput:
     """(N, B, L) decode-mode argmax of each step's x_hat, when asked for."""
 
 
-@dataclass(frozen=True)
-class StepContext:
-    """What a sampler's step may use besides the state: its settings, the path's noise scale,
-    the pc corrector's clamp, the condition, and ``noise()``, a fresh standard-normal (B, L, E)
-    draw from the samples' generators."""
-
-    sampler: SamplerConfig
-    noise_scale: float
-    t_eps: float
-    cond: Condition | None
-    noise: Callable[[], Tensor]
-
-
-def _ode(denoise, z, x_prev, t, t_next, ctx: StepContext):
-    return ode_step(denoise, z, x_prev, t, t_next)
-
-
-def _sde(denoise, z, x_prev, t, t_next, ctx: StepContext):
-    noise = ctx.noise()
-    gamma = gamma_at(ctx.sampler.gamma_schedule, ctx.sampler.gamma, t)
-    return sde_step(denoise, z, x_prev, t, t_next, gamma, noise, ctx.noise_scale, ctx.cond)
-
-
-def _pc(denoise, z, x_prev, t, t_next, ctx: StepContext):
-    noise, snr = ctx.noise(), ctx.sampler.pc_snr
-    return pc_step(denoise, z, x_prev, t, t_next, noise, snr, ctx.noise_scale, ctx.t_eps, ctx.cond)
-
-
-def _heun(denoise, z, x_prev, t, t_next, ctx: StepContext):
-    return heun_step(denoise, z, x_prev, t, t_next)
-
-
-_BUILTIN_STEPS = {"ode": _ode, "sde": _sde, "pc": _pc, "heun": _heun}
-_BUILTIN_DRAWS = {"ode": 0, "sde": 1, "pc": 1, "heun": 0}
-
-
-def sampler_step(name: str) -> Callable[..., tuple[Tensor, Tensor]]:
-    """The step of sampler ``name`` (:data:`elflow.config.schema.SAMPLERS`), with the signature
-    ``step(denoise, z, x_prev, t, t_next, ctx: StepContext) -> (z_next, x_hat)``."""
-    spec = SAMPLERS[name]
-    return spec.step if spec.step is not None else _BUILTIN_STEPS[name]
-
-
-def noise_draws(name: str) -> int | None:
-    """How many times a step of sampler ``name`` calls ``ctx.noise()`` (the last, Euler step
-    none); None for a registered sampler, whose draws are its own business."""
-    return None if SAMPLERS[name].step is not None else _BUILTIN_DRAWS[name]
-
-
 def advance(
     denoise: Denoiser,
     z: Tensor,
@@ -228,7 +92,7 @@ def advance(
     else:
         z, x_hat = sampler_step(ctx.sampler.sampler)(denoise, z, x_prev, t, t_next, ctx)
     if ctx.cond is not None:  # a no-op unless the condition's latents were refreshed
-        z = torch.where(ctx.cond.mask.bool()[..., None], ctx.cond.latents, z)
+        z = ctx.cond.hold(z)
     return z, x_hat
 
 
@@ -295,7 +159,8 @@ def sample(
     """Integrate from noise to t = 1 and decode (ELF_SPEC §5). One generator per sample.
 
     Args:
-        denoise, decode: the network's calls (:func:`elflow.sampling.denoiser.sample_model` wires them).
+        denoise, decode: the network's calls (:func:`elflow.sampling.denoiser.sample_model`
+            wires them).
         shape: (L, E), one sample's latents.
         sampler: steps, method, gamma (and its schedule) and time grid; its guidance scales
             (w, cfg) and ``project_from`` are the denoiser's business.
@@ -304,8 +169,8 @@ def sample(
             convention; it must not change the tensors it is given).
         runner: runs each step (:func:`step_function` of ``denoise`` over the same condition)
             instead of calling ``denoise`` here; each step's noise is drawn before it, in the
-            order the eager loop draws it, so the samples are the same. Built-in samplers only
-            (:func:`noise_draws`).
+            order the eager loop draws it, so the samples are the same. Only for samplers whose
+            spec gives their noise draws (:func:`noise_draws`).
     """
     B, N = len(generators), sampler.steps
     device = generators[0].device
@@ -330,7 +195,9 @@ def sample(
     ctx = StepContext(sampler, noise_scale, t_eps, cond, draw)
     draws = None if runner is None else noise_draws(sampler.sampler)
     if runner is not None and draws is None:
-        raise ELFError(f"sampler {sampler.sampler!r} is not built in: sample it without a runner")
+        raise ELFError(
+            f"sampler {sampler.sampler!r} declares no noise_draws: sample it without a runner"
+        )
     for k in range(N):
         t, t_next, last = grid[:, k], grid[:, k + 1], k == N - 1
         if runner is None:

@@ -16,12 +16,12 @@ from __future__ import annotations
 import re
 import secrets
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from elflow.config import SamplerConfig
+from elflow.config import SamplerConfig, change_sampler
 from elflow.errors import ELFError
 from elflow.generation.engine import Row
 from elflow.generation.infill import GAP, InfillRequest, build_template, parse_template
@@ -159,21 +159,20 @@ def parse_body(raw: Any) -> CompletionBody:
         raise _validation_error(e) from None
 
 
+SAMPLER_FIELDS = tuple(
+    f.name for f in fields(SamplerConfig) if f.name in CompletionBody.model_fields
+)
+"""The request fields that change the model's sampler settings."""
+
+
 def _sampler(pipe, body: CompletionBody, limits: Limits) -> SamplerConfig:
-    changes = {
-        k: getattr(body, k)
-        for k in ("sampler", "steps", "gamma", "w", "cfg")
-        if getattr(body, k) is not None
-    }
+    changes = {k: getattr(body, k) for k in SAMPLER_FIELDS if getattr(body, k) is not None}
     if body.steps is not None and body.steps > limits.max_steps:
         raise RequestError(
             422, f"steps {body.steps} is over this server's {limits.max_steps}", "steps"
         )
     try:
-        sampler = replace(pipe.sampler, **changes)
-        if body.sampler == "sde" and body.gamma is None and sampler.gamma == 0.0:
-            raise ELFError("the SDE with this model's default gamma 0 is the ODE; give gamma")
-        pipe.check_sampler(sampler)
+        sampler = pipe.check_sampler(change_sampler(pipe.sampler, changes))
     except (ELFError, ValueError) as e:
         # The library names config keys (sampler.w); a request names its own fields (w).
         message = re.sub(r"\bsampler\.(?=\w)", "", str(e).splitlines()[0])

@@ -29,8 +29,9 @@ from elflow.io.official import (
 )
 from elflow.model import ELF
 from elflow.objective import Batch, Draws, elf_loss
-from elflow.sampling.denoiser import TrainForward, decode_tokens, make_denoiser
 from elflow.sampling import Condition, ode_step, sde_step
+from elflow.sampling.denoiser import decode_tokens, make_denoiser
+from elflow.train.forward import TrainForward
 
 BUNDLED_FIXTURE = Path(__file__).resolve().parent / "fixtures" / "elf_reference_tiny.safetensors"
 """The reference fixture shipped with elflow (``elflow check-fixture`` with no argument)."""

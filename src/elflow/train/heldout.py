@@ -25,10 +25,10 @@ from elflow.data.rows import RowDataset, build_dataset
 from elflow.errors import ELFError
 from elflow.objective import Batch
 from elflow.runtime.distributed import DistInfo, all_reduce_sum
-from elflow.sampling.denoiser import TrainForward
 from elflow.text.encoder import FrozenEncoder
 from elflow.train.batches import make_batch
 from elflow.train.ema import EMA, ema_network
+from elflow.train.forward import TrainForward
 
 BatchMaker = Callable[[np.ndarray, np.ndarray], Batch]
 """(row indices into the split's rows, draw keys) -> Batch."""

@@ -47,11 +47,11 @@ from elflow.runtime.distributed import (
     setup,
 )
 from elflow.runtime.hardware import slow_bf16_warning, use_bf16
-from elflow.sampling.denoiser import TrainForward
 from elflow.text.encoder import FrozenEncoder
 from elflow.text.tokenizer import load_tokenizer
 from elflow.text.tokens import TokenSpec, special_token_count, token_spec, vocab_hash
 from elflow.train.ema import EMA
+from elflow.train.forward import TrainForward
 from elflow.train.heldout import valid_rows
 from elflow.train.optim import OptimConfig, build_optimizer, resolve_ns_dtype
 from elflow.train.resume import (
