@@ -15,12 +15,8 @@ from pathlib import Path
 import torch.distributed as dist
 from torch import Tensor
 
-from elflow.config.train_config import (
-    EncoderConfig,
-    RunConfig,
-    run_config_from_dict,
-    run_config_to_dict,
-)
+from elflow.config.encoder_config import EncoderConfig
+from elflow.config.train_config import RunConfig, run_config_from_dict, run_config_to_dict
 from elflow.errors import ELFError
 from elflow.io import checkpoint as ckpt_io
 from elflow.io.artifact import ArtifactConfig, load_resolved, read_config
