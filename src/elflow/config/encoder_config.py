@@ -3,7 +3,7 @@
 A run config's ``encoder`` section and a model folder's encoder fields (its ``config.json`` keeps
 its flat keys: ``encoder``, ``encoder_layer``, ``tokenizer``, ``latent_mean``, ``latent_std``;
 :attr:`elflow.io.artifact_config.ArtifactConfig.encoder_config`) are both this dataclass;
-:func:`elflow.text.encoder_loading.load_encoder` builds the encoder from it.
+:func:`elflow.text.encoder.load_encoder` builds the encoder from it.
 """
 
 from __future__ import annotations

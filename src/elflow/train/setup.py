@@ -32,7 +32,7 @@ from elflow.data.text_sources import resolve_source as data_source
 from elflow.errors import ELFError, note_once
 from elflow.io import checkpoint as ckpt_io
 from elflow.io import train_state
-from elflow.io.artifact import ArtifactConfig
+from elflow.io.artifact_config import ArtifactConfig
 from elflow.io.jsonl import is_gzip
 from elflow.io.official import load_state_dict_strict
 from elflow.io.paths import output_dir
@@ -48,7 +48,7 @@ from elflow.runtime.distributed import (
 )
 from elflow.runtime.hardware import slow_bf16_warning, use_bf16
 from elflow.sampling.denoiser import TrainForward
-from elflow.text.encoder import FrozenEncoder
+from elflow.text.encoder import FrozenEncoder, load_encoder
 from elflow.text.tokenizer import load_tokenizer
 from elflow.text.tokens import TokenSpec, special_token_count, token_spec, vocab_hash
 from elflow.train.ema import EMA
@@ -394,13 +394,9 @@ def _network(
 def _encoder(cfg: RunConfig, dataset: RowDataset, info: DistInfo) -> FrozenEncoder:
     """The frozen encoder with the run's latent normalisation: ``encoder.latent_std``, else the
     one ``elflow prepare`` measured, else measured now on the first rows (rank 0's value)."""
-    encoder = FrozenEncoder.from_pretrained(
-        cfg.encoder.name,
-        latent_mean=cfg.encoder.latent_mean,
-        latent_std=1.0,
-        layer=cfg.encoder.layer,
-        dtype=encoder_dtype(cfg.encoder.precision, info.device),
-    ).to(info.device)
+    unmeasured = replace(cfg.encoder, latent_std=0.0)  # raw latents until the std is known
+    dtype = encoder_dtype(cfg.encoder.precision, info.device)
+    encoder = load_encoder(unmeasured, device=info.device, dtype=dtype)
     encoder.check_length(cfg.model.max_length)
     latent_std = (
         cfg.encoder.latent_std
@@ -495,12 +491,14 @@ def run_artifact(
     return ArtifactConfig(
         model=cfg.model,
         sampler=cfg.sampler,
-        encoder=local_absolute(cfg.encoder.name),
-        encoder_layer=cfg.encoder.layer,
-        tokenizer=local_absolute(cfg.encoder.tokenizer_name),
+        **ArtifactConfig.encoder_fields(
+            replace(
+                cfg.encoder,
+                name=local_absolute(cfg.encoder.name),
+                tokenizer=local_absolute(cfg.encoder.tokenizer_name),
+            )
+        ),
         tokenizer_hash=tokenizer_hash,
-        latent_mean=cfg.encoder.latent_mean,
-        latent_std=cfg.encoder.latent_std,
         task=cfg.task,
         max_input_length=cfg.max_input_length if cfg.task == "conditional" else 0,
         pad_with_eos=cfg.objective.pad_with_eos,
