@@ -75,6 +75,9 @@ def test_the_artifact_describes_its_encoder_with_encoder_config():
     data = config.to_json()  # the file keeps its flat keys
     assert (data["encoder"], data["encoder_layer"], data["latent_std"]) == ("enc", 2, 0.4)
     assert ArtifactConfig.from_json(json.loads(json.dumps(data))) == config
+    # a model's encoder is described whatever its values (the run config's checks are not here)
+    layered = ArtifactConfig(model=CFG, encoder="enc", encoder_layer=4)  # latent_std 0.2
+    assert layered.encoder_config.layer == 4 and layered.encoder_config.latent_std == 0.2
 
 
 def test_keys_left_out_for_elflow_0_1_are_derived_from_the_dataclasses():

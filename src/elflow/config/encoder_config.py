@@ -40,11 +40,6 @@ class EncoderConfig:
             raise ELFError(f"encoder.latent_std must be >= 0 (0 = measure), got {self.latent_std}")
         if self.layer < 0:
             raise ELFError(f"encoder.layer must be >= 0 (0 = the output), got {self.layer}")
-        if self.layer and self.latent_std == 0.2:
-            raise ELFError(
-                f"encoder.layer={self.layer} with latent_std 0.2 (T5's output's): set "
-                "encoder.latent_std=0 to measure it for that layer, or give its value"
-            )
 
     @property
     def tokenizer_name(self) -> str:

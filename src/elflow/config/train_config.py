@@ -153,9 +153,10 @@ def check_user_config(cfg: RunConfig, base: RunConfig) -> RunConfig:
     """Settings that would be silently ignored, refused: those only a conditional task uses on an
     unconditional one, two warm-up lengths, and schedule settings the schedule does not use
     (those changed from ``base``, the config overridden: a preset's own decay_steps is harmless
-    when the user picks another schedule). Checked on what a user asks for, not in
-    :class:`RunConfig` itself, so that runs saved before the check still resume (their values
-    were ignored)."""
+    when the user picks another schedule); also an encoder layer left with T5's output's
+    latent_std. Checked on what a user asks for, not in :class:`RunConfig` itself, so that runs
+    saved before the check still resume (their values were ignored), and so that a model's
+    encoder (:class:`EncoderConfig`) is described whatever its values."""
     why = _unprojectable(cfg)
     project_from = cfg.sampler.project_from
     if project_from < 1.0 and why and project_from == base.sampler.project_from:
@@ -167,6 +168,11 @@ def check_user_config(cfg: RunConfig, base: RunConfig) -> RunConfig:
         cfg = replace(cfg, sampler=replace(cfg.sampler, project_from=1.0))
     check_projection(cfg)
     check_guidance(cfg.task, cfg.sampler)
+    if cfg.encoder.layer and cfg.encoder.latent_std == 0.2:
+        raise ELFError(
+            f"encoder.layer={cfg.encoder.layer} with latent_std 0.2 (T5's output's): set "
+            "encoder.latent_std=0 to measure it for that layer, or give its value"
+        )
     if cfg.task == "conditional" and cfg.objective.span_cond_prob > 0:
         raise ELFError(
             "objective.span_cond_prob trains unconditional models to infill; a conditional task "
