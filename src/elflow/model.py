@@ -5,9 +5,11 @@ All conditioning is in-context (no adaLN). The flow head predicts clean latents 
 decoder head turns the final hidden states into token logits and is only evaluated when asked for
 (:meth:`ELF.decode_logits`), so denoising never pays for the V-way projection. :meth:`ELF.forward`
 is the one implementation and keeps no state between calls; the bf16 inference fast path (the
-blocks on a cached bf16 copy of their weights) lives in ``fastpath.py``, applied by ``wiring.py``.
+blocks on a cached bf16 copy of their weights) lives in ``runtime/bf16_fast_path.py``, applied
+by ``sampling/denoiser.py``. Reading and writing model folders is inherited
+(``io/pretrained_mixin.py``).
 
-The network knows nothing about noise, time grids or guidance: see ``flow.py`` and ``sampling.py``.
+The network knows nothing about noise, time grids or guidance: see ``flow.py`` and ``sampling/``.
 Parameter names follow the authors' released state dicts so the import key map stays small.
 """
 
@@ -15,8 +17,6 @@ from __future__ import annotations
 
 import functools
 import math
-from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -25,11 +25,11 @@ from torch.utils.checkpoint import checkpoint
 
 from elflow.config import ModelConfig
 from elflow.errors import ELFError
+from elflow.io.pretrained_mixin import PretrainedMixin
 from elflow.runtime.fused_head_loss import linear_cross_entropy
-from elflow.runtime.hardware import full_precision, memory_bytes
+from elflow.runtime.hardware import check_fits, full_precision
 
-if TYPE_CHECKING:
-    from elflow.io.artifact import ArtifactConfig
+__all__ = ["ELF", "build_model", "check_fits", "count_parameters"]
 
 
 class RMSNorm(nn.Module):
@@ -190,7 +190,8 @@ class DecoderHead(nn.Module):
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Logits (..., V) of ``h`` (..., D); with target ``ids`` (...) and per-token ``weights``
         (...), instead (sum(weights x CE), the per-token CE (...) detached), in fp32 chunks of
-        tokens that never hold all the logits (:func:`elflow.runtime.fused_head_loss.linear_cross_entropy`)."""
+        tokens that never hold all the logits
+        (:func:`elflow.runtime.fused_head_loss.linear_cross_entropy`)."""
         if ids is None:
             return self.unembed(F.gelu(self.proj(h), approximate="tanh"))
         flat = h.reshape(-1, h.shape[-1])
@@ -200,8 +201,9 @@ class DecoderHead(nn.Module):
         return loss, ce.view(ids.shape)
 
 
-class ELF(nn.Module):
-    """The ELF network. Build on any device (``meta`` included), then call :meth:`init_weights`."""
+class ELF(PretrainedMixin, nn.Module):
+    """The ELF network. Build on any device (``meta`` included), then call :meth:`init_weights`;
+    :meth:`from_pretrained` and :meth:`save_pretrained` read and write model folders."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -367,31 +369,6 @@ class ELF(nn.Module):
         holding the (R, L, V) logits (:class:`DecoderHead` with targets)."""
         return self.decoder(hidden.to(self.decoder.proj.weight.dtype), ids, weights)
 
-    @classmethod
-    def from_pretrained(
-        cls,
-        source: str | Path,
-        *,
-        use_ema: bool = True,
-        device: torch.device | str = "cpu",
-        task: str | None = None,
-    ) -> ELF:
-        """The network of any model source, in eval mode: :func:`elflow.io.artifact.load_model`
-        without its config (an elflow folder, an authors' checkpoint, or a Hub id of either)."""
-        from elflow.io.artifact import load_model  # io.artifact imports this module
-
-        return load_model(source, use_ema=use_ema, device=device, task=task)[0]
-
-    def save_pretrained(
-        self, folder: str | Path, config: ArtifactConfig, *, overwrite: bool = False
-    ) -> Path:
-        """Write this network and ``config`` as a model folder that :meth:`from_pretrained`
-        loads: :func:`elflow.io.artifact.save_model`, whose checks apply (an existing model in
-        ``folder`` is replaced only with ``overwrite=True``)."""
-        from elflow.io.artifact import save_model
-
-        return save_model(folder, self, config, overwrite=overwrite)
-
 
 def _per_row(value: Tensor | float, batch: int, device: torch.device) -> Tensor:
     if isinstance(value, Tensor):
@@ -402,23 +379,6 @@ def _per_row(value: Tensor | float, batch: int, device: torch.device) -> Tensor:
             raise ELFError(f"per-row scalars must have shape ({batch},), got {tuple(value.shape)}")
         return value
     return torch.full((batch,), float(value), device=device)
-
-
-def check_fits(
-    cfg: ModelConfig, device: torch.device | str, bytes_per_parameter: float, purpose: str
-) -> None:
-    """A one-line error, before anything is allocated, when ``cfg``'s network needs more than
-    ``device`` has: ``bytes_per_parameter`` times its parameter count (4: fp32 weights)."""
-    n = cfg.num_parameters
-    need, have = n * bytes_per_parameter, memory_bytes(device)
-    if have is not None and need > have:
-        raise ELFError(
-            f"the model config (hidden_size {cfg.hidden_size}, depth {cfg.depth}, vocab_size "
-            f"{cfg.vocab_size}, encoder_dim {cfg.encoder_dim}) gives a network of {n:.3g} "
-            f"parameters, which needs about {need / 1e9:.3g} GB {purpose}, more than the "
-            f"{have / 1e9:.3g} GB of {torch.device(device).type}; check the config's model "
-            "section"
-        )
 
 
 def build_model(cfg: ModelConfig, device: torch.device | str | None = None) -> ELF:

@@ -271,7 +271,7 @@ def test_packing_keeps_rows_that_are_already_chunked():
 
 def test_start_up_reports_truncated_documents_and_warns_above_5_percent():
     from elflow.config.run_presets import preset
-    from elflow.train.setup import data_notes
+    from elflow.train.start_report import data_notes
 
     cfg = preset("owt-b")
     # fewer rows than a batch is warned about separately

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from elflow import errors
-from elflow.config import SamplerConfig, elf_tiny
+from elflow.config import T5_SMALL, SamplerConfig, elf_tiny
 from elflow.errors import ELFError
 from elflow.io import artifact
 from elflow.io import model_sources as sources
@@ -292,7 +292,7 @@ def test_official_presets_match_paper():
         1.5,
         3.0,
     )
-    assert cfg.latent_std == 0.2 and cfg.encoder == artifact.T5_SMALL
+    assert cfg.latent_std == 0.2 and cfg.encoder == T5_SMALL
 
 
 def test_official_task_comes_from_the_last_parts_and_is_said(tmp_path, capsys, monkeypatch):

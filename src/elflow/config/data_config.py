@@ -1,9 +1,9 @@
 """Where the training text comes from and how it becomes rows (ELF_SPEC §4, §10).
 
-`DataConfig` is a frozen dataclass validated in ``__post_init__`` like the other configs in
-:mod:`elflow.config.schema`. Lengths (``max_length``, ``max_input_length``) and the tokenizer are not
-part of it: they belong to the model/encoder and are passed by the caller, so a prepared token file
-can be reused at several lengths.
+`DataConfig` is a frozen dataclass validated in ``__post_init__`` like the other configs.
+Lengths (``max_length``, ``max_input_length``) and the tokenizer are not part of it: they belong
+to the model/encoder and are passed by the caller, so a prepared token file can be reused at
+several lengths.
 """
 
 from __future__ import annotations

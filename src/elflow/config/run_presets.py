@@ -18,13 +18,14 @@ from dataclasses import replace
 from typing import Any
 
 from elflow.config.data_config import DataConfig
+from elflow.config.encoder_config import EncoderConfig
 from elflow.config.model_config import T5_SMALL, ModelConfig, elf_b, elf_l, elf_m, elf_small
 from elflow.config.objective_config import ObjectiveConfig
+from elflow.config.optim_config import OptimConfig
 from elflow.config.sampler_config import SamplerConfig
-from elflow.config.train_config import EncoderConfig, RunConfig, TrainConfig
+from elflow.config.train_config import RunConfig, TrainConfig
 from elflow.errors import ELFError, require
 from elflow.examples import web_bible
-from elflow.train.optim import OptimConfig
 
 
 def _paper(model: ModelConfig, epochs: float, steps: int = 32, gamma: float = 1.5) -> RunConfig:

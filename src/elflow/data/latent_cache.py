@@ -11,12 +11,13 @@ the source, so conditional datasets also cache the source-blind encoding (encode
 label_drop = 1) of every row; `get` picks per example, and label drop stays exact (2x memory).
 
 Saved (``save``/``load``): by default in the user cache,
-``$ELFLOW_CACHE/latents/<key>.safetensors`` (:func:`elflow.io.paths.cache_root`), so any later run on
-the same rows with the same encoder loads it in seconds instead of re-encoding every row;
-``data.latent_cache_dir`` keeps it in the run folder or another folder instead. The file records a
-key (:func:`cache_key`: the rows, the encoder's weights, layer and normalisation, the storage
-dtype); a file with another key, cut short or damaged, is rebuilt. Builders of one key hold a file
-lock and write a temporary file renamed into place, so concurrent runs never see half a file.
+``$ELFLOW_CACHE/latents/<key>.safetensors`` (:func:`elflow.io.paths.cache_root`), so any later
+run on the same rows with the same encoder loads it in seconds instead of re-encoding every row;
+``data.latent_cache_dir`` keeps it in the run folder or another folder instead. The file records
+a key (:func:`cache_key`: the rows, the encoder's weights, layer and normalisation, the storage
+dtype); a file with another key, cut short or damaged, is rebuilt. Builders of one key hold a
+file lock and write a temporary file renamed into place, so concurrent runs never see half a
+file.
 """
 
 from __future__ import annotations

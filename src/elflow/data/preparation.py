@@ -1,12 +1,12 @@
 """One-time preparation of a corpus into a memory-mappable token folder (`elflow prepare`).
 
-The folder holds flat token files plus int64 document offsets (`tokens.*` for unconditional data,
-`source.*` and `target.*` for pairs; see :mod:`elflow.data.token_tables`) and `meta.json`: tokenizer name
-and vocabulary hash, dtype, document/token/truncation counts, and — when an encoder is given —
-`latent_std`, the RMS of its raw outputs over a fixed sample of rows (spec §10: measured at
-preparation for non-T5 encoders). The documents are tokenised in shards by N worker processes
-(:mod:`elflow.data.shards`), so memory stays bounded and a killed run resumes; the folder is
-built under a temporary name and renamed into place only when complete.
+The folder holds flat token files plus int64 document offsets (`tokens.*` for unconditional
+data, `source.*` and `target.*` for pairs; see :mod:`elflow.data.token_tables`) and `meta.json`:
+tokenizer name and vocabulary hash, dtype, document/token/truncation counts, and — when an
+encoder is given — `latent_std`, the RMS of its raw outputs over a fixed sample of rows (spec
+§10: measured at preparation for non-T5 encoders). The documents are tokenised in shards by N
+worker processes (:mod:`elflow.data.shards`), so memory stays bounded and a killed run resumes;
+the folder is built under a temporary name and renamed into place only when complete.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from elflow.data.shards import SHARD_BYTES, remove_shards, tokenize_to_folder
 from elflow.data.text_sources import PREPARED_MARKER, Source, is_prepared, resolve_source
 from elflow.data.token_tables import token_dtype
 from elflow.errors import ELFError, Interrupted
-from elflow.text.encoder import FrozenEncoder, measure_latent_std
+from elflow.text.encoder import measure_latent_std
+from elflow.text.encoder_protocol import Encoder
 from elflow.text.tokens import token_spec, vocab_hash
 
 LATENT_STD_ROWS = 256
@@ -38,7 +39,7 @@ def prepare(
     out_dir: str | Path,
     max_length: int,
     max_input_length: int = 0,
-    encoder: FrozenEncoder | None = None,
+    encoder: Encoder | None = None,
     *,
     overwrite: bool = False,
     pad_id: int | None = None,
@@ -172,7 +173,7 @@ def _check_replaceable(out: Path, data: str) -> None:
 
 
 def measure_rows_latent_std(
-    rows: RowDataset, encoder: FrozenEncoder, num_rows: int = LATENT_STD_ROWS, seed: int = 0
+    rows: RowDataset, encoder: Encoder, num_rows: int = LATENT_STD_ROWS, seed: int = 0
 ) -> float:
     """latent_std over a fixed random sample of `num_rows` rows (spec §10)."""
     rng = np.random.Generator(np.random.PCG64(seed))
@@ -202,7 +203,7 @@ def prepared_latent_std(data_path: str, encoder: str, layer: int, rows: RowDatas
 
 @torch.no_grad()
 def measure_first_rows_latent_std(
-    encoder: FrozenEncoder, dataset: RowDataset, device: torch.device
+    encoder: Encoder, dataset: RowDataset, device: torch.device
 ) -> float:
     """latent_std over the first rows, for data that `elflow prepare` did not measure (spec §10)."""
     n = min(LATENT_STD_ROWS, len(dataset))

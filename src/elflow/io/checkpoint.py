@@ -30,7 +30,7 @@ from safetensors.torch import load_file
 from torch import Tensor
 
 from elflow.errors import ELFError, first_line
-from elflow.io.artifact import ArtifactConfig
+from elflow.io.artifact_config import ArtifactConfig
 from elflow.io.manifest import fsync_dir, write_manifest
 from elflow.io.model_sources import (
     CONFIG,

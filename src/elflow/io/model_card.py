@@ -13,7 +13,8 @@ import json
 from pathlib import Path
 
 from elflow.errors import ELFError, first_line
-from elflow.io.artifact import CARD, ArtifactConfig
+from elflow.io.artifact_config import ArtifactConfig
+from elflow.io.model_folder import CARD
 from elflow.text.encoder import how_to_get
 
 

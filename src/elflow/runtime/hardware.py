@@ -18,11 +18,16 @@ import os
 import platform
 import sys
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from elflow.errors import ELFError
+
+if TYPE_CHECKING:
+    from elflow.config import ModelConfig
 
 _X86_BF16 = {"avx512_bf16", "amx_bf16"}
 ENV = "ELFLOW_CPU_BF16"
@@ -134,6 +139,23 @@ def memory_bytes(device: torch.device | str) -> int | None:
         except (ValueError, OSError, AttributeError):  # not a POSIX system
             return None
     return None
+
+
+def check_fits(
+    cfg: ModelConfig, device: torch.device | str, bytes_per_parameter: float, purpose: str
+) -> None:
+    """A one-line error, before anything is allocated, when ``cfg``'s network needs more than
+    ``device`` has: ``bytes_per_parameter`` times its parameter count (4: fp32 weights)."""
+    n = cfg.num_parameters
+    need, have = n * bytes_per_parameter, memory_bytes(device)
+    if have is not None and need > have:
+        raise ELFError(
+            f"the model config (hidden_size {cfg.hidden_size}, depth {cfg.depth}, vocab_size "
+            f"{cfg.vocab_size}, encoder_dim {cfg.encoder_dim}) gives a network of {n:.3g} "
+            f"parameters, which needs about {need / 1e9:.3g} GB {purpose}, more than the "
+            f"{have / 1e9:.3g} GB of {torch.device(device).type}; check the config's model "
+            "section"
+        )
 
 
 def full_precision(device: torch.device) -> torch.autocast:

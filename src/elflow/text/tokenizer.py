@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from elflow.errors import ELFError, first_line
-from elflow.io.artifact import ArtifactConfig, read_config
+from elflow.io.artifact_config import ArtifactConfig, read_config
 from elflow.io.model_sources import resolve_source
 from elflow.text.encoder import check_hub_download, resolve_pretrained
 from elflow.text.tokens import vocab_hash

@@ -15,19 +15,16 @@ from pathlib import Path
 import torch.distributed as dist
 from torch import Tensor
 
-from elflow.config.train_config import (
-    EncoderConfig,
-    RunConfig,
-    run_config_from_dict,
-    run_config_to_dict,
-)
+from elflow.config.encoder_config import EncoderConfig
+from elflow.config.train_config import RunConfig, run_config_from_dict, run_config_to_dict
 from elflow.errors import ELFError
 from elflow.io import checkpoint as ckpt_io
-from elflow.io.artifact import ArtifactConfig, load_resolved, read_config
+from elflow.io.artifact import load_resolved
+from elflow.io.artifact_config import ArtifactConfig, read_config
 from elflow.io.manifest import intact
 from elflow.io.model_sources import resolve_source
 from elflow.runtime.distributed import broadcast_object
-from elflow.text.encoder import PACKAGED_MODELS
+from elflow.text.encoder_sources import PACKAGED_MODELS
 from elflow.text.tokenizer import load_tokenizer
 from elflow.text.tokens import vocab_hash
 
@@ -65,13 +62,8 @@ def resolve_resume(out: Path, resume: str | None) -> Path | None:
 
 def model_encoder_config(model: ArtifactConfig, tokenizer: str | None = None) -> EncoderConfig:
     """A trained model's encoder, layer, tokenizer (unless given) and latent normalisation."""
-    return EncoderConfig(
-        name=model.encoder,
-        tokenizer=model.tokenizer if tokenizer is None else tokenizer,
-        latent_mean=model.latent_mean,
-        latent_std=model.latent_std,
-        layer=model.encoder_layer,
-    )
+    encoder = model.encoder_config
+    return encoder if tokenizer is None else replace(encoder, tokenizer=tokenizer)
 
 
 def apply_init(cfg: RunConfig) -> tuple[RunConfig, dict[str, Tensor], ArtifactConfig]:

@@ -18,7 +18,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -31,29 +30,26 @@ from elflow.data.rows import RowDataset, build_dataset
 from elflow.data.text_sources import resolve_source as data_source
 from elflow.errors import ELFError, note_once
 from elflow.io import checkpoint as ckpt_io
-from elflow.io import train_state
-from elflow.io.artifact import ArtifactConfig
+from elflow.io.artifact_config import ArtifactConfig
 from elflow.io.jsonl import is_gzip
-from elflow.io.official import load_state_dict_strict
 from elflow.io.paths import output_dir
 from elflow.io.run_lock import RunLock
-from elflow.model import ELF, build_model, check_fits, count_parameters
+from elflow.model import ELF, check_fits, count_parameters
 from elflow.runtime.distributed import (
     DistInfo,
     barrier,
     broadcast_object,
-    group_up,
-    parallelize,
     setup,
 )
 from elflow.runtime.hardware import slow_bf16_warning, use_bf16
-from elflow.text.encoder import FrozenEncoder
+from elflow.text.encoder import FrozenEncoder, load_encoder
 from elflow.text.tokenizer import load_tokenizer
-from elflow.text.tokens import TokenSpec, special_token_count, token_spec, vocab_hash
+from elflow.text.tokens import TokenSpec, token_spec, vocab_hash
 from elflow.train.ema import EMA
 from elflow.train.forward import TrainForward
 from elflow.train.heldout import valid_rows
-from elflow.train.optim import OptimConfig, build_optimizer, resolve_ns_dtype
+from elflow.train.network_setup import build_network
+from elflow.train.optim import OptimConfig, resolve_ns_dtype
 from elflow.train.resume import (
     absolute_init,
     apply_init,
@@ -61,11 +57,11 @@ from elflow.train.resume import (
     check_resumable,
     check_same_rows,
     check_vocabulary,
-    local_absolute,
     resolve_resume,
     resumed_settings,
     saved_run_config,
 )
+from elflow.train.start_report import data_notes, run_artifact, text_lengths
 
 
 @dataclass(frozen=True)
@@ -187,7 +183,7 @@ def _prepare(cfg, out, resume, init_state, latent_cache_dir, info, lock, t0) -> 
     bf16 = broadcast_object(use_bf16(cfg.train.precision, info.device))
     ns_dtype = broadcast_object(resolve_ns_dtype(optim_cfg.muon_ns_dtype, info.device))
     optim_cfg = replace(optim_cfg, muon_ns_dtype=ns_dtype)
-    model, wrapped, ema, optimizer, start_step = _network(
+    model, wrapped, ema, optimizer, start_step = build_network(
         cfg,
         optim_cfg,
         info,
@@ -319,88 +315,12 @@ def check_raw_data(cfg: RunConfig, info: DistInfo) -> None:
     )
 
 
-def _network(
-    cfg: RunConfig,
-    optim_cfg: OptimConfig,
-    info: DistInfo,
-    init_state: dict[str, Tensor] | None,
-    resume_from: Path | None,
-    resume_state: dict | None,
-    bf16: bool,
-) -> tuple[ELF, torch.nn.Module, EMA, torch.optim.Optimizer, int]:
-    """(the network, its wrapped forward, EMA, optimizer, the first step): built, placed, wrapped
-    for data parallelism, and, when resuming, every rank's optimizer, EMA and RNG state restored."""
-    model = build_model(cfg.model, info.device)
-    if init_state is not None:
-        load_state_dict_strict(model, {k: v.to(info.device) for k, v in init_state.items()})
-    sharded = cfg.train.parallel == "fsdp2"
-    start_step, rank_state, saved_world = 0, None, 1
-    sharded_state = resume_state is not None and resume_state.get("format") == "dcp"
-    if resume_from is not None:
-        load_state_dict_strict(model, ckpt_io.load_weights(resume_from, "model.safetensors"))
-        start_step = resume_state["step"]
-        saved_world = resume_state.get("world_size", 1)
-        if not sharded_state:  # a checkpoint of elflow < 0.3: one file of state per rank
-            rank_state = ckpt_io.load_rank_state(resume_from, info, saved_world, sharded)
-    model.activation_checkpointing = cfg.train.activation_checkpointing == "blocks"
-    model.residual_dtype = torch.bfloat16 if cfg.train.residual_dtype == "bf16" else None
-    forward = TrainForward(model)
-    if cfg.train.compile == "step":
-        # The whole micro-batch is compiled around this forward (train/step.py); DDP's forward
-        # (its reducer calls) would break that graph, so one process runs it unwrapped.
-        if info.world_size > 1:
-            raise ELFError(
-                f"train.compile=step compiles one process's whole step; with "
-                f"{info.world_size} processes use train.compile=blocks"
-            )
-        wrapped = forward
-    else:
-        # Each block compiled, then sharded (torchtitan's order): FSDP2's hooks stay outside
-        # the compiled graphs, and one compiled block serves all of them.
-        wrapped = parallelize(
-            forward,
-            model.blocks,
-            info,
-            cfg.train.parallel,
-            bf16=bf16,
-            compile=cfg.train.compile == "blocks",
-        )
-    ema = EMA(model, cfg.train.ema_decay, cfg.train.ema_warmup)
-    optimizer = build_optimizer(
-        model, optim_cfg, sharded=sharded, distributed=group_up() and not sharded
-    )
-    # The global RNG only draws dropout masks (every other draw is keyed by example): each rank
-    # gets its own stream, as data parallelism needs; rank 0 (and one process) keeps the seed's.
-    if sharded_state:
-        train_state.load(resume_from / train_state.FOLDER, optimizer, model, ema)
-        ema.num_updates = int(resume_state["ema_updates"])
-        own = resume_from / train_state.rng_file(info.rank)
-        same = saved_world == info.world_size and own.is_file()
-        rng = ckpt_io.load_rng(own if same else resume_from / train_state.rng_file(0))
-        ckpt_io.set_rng_state(rng)
-        if info.rank and not same:  # every rank restored rank 0's stream
-            torch.manual_seed(rank_seed(cfg.train.seed, info.rank, start_step))
-    elif rank_state is not None:
-        ema.load_state_dict(rank_state["ema"])
-        ckpt_io.restore_optimizer(optimizer, rank_state["optimizer"])
-        ckpt_io.set_rng_state(rank_state["rng"])
-        if info.rank and saved_world != info.world_size:  # every rank restored rank 0's stream
-            torch.manual_seed(rank_seed(cfg.train.seed, info.rank, start_step))
-    elif info.rank:
-        torch.manual_seed(rank_seed(cfg.train.seed, info.rank, 0))
-    return model, wrapped, ema, optimizer, start_step
-
-
 def _encoder(cfg: RunConfig, dataset: RowDataset, info: DistInfo) -> FrozenEncoder:
     """The frozen encoder with the run's latent normalisation: ``encoder.latent_std``, else the
     one ``elflow prepare`` measured, else measured now on the first rows (rank 0's value)."""
-    encoder = FrozenEncoder.from_pretrained(
-        cfg.encoder.name,
-        latent_mean=cfg.encoder.latent_mean,
-        latent_std=1.0,
-        layer=cfg.encoder.layer,
-        dtype=encoder_dtype(cfg.encoder.precision, info.device),
-    ).to(info.device)
+    unmeasured = replace(cfg.encoder, latent_std=0.0)  # raw latents until the std is known
+    dtype = encoder_dtype(cfg.encoder.precision, info.device)
+    encoder = load_encoder(unmeasured, device=info.device, dtype=dtype)
     encoder.check_length(cfg.model.max_length)
     latent_std = (
         cfg.encoder.latent_std
@@ -462,58 +382,6 @@ def _geometry(cfg: RunConfig, info: DistInfo, rows: int) -> Geometry:
     return Geometry(G, micro, G // (W * micro), rows, total)
 
 
-def rank_seed(seed: int, rank: int, step: int) -> int:
-    """The global-RNG seed of process ``rank`` > 0 starting at ``step`` (its dropout stream)."""
-    return (seed * 1_000_003 + rank * 7_919 + step) % 2**63
-
-
-LENGTH_SAMPLE = 20_000
-"""Rows :func:`text_lengths` reads (evenly spaced over the data)."""
-
-
-def text_lengths(dataset: RowDataset, tokenizer: Any) -> tuple[tuple[int, ...], float]:
-    """(how many texts have 0, 1, 2, ... tokens, their mean tokens per word), from up to
-    ``LENGTH_SAMPLE`` rows: what ``sampler.length_range`` draws lengths from. A text's tokens
-    are its row's valid tokens less its source and the tokenizer's own special tokens."""
-    n = len(dataset)
-    idx = np.unique(np.linspace(0, n - 1, min(n, LENGTH_SAMPLE)).astype(np.int64))
-    rows = dataset.get_rows(idx)
-    specials = special_token_count(tokenizer)
-    valid = rows["attention_mask"].sum(1) - rows["cond_mask"].sum(1) - specials
-    counts = np.bincount(np.clip(valid, 0, None), minlength=1)
-    texts = tokenizer.batch_decode(rows["input_ids"][:2000].tolist(), skip_special_tokens=True)
-    words = sum(len(t.split()) for t in texts)
-    tokens = int(np.clip(valid[:2000], 0, None).sum())
-    return tuple(int(c) for c in counts), round(tokens / max(words, 1), 4)
-
-
-def run_artifact(
-    cfg: RunConfig, tokenizer_hash: str, lengths: tuple[tuple[int, ...], float] = ((), 0.0)
-) -> ArtifactConfig:
-    """What a checkpoint of this run records to be loaded as a model (spec §10), with its
-    training texts' length histogram and tokens per word (:func:`text_lengths`)."""
-    return ArtifactConfig(
-        model=cfg.model,
-        sampler=cfg.sampler,
-        encoder=local_absolute(cfg.encoder.name),
-        encoder_layer=cfg.encoder.layer,
-        tokenizer=local_absolute(cfg.encoder.tokenizer_name),
-        tokenizer_hash=tokenizer_hash,
-        latent_mean=cfg.encoder.latent_mean,
-        latent_std=cfg.encoder.latent_std,
-        task=cfg.task,
-        max_input_length=cfg.max_input_length if cfg.task == "conditional" else 0,
-        pad_with_eos=cfg.objective.pad_with_eos,
-        packed=cfg.data.packing,
-        noise_scale=cfg.objective.noise_scale,
-        t_eps=cfg.objective.t_eps,
-        length_histogram=lengths[0],
-        tokens_per_word=lengths[1],
-        origin=f"elflow train (preset {cfg.preset or 'custom'})"
-        + (f", fine-tuned from {cfg.train.init}" if cfg.train.init else ""),
-    )
-
-
 def _announce(run: Run) -> None:
     """The run's one-line summary (rank 0), and a warning for an emulated-bf16 CPU."""
     cfg, g = run.cfg, run.geometry
@@ -531,40 +399,3 @@ def _announce(run: Run) -> None:
         print(warning, file=sys.stderr, flush=True)
     for line in data_notes(run.dataset, cfg):
         print(line, file=sys.stderr if "warning" in line else sys.stdout, flush=True)
-
-
-TRUNCATION_WARNING = 0.05
-"""The share of truncated documents above which the trainer warns."""
-
-
-def data_notes(dataset: RowDataset, cfg: RunConfig) -> list[str]:
-    """What start-up says about how the documents became rows: documents kept one per row
-    although packing was asked for, and the share of documents truncated (a warning above
-    ``TRUNCATION_WARNING``)."""
-    notes = []
-    G = cfg.train.global_batch
-    if len(dataset) < G:
-        notes.append(
-            f"elflow train: warning: only {len(dataset)} rows for train.global_batch {G}: every "
-            f"step sees each row about {G / max(len(dataset), 1):.0f} times; give more data or "
-            "lower train.global_batch"
-        )
-    if dataset.prechunked:
-        notes.append(
-            f"elflow train: the documents are already rows of {dataset.max_length} tokens: "
-            "kept one per row (data.packing packs longer documents)"
-        )
-    n, docs = dataset.num_truncated, dataset.num_docs
-    if n:
-        share = n / max(docs, 1)
-        what = f"{n} of {docs} documents ({100 * share:.1f}%) are longer than a row"
-        if share <= TRUNCATION_WARNING:
-            notes.append(f"elflow train: {what} and lose their end")
-        else:
-            fix = (
-                "raise max_input_length or model.max_length"
-                if dataset.conditional
-                else "set data.packing=true or raise model.max_length"
-            )
-            notes.append(f"elflow train: warning: {what} and lose their end; {fix}")
-    return notes
