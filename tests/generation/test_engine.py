@@ -60,7 +60,7 @@ def _keeps(pipe, rows):
 
 
 def test_free_rows_of_a_conditional_model_batch_as_alone(cond_pipe):
-    rows = make_rows([0, 1, 0], [4, 4, 9], ["a short source", "another one here", "x"])
+    rows = make_rows([0, 1, 0], seed=[4, 4, 9], sources=["a short source", "another one here", "x"])
     together = run_rows(cond_pipe, rows, cond_pipe.sampler)
     for b, row in enumerate(rows):
         assert torch.equal(
@@ -75,7 +75,7 @@ def test_free_rows_of_a_conditional_model_batch_as_alone(cond_pipe):
 
 def test_each_step_streams_the_trajectory_texts(pipe):
     seen: list[tuple[int, list[str]]] = []
-    rows = make_rows([0, 1], 2, infill=[_infill("[___5]"), _infill("God [___3]")])
+    rows = make_rows([0, 1], seed=2, infill=[_infill("[___5]"), _infill("God [___3]")])
     out = run_rows(
         pipe, rows, pipe.sampler, trajectory=True, on_step=lambda k, t: seen.append((k, t))
     )
@@ -89,7 +89,7 @@ def test_each_step_streams_the_trajectory_texts(pipe):
 def test_length_control_rows_equal_the_pipelines_length_controlled_samples(pipe):
     sampler = replace(pipe.sampler, length_range="3:6")
     want = pipe(3, seed=7, sampler=sampler, batch_size=2).tokens
-    got = run_rows(pipe, make_rows([2, 0], 7), sampler).tokens
+    got = run_rows(pipe, make_rows([2, 0], seed=7), sampler).tokens
     assert torch.equal(got[0], want[2]) and torch.equal(got[1], want[0])
 
 
