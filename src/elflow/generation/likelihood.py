@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -27,6 +28,9 @@ from elflow.errors import ELFError
 from elflow.flow import velocity
 from elflow.sampling.likelihood_maths import nll_bound, ode_log_density, rademacher
 from elflow.text.tokens import tokenize
+
+if TYPE_CHECKING:
+    from elflow.generation.pipeline import ELFPipeline
 
 DEFAULT_T1 = 0.1
 """Where the flow stops and the decoder takes over. The bound is loosest near t1 = 1 (the draw's
@@ -53,7 +57,7 @@ def text_generator(seed: int, index: int, device) -> torch.Generator:
 
 
 def text_likelihood(
-    pipe,
+    pipe: ELFPipeline,
     texts: Sequence[str],
     *,
     steps: int = 16,
