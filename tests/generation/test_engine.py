@@ -97,3 +97,22 @@ def test_a_batch_of_mixed_kinds_is_refused(pipe):
     rows = [Row(0, 0), Row(0, 1, infill=_infill("[___2]"))]
     with pytest.raises(ELFError, match="mixes free and infill rows"):
         run_rows(pipe, rows, pipe.sampler)
+
+
+def test_seeds_and_indices_cannot_swap_silently():
+    """make_rows takes the seeds by keyword: two int sequences side by side would swap unseen."""
+    with pytest.raises(TypeError):
+        make_rows([0, 1], [3, 8])
+    rows = make_rows([0, 1], seed=[3, 8])
+    assert [(r.seed, r.index) for r in rows] == [(3, 0), (8, 1)]
+
+
+def test_batches_join_in_order_with_their_steps(pipe):
+    """Generation.joined: batches of one run as one result (what pipe(n, batch_size=...) does)."""
+    from elflow.generation.outputs import Generation
+
+    whole = pipe(3, seed=5, trajectory=True)
+    parts = [pipe.sample_batch(idx, pipe.sampler, seed=5, trajectory=True) for idx in ([0, 1], [2])]
+    joined = Generation.joined(parts)
+    assert joined.texts == whole.texts and torch.equal(joined.tokens, whole.tokens)
+    assert joined.trajectory == whole.trajectory
