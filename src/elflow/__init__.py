@@ -23,7 +23,7 @@ _EXPORTS = {
     "sample_draws": "elflow.objective",
     "ELFError": "elflow.errors",
     "ELFPipeline": "elflow.generation.pipeline",
-    "Generation": "elflow.generation.pipeline",
+    "Generation": "elflow.generation.outputs",
     "StepState": "elflow.sampling",
     "ModelConfig": "elflow.config",
     "ObjectiveConfig": "elflow.config",

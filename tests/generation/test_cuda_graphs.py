@@ -14,8 +14,8 @@ from elflow.config import SamplerConfig, elf_tiny
 from elflow.generation import cuda_graphs as cg
 from elflow.model import build_model
 from elflow.runtime.profiling import OpCounter
-from elflow.sampling.denoiser import sample_model
 from elflow.sampling import Condition, sample_generators
+from elflow.sampling.denoiser import sample_model
 
 E, V, L = 8, 20, 6
 SAMPLERS = ["ode", "sde", "heun", "pc"]

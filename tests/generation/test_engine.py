@@ -60,7 +60,7 @@ def _keeps(pipe, rows):
 
 
 def test_free_rows_of_a_conditional_model_batch_as_alone(cond_pipe):
-    rows = make_rows([0, 1, 0], [4, 4, 9], ["a short source", "another one here", "x"])
+    rows = make_rows([0, 1, 0], seed=[4, 4, 9], sources=["a short source", "another one here", "x"])
     together = run_rows(cond_pipe, rows, cond_pipe.sampler)
     for b, row in enumerate(rows):
         assert torch.equal(
@@ -75,7 +75,7 @@ def test_free_rows_of_a_conditional_model_batch_as_alone(cond_pipe):
 
 def test_each_step_streams_the_trajectory_texts(pipe):
     seen: list[tuple[int, list[str]]] = []
-    rows = make_rows([0, 1], 2, infill=[_infill("[___5]"), _infill("God [___3]")])
+    rows = make_rows([0, 1], seed=2, infill=[_infill("[___5]"), _infill("God [___3]")])
     out = run_rows(
         pipe, rows, pipe.sampler, trajectory=True, on_step=lambda k, t: seen.append((k, t))
     )
@@ -89,7 +89,7 @@ def test_each_step_streams_the_trajectory_texts(pipe):
 def test_length_control_rows_equal_the_pipelines_length_controlled_samples(pipe):
     sampler = replace(pipe.sampler, length_range="3:6")
     want = pipe(3, seed=7, sampler=sampler, batch_size=2).tokens
-    got = run_rows(pipe, make_rows([2, 0], 7), sampler).tokens
+    got = run_rows(pipe, make_rows([2, 0], seed=7), sampler).tokens
     assert torch.equal(got[0], want[2]) and torch.equal(got[1], want[0])
 
 
@@ -97,3 +97,22 @@ def test_a_batch_of_mixed_kinds_is_refused(pipe):
     rows = [Row(0, 0), Row(0, 1, infill=_infill("[___2]"))]
     with pytest.raises(ELFError, match="mixes free and infill rows"):
         run_rows(pipe, rows, pipe.sampler)
+
+
+def test_seeds_and_indices_cannot_swap_silently():
+    """make_rows takes the seeds by keyword: two int sequences side by side would swap unseen."""
+    with pytest.raises(TypeError):
+        make_rows([0, 1], [3, 8])
+    rows = make_rows([0, 1], seed=[3, 8])
+    assert [(r.seed, r.index) for r in rows] == [(3, 0), (8, 1)]
+
+
+def test_batches_join_in_order_with_their_steps(pipe):
+    """Generation.joined: batches of one run as one result (what pipe(n, batch_size=...) does)."""
+    from elflow.generation.outputs import Generation
+
+    whole = pipe(3, seed=5, trajectory=True)
+    parts = [pipe.sample_batch(idx, pipe.sampler, seed=5, trajectory=True) for idx in ([0, 1], [2])]
+    joined = Generation.joined(parts)
+    assert joined.texts == whole.texts and torch.equal(joined.tokens, whole.tokens)
+    assert joined.trajectory == whole.trajectory

@@ -20,13 +20,11 @@ from elflow.generation.infill import (
     InfillRequest,
     _target,
     build_template,
-    fill_vocabulary,
-    kept_texts,
     length_requests,
     parse_template,
     placeholder_id,
-    survives,
 )
+from elflow.generation.infill_texts import fill_vocabulary, kept_texts, survives
 from elflow.sampling.infill_maths import Template, constrained_tokens
 from tests.builders import MINILM, VOCAB, make_cond, make_infill_model
 
@@ -155,7 +153,7 @@ def test_a_huge_gap_is_counted_not_laid_out(tokenizer):
             rows(text, "ein werkzeug", max_input_length=4)
         assert str(e.value) == TOO_LONG.format(i=7, n=n)
     request = InfillRequest(parts=parse_template("a [___1000000000] b [___3-5]"))
-    target = _target(tokenizer, request, placeholder_id(tokenizer), 0, 0)
+    target = _target(tokenizer, request, hole=placeholder_id(tokenizer), seed=0, index=0)
     assert len(target.ids) == 6 and 10**9 + 4 + 3 <= len(target) <= 10**9 + 4 + 5
     for parts, match in (
         (["a [MASK] ", Gap(2, 2)], r"its text holds the placeholder token '\[MASK\]' itself"),
@@ -273,7 +271,7 @@ def test_length_control_gives_exact_token_counts(model):
     data = pipe.generate_full(20, sampler=replace(pipe.sampler, length_range="data"), seed=0)
     ends = set((data.tokens == pipe.tokens.eos_id).int().argmax(1).tolist())
     assert ends <= {3, 4}  # the histogram has texts of 2 and 3 tokens only
-    requests = length_requests("4:6w", range(3), 0, tokens_per_word=2.0)
+    requests = length_requests("4:6w", range(3), seed=0, tokens_per_word=2.0)
     assert all(r.parts[0].lo == r.parts[0].hi in (8, 10, 12) for r in requests)
 
 
@@ -381,7 +379,8 @@ def test_every_sampler_setting_round_trips_through_a_record(model, tmp_path, fla
 def test_infilled_texts_keep_the_users_text_exactly(model):
     """Only the gaps are decoded text: the kept text comes back as given, case and punctuation
     included (a WordPiece decode would give "yahweh ' s" and "stiff - necked")."""
-    from elflow.generation.infill import InfillRequest, verbatim_text
+    from elflow.generation.infill import InfillRequest
+    from elflow.generation.infill_texts import verbatim_text
 
     pipe = ELFPipeline.from_pretrained(model)
     template = "Yahweh's stiff-necked [___2] Ok!"

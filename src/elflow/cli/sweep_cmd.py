@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     from elflow.evaluation import sweep_plan as sw
     from elflow.evaluation.scoring import align_refs, read_refs
     from elflow.evaluation.sweep_run import SweepOptions, sweep
-    from elflow.generation.pipeline import check_batch_size
+    from elflow.generation.request_checks import check_batch_size
     from elflow.io.jsonl import read_jsonl
     from elflow.runtime.distributed import resolve_device, teardown
 

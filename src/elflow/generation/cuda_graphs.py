@@ -6,8 +6,8 @@ once over static copies of its inputs (after a warm-up on a side stream) and rep
 :class:`StepGraphs` holds one bucket's runners (the sampler's step, the last Euler step) over a
 static copy of the condition, and :class:`GraphCache`, one per model, keeps a bounded number of
 buckets, keyed by batch, length and everything the step closes over, all in one memory pool.
-The noise is drawn outside the graph (:func:`elflow.sampling.sample_loop.sample`), so texts equal the
-eager path's. :func:`sampling_steps` is what the wiring and the engine call.
+The noise is drawn outside the graph (:func:`elflow.sampling.sample_loop.sample`), so texts
+equal the eager path's. :func:`sampling_steps` is what the wiring and the engine call.
 """
 
 from __future__ import annotations
@@ -136,10 +136,10 @@ class StepGraphs:
         self,
         make_denoise: Callable[[Condition | None], Denoiser],
         sampler: SamplerConfig,
-        noise_scale: float,
-        t_eps: float,
         cond: Condition | None,
         *,
+        noise_scale: float,
+        t_eps: float,
         capture: bool,
         pool: tuple[int, int] | None = None,
         keep: tuple = (),
@@ -147,7 +147,9 @@ class StepGraphs:
         self.cond = _static_condition(cond)
         denoise = make_denoise(self.cond)
         self.steps = {
-            last: step_function(denoise, sampler, noise_scale, t_eps, self.cond, last)
+            last: step_function(
+                denoise, sampler, noise_scale=noise_scale, t_eps=t_eps, cond=self.cond, last=last
+            )
             for last in (False, True)
         }
         self.capture, self.pool, self.keep = capture, pool, keep
@@ -290,8 +292,8 @@ def sampling_steps(
     mode: str | None,
     kind: str = "",
 ) -> Iterator[StepRunner | None]:
-    """The :data:`~elflow.sampling.sample_loop.StepRunner` of this batch's bucket (None: sample eagerly),
-    its condition loaded; the model's cache stays locked until the block ends.
+    """The :data:`~elflow.sampling.sample_loop.StepRunner` of this batch's bucket (None: sample
+    eagerly), its condition loaded; the model's cache stays locked until the block ends.
 
     Args:
         make_denoise: builds the denoiser over a given condition (the bucket's static one).
@@ -310,7 +312,7 @@ def sampling_steps(
         kind,
         batch,
         *shape,
-        _knobs(sampler, noise_scale, t_eps),
+        _knobs(sampler, noise_scale=noise_scale, t_eps=t_eps),
         None if cond is None else (cond.guided is not None, cond.mask.dtype),
         autocast and torch.get_autocast_dtype(device.type),
         fastpath.enabled(),
@@ -330,9 +332,9 @@ def sampling_steps(
         return StepGraphs(
             make_denoise,
             sampler,
-            noise_scale,
-            t_eps,
             cond,
+            noise_scale=noise_scale,
+            t_eps=t_eps,
             capture=mode == "capture",
             pool=pool,
             keep=keep,
@@ -345,7 +347,7 @@ def sampling_steps(
         yield bucket
 
 
-def _knobs(sampler: SamplerConfig, noise_scale: float, t_eps: float) -> tuple:
+def _knobs(sampler: SamplerConfig, *, noise_scale: float, t_eps: float) -> tuple:
     return astuple(
         _Knobs(
             sampler.sampler,

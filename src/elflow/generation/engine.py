@@ -15,32 +15,71 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import Tensor
 
 from elflow.config import SamplerConfig
 from elflow.errors import ELFError
-from elflow.generation.infill import (
-    Infilled,
-    InfillRequest,
+from elflow.generation import cuda_graphs as graphs
+from elflow.generation.infill import InfillRequest, build_template, length_requests
+from elflow.generation.infill_texts import fill_texts, kept_texts, survives, verbatim_text
+from elflow.generation.outputs import Generation, Infilled
+from elflow.sampling import (
+    Condition,
+    Seeds,
+    StepCallback,
+    StepState,
+    sample,
+    sample_generators,
+    seed_of,
+)
+from elflow.sampling.denoiser import decode_logits, make_denoiser, sample_model, sampling_w
+from elflow.sampling.infill_maths import (
+    FillVocabulary,
     Template,
-    build_template,
-    fill_texts,
-    kept_texts,
-    length_requests,
-    survives,
-    verbatim_text,
+    constrained_tokens,
+    initial_condition,
+    refresh_denoiser,
 )
 from elflow.sampling.projection import Projection
-from elflow.sampling import Seeds, StepCallback, StepState, sample_generators, seed_of
 
 if TYPE_CHECKING:
-    from elflow.generation.pipeline import ELFPipeline, Generation
+    from elflow.io.artifact import ArtifactConfig
+    from elflow.model import ELF
+    from elflow.text.encoder import FrozenEncoder
+    from elflow.text.tokens import TokenSpec
 
 StepTexts = Callable[[int, list[str]], None]
 """``on_step(k, texts)``: each row's decoded text after step k (from 0), as the steps run."""
+
+
+class SamplingPipeline(Protocol):
+    """What the engine uses of a pipeline (:class:`elflow.ELFPipeline` is one): the network, its
+    config, tokenizer and frozen encoder, and how its rows are encoded and decoded."""
+
+    model: ELF
+    config: ArtifactConfig
+    tokenizer: Any
+    tokens: TokenSpec
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def row_pad_id(self) -> int: ...
+
+    @property
+    def fill_vocabulary(self) -> FillVocabulary: ...
+
+    def frozen_encoder(self, what: str) -> FrozenEncoder: ...
+
+    def encode_sources(self, sources: Sequence[str]) -> tuple[Condition, Tensor]: ...
+
+    def strip_source(self, tokens: Tensor, cond_mask: Tensor | None) -> Tensor: ...
+
+    def detokenize(self, tokens: Tensor, cond_mask: Tensor | None = None) -> list[str]: ...
 
 
 @dataclass(frozen=True)
@@ -63,6 +102,7 @@ class Row:
 
 def make_rows(
     indices: Sequence[int],
+    *,
     seed: Seeds = 0,
     sources: Sequence[str] | None = None,
     infill: Sequence[InfillRequest] | None = None,
@@ -80,7 +120,7 @@ def make_rows(
     ]
 
 
-def with_lengths(pipe: ELFPipeline, rows: Sequence[Row], sampler: SamplerConfig) -> list[Row]:
+def with_lengths(pipe: SamplingPipeline, rows: Sequence[Row], sampler: SamplerConfig) -> list[Row]:
     """Under ``sampler.length_range`` a free row becomes a one-gap infill row of a length drawn
     from its (seed, index) (:func:`elflow.generation.infill.length_requests`); else unchanged."""
     if not sampler.length_range:
@@ -91,39 +131,53 @@ def with_lengths(pipe: ELFPipeline, rows: Sequence[Row], sampler: SamplerConfig)
             out.append(row)
             continue
         (request,) = length_requests(
-            sampler.length_range, [row.index], row.seed, cfg.length_histogram, cfg.tokens_per_word
+            sampler.length_range,
+            [row.index],
+            seed=row.seed,
+            histogram=cfg.length_histogram,
+            tokens_per_word=cfg.tokens_per_word,
         )
         request.source = row.source
         out.append(Row(row.seed, row.index, row.source, request))
     return out
 
 
-def _frames_hook(
-    texts_of: Callable[[Tensor], list[str]],
-    frames: list[list[str]] | None,
-    on_step: StepTexts | None,
-    callback: StepCallback | None,
-) -> StepCallback | None:
-    """The step callback that decodes each step's texts for the trajectory and ``on_step``."""
-    if frames is None and on_step is None:
-        return callback
+@dataclass(frozen=True)
+class StepWatch:
+    """What watches a batch's steps: the per-step texts kept for a trajectory (``frames``),
+    ``on_step`` (texts as they are made) and the caller's step callback."""
 
-    def hook(state: StepState) -> None:
-        if state.tokens is not None:
-            texts = texts_of(state.tokens)
-            if frames is not None:
-                frames.append(texts)
-            if on_step is not None:
-                on_step(state.step, texts)
-        if callback is not None:
-            callback(state)
+    frames: list[list[str]] | None = None
+    on_step: StepTexts | None = None
+    callback: StepCallback | None = None
 
-    return hook
+    @property
+    def decodes(self) -> bool:
+        """Whether each step's texts are decoded (a trajectory, or ``on_step``)."""
+        return self.frames is not None or self.on_step is not None
+
+    def hook(self, texts_of: Callable[[Tensor], list[str]]) -> StepCallback | None:
+        """The step callback that decodes each step's texts (``texts_of``) for the watchers."""
+        if not self.decodes:
+            return self.callback
+        frames, on_step, callback = self.frames, self.on_step, self.callback
+
+        def hook(state: StepState) -> None:
+            if state.tokens is not None:
+                texts = texts_of(state.tokens)
+                if frames is not None:
+                    frames.append(texts)
+                if on_step is not None:
+                    on_step(state.step, texts)
+            if callback is not None:
+                callback(state)
+
+        return hook
 
 
 @torch.no_grad()
 def run_rows(
-    pipe: ELFPipeline,
+    pipe: SamplingPipeline,
     rows: Sequence[Row],
     sampler: SamplerConfig,
     *,
@@ -134,14 +188,11 @@ def run_rows(
     cuda_graphs: bool | None = None,
 ) -> Generation | Infilled:
     """Sample ``rows`` (all ``free`` or all ``infill``, :attr:`Row.kind`) as one batch, unchecked:
-    the pipeline's ``prepare`` checks a request first. Free rows return a
-    :class:`~elflow.generation.pipeline.Generation`, infill rows an :class:`Infilled`; with
-    ``trajectory`` each step's texts come back too, and ``on_step`` gets them as they are made.
-    ``cuda_graphs``: replay each step as a CUDA graph (None: on CUDA;
-    :mod:`elflow.generation.cuda_graphs`)."""
-    from elflow.generation.cuda_graphs import graph_mode
-
-    mode = graph_mode(cuda_graphs, pipe.device)
+    the pipeline's ``prepare`` checks a request first. Free rows return a :class:`Generation`,
+    infill rows an :class:`Infilled`; with ``trajectory`` each step's texts come back too, and
+    ``on_step`` gets them as they are made. ``cuda_graphs``: replay each step as a CUDA graph
+    (None: on CUDA; :mod:`elflow.generation.cuda_graphs`)."""
+    mode = graphs.graph_mode(cuda_graphs, pipe.device)
     if not rows:
         raise ELFError("no rows to sample")
     kinds = {row.kind for row in rows}
@@ -150,30 +201,32 @@ def run_rows(
     if sampler.length_range and "free" in kinds:
         rows = with_lengths(pipe, rows, sampler)
         kinds = {"infill"}
-    frames: list[list[str]] | None = [] if trajectory else None
-    decode_steps = trajectory or on_step is not None
+    watch = StepWatch([] if trajectory else None, on_step, callback_on_step_end)
     gens = sample_generators([r.seed for r in rows], [r.index for r in rows], pipe.device)
     if kinds == {"free"}:
-        return _free(
+        return _sample_free(
             pipe,
             rows,
             sampler,
-            gens,
-            projection,
-            frames,
-            decode_steps,
-            on_step,
-            callback_on_step_end,
-            cuda_graphs,
+            generators=gens,
+            watch=watch,
+            projection=projection,
+            cuda_graphs=cuda_graphs,
         )
-    hook = callback_on_step_end
-    return _infill(pipe, rows, sampler, gens, frames, decode_steps, on_step, hook, mode)
+    return _sample_infill(pipe, rows, sampler, generators=gens, watch=watch, mode=mode)
 
 
-def _free(pipe, rows, sampler, gens, projection, frames, decode_steps, on_step, callback, graphs):
-    from elflow.generation.pipeline import Generation
-    from elflow.sampling.denoiser import sample_model
-
+def _sample_free(
+    pipe: SamplingPipeline,
+    rows: Sequence[Row],
+    sampler: SamplerConfig,
+    *,
+    generators: list[torch.Generator],
+    watch: StepWatch,
+    projection: Projection | None,
+    cuda_graphs: bool | None,
+) -> Generation:
+    """Free rows (a conditional model's with their sources) through :func:`sample_model`."""
     cond, cond_mask = None, None
     if pipe.config.conditional:
         sources = [r.source for r in rows]
@@ -182,30 +235,34 @@ def _free(pipe, rows, sampler, gens, projection, frames, decode_steps, on_step, 
         cond, cond_mask = pipe.encode_sources(sources)
     elif any(r.source is not None for r in rows):
         raise ELFError("this model is unconditional: it takes no sources")
-    hook = _frames_hook(lambda t: pipe.detokenize(t, cond_mask), frames, on_step, callback)
     out = sample_model(
         pipe.model,
-        gens,
+        generators,
         pipe.config.sample_length(sampler),
         sampler,
-        pipe.config.noise_scale,
-        pipe.config.t_eps,
-        cond,
-        trajectory=decode_steps,
+        noise_scale=pipe.config.noise_scale,
+        t_eps=pipe.config.t_eps,
+        cond=cond,
+        trajectory=watch.decodes,
         projection=projection,
-        callback_on_step_end=hook,
-        cuda_graphs=graphs,
+        callback_on_step_end=watch.hook(lambda t: pipe.detokenize(t, cond_mask)),
+        cuda_graphs=cuda_graphs,
     )
     texts = pipe.detokenize(out.tokens, cond_mask)
-    return Generation(texts, pipe.strip_source(out.tokens, cond_mask).cpu(), frames)
+    return Generation(texts, pipe.strip_source(out.tokens, cond_mask).cpu(), watch.frames)
 
 
-def _infill(pipe, rows, sampler, gens, frames, decode_steps, on_step, callback, mode) -> Infilled:
-    from elflow.generation.cuda_graphs import sampling_steps
-    from elflow.sampling.denoiser import decode_logits, make_denoiser, sampling_w
-    from elflow.sampling.infill_maths import constrained_tokens, initial_condition, refresh_denoiser
-    from elflow.sampling import sample
-
+def _sample_infill(
+    pipe: SamplingPipeline,
+    rows: Sequence[Row],
+    sampler: SamplerConfig,
+    *,
+    generators: list[torch.Generator],
+    watch: StepWatch,
+    mode: str | None,
+) -> Infilled:
+    """Infill rows: kept positions held at the encoder's clean latents, fills decoded under the
+    template's constraints (:mod:`elflow.sampling.infill_maths`)."""
     cfg, model, tok = pipe.config, pipe.model, pipe.tokens
     L, dev = cfg.model.max_length, pipe.device
     requests = [r.infill for r in rows]
@@ -233,9 +290,8 @@ def _infill(pipe, rows, sampler, gens, frames, decode_steps, on_step, callback, 
     def logits(z: Tensor) -> Tensor:
         return decode_logits(model, z, w)
 
-    refresh = sampler.refresh_from < 1.0 or sampler.project_from < 1.0
-    if refresh:  # an encoder pass on rows picked by their time: eager (no CUDA graph)
-        mode = None
+    if sampler.refresh_from < 1.0 or sampler.project_from < 1.0:
+        mode = None  # an encoder pass on rows picked by their time: eager (no CUDA graph)
         denoise = refresh_denoiser(
             denoise,
             logits,
@@ -243,28 +299,36 @@ def _infill(pipe, rows, sampler, gens, frames, decode_steps, on_step, callback, 
             template,
             vocab,
             cond,
-            sampler.refresh_from,
-            cfg.t_eps,
-            sampler.project_from,
+            refresh_from=sampler.refresh_from,
+            t_eps=cfg.t_eps,
+            project_from=sampler.project_from,
         )
-    hook = _frames_hook(lambda t: pipe.detokenize(t, template.source), frames, on_step, callback)
     shape = (L, cfg.model.encoder_dim)
     make = partial(make_denoiser, model, w, cfg.t_eps, cfg=sampler.cfg)
-    with sampling_steps(
-        model, make, len(rows), shape, sampler, cfg.noise_scale, cfg.t_eps, cond, mode, "infill"
+    with graphs.sampling_steps(
+        model,
+        make,
+        len(rows),
+        shape,
+        sampler,
+        noise_scale=cfg.noise_scale,
+        t_eps=cfg.t_eps,
+        cond=cond,
+        mode=mode,
+        kind="infill",
     ) as runner:
         out = sample(
             denoise,
             lambda z: constrained_tokens(logits(z), template, vocab),
-            gens,
+            generators,
             shape,
             sampler,
-            cfg.noise_scale,
-            cond,
-            decode_steps,
-            cfg.t_eps,
-            hook,
-            runner,
+            noise_scale=cfg.noise_scale,
+            cond=cond,
+            trajectory=watch.decodes,
+            t_eps=cfg.t_eps,
+            callback_on_step_end=watch.hook(lambda t: pipe.detokenize(t, template.source)),
+            runner=runner,
         )
     decoded = pipe.detokenize(out.tokens, template.source)
     kept = [kept_texts(pipe.tokenizer, template, b) for b in range(len(rows))]
@@ -275,5 +339,31 @@ def _infill(pipe, rows, sampler, gens, frames, decode_steps, on_step, callback, 
         kept=kept,
         survived=[survives(t, k) for t, k in zip(decoded, kept, strict=True)],
         tokens=pipe.strip_source(out.tokens, template.source).cpu(),
-        trajectory=frames,
+        trajectory=watch.frames,
+    )
+
+
+def infill_batch(
+    pipe: SamplingPipeline,
+    requests: Sequence[InfillRequest],
+    sampler: SamplerConfig,
+    *,
+    seed: Seeds = 0,
+    indices: Sequence[int] | None = None,
+    trajectory: bool = False,
+    callback_on_step_end: StepCallback | None = None,
+    cuda_graphs: bool | None = None,
+) -> Infilled:
+    """Fill ``requests`` in one batch with ``pipe``'s model, unchecked: see
+    :meth:`elflow.ELFPipeline.infill`. Request b is sample ``indices[b]`` (default b) of its
+    seed (``seed``: one for all or one per request): its noise and gap lengths depend on these
+    alone, not on the rest of the batch (:func:`run_rows`; ``cuda_graphs`` as there)."""
+    indices = range(len(requests)) if indices is None else indices
+    return run_rows(
+        pipe,
+        make_rows(indices, seed=seed, infill=requests),
+        sampler,
+        trajectory=trajectory,
+        callback_on_step_end=callback_on_step_end,
+        cuda_graphs=cuda_graphs,
     )

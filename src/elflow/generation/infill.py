@@ -4,8 +4,9 @@ A template is text with gaps, ``In the beginning [___] the earth.``: ``[___]`` i
 default length, ``[___5]`` one of 5 tokens, ``[___3-8]`` one of 3 to 8 tokens (drawn per sample,
 keyed by (seed, index)). Or explicit tokens and a keep mask. Each becomes a row laid out as the
 model's training rows are (its special tokens, its padding): every position but the fill is kept.
-A target length is the template ``[___n]`` (:func:`length_template`). ``elflow.sampling.infill_maths``
-holds the sampling side; :meth:`elflow.ELFPipeline.infill` puts them together.
+A target length is the template ``[___n]`` (:func:`length_template`).
+:mod:`elflow.sampling.infill_maths` holds the sampling side, :mod:`elflow.generation.infill_texts`
+reads the filled rows back, and :func:`elflow.generation.engine.infill_batch` runs them.
 """
 
 from __future__ import annotations
@@ -18,19 +19,17 @@ from dataclasses import dataclass
 from numbers import Integral
 
 import torch
-from torch import Tensor
 
-from elflow.config import SamplerConfig, length_bounds
+from elflow.config import length_bounds
 from elflow.errors import ELFError
-from elflow.sampling.infill_maths import FillVocabulary, Template
 from elflow.sampling import Seeds, seed_of
+from elflow.sampling.infill_maths import Template
 
 GAP = re.compile(r"\[___(?:(\d+)(?:-(\d+))?)?\]")
 """A gap in a template: ``[___]``, ``[___N]`` or ``[___A-B]`` (tokens)."""
 NEAR_GAP = re.compile(r"\[\s*_{2,}[^\[\]\n]{0,12}\]?")
 """What starts like a gap but is not one (``[___`` without ``]``, ``[__3]``, ``[___ 5]``,
 ``[___3-]``): refused, so a mistyped gap is never kept as text."""
-UNUSED = re.compile(r"\[unused\d+\]")
 DEFAULT_FILL = 8
 """Tokens in a ``[___]`` gap without a length."""
 
@@ -101,29 +100,6 @@ def length_template(lo: int, hi: int) -> list[str | Gap]:
     return [Gap(lo, hi)]
 
 
-def fill_vocabulary(tokenizer) -> FillVocabulary:
-    """The special tokens (and WordPiece's reserved ``[unusedN]``), and the pieces that continue a
-    word (WordPiece ``##x``; SentencePiece pieces without the word-start mark that begin with a
-    letter or digit)."""
-    V = len(tokenizer)
-    special = torch.zeros(V, dtype=torch.bool)
-    special[[i for i in tokenizer.all_special_ids if i < V]] = True
-    pieces = tokenizer.convert_ids_to_tokens(list(range(V)))
-    for i, piece in enumerate(pieces):  # BERT's reserved [unusedN]: never text
-        if piece and UNUSED.fullmatch(piece):
-            special[i] = True
-    sentencepiece = any(p.startswith("\u2581") for p in pieces if p)
-    continues = torch.zeros(V, dtype=torch.bool)
-    for i, piece in enumerate(pieces):
-        if not piece:
-            continue
-        if sentencepiece:
-            continues[i] = not piece.startswith("\u2581") and piece[0].isalnum()
-        else:
-            continues[i] = piece.startswith("##")
-    return FillVocabulary(special, continues & ~special)
-
-
 def placeholder_id(tokenizer) -> int:
     """The id a gap holds before it is filled: the mask token, else the first extra special
     token (T5's ``<extra_id_0>``), else the unknown token."""
@@ -137,7 +113,7 @@ def placeholder_id(tokenizer) -> int:
     return int(tokenizer.unk_token_id)
 
 
-def length_generator(seed: int, index: int) -> torch.Generator:
+def length_generator(*, seed: int, index: int) -> torch.Generator:
     """The generator of sample ``index``'s gap lengths (independent of its sampling noise)."""
     digest = hashlib.sha256(f"elflow-length:{seed}:{index}".encode()).digest()
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
@@ -215,7 +191,7 @@ def explicit_tokens(ids, keep) -> tuple[list[int], list[int]]:
     return [int(x) for x in ids], [int(bool(k)) for k in keep]
 
 
-def _target(tokenizer, request: InfillRequest, hole: int, seed: int, index: int) -> _Target:
+def _target(tokenizer, request: InfillRequest, *, hole: int, seed: int, index: int) -> _Target:
     """One target, unexpanded: the template tokenised with ``hole`` at each gap, each hole's
     length drawn (:meth:`_Target.expand` lays it out)."""
     if request.parts is None:
@@ -234,7 +210,7 @@ def _target(tokenizer, request: InfillRequest, hole: int, seed: int, index: int)
     text = "".join(f" {marker} " if isinstance(p, Gap) else p for p in request.parts)
     ids = tokenizer(text, add_special_tokens=True)["input_ids"]
     gaps = iter([p for p in request.parts if isinstance(p, Gap)])
-    gen = length_generator(seed, index)  # seed: this sample's
+    gen = length_generator(seed=seed, index=index)  # this sample's
     keep, counts = [], []
     for token in ids:
         if token != hole:
@@ -280,7 +256,7 @@ def build_template(
     source = torch.zeros(B, length, dtype=torch.bool) if max_input_length else None
     indices = range(B) if indices is None else indices
     for b, request in enumerate(requests):
-        planned = _target(tokenizer, request, hole, seed_of(seed, b), indices[b])
+        planned = _target(tokenizer, request, hole=hole, seed=seed_of(seed, b), index=indices[b])
         head: list[int] = []
         if source is not None:
             if request.source is None:
@@ -313,80 +289,6 @@ def build_template(
     if source is not None:
         after_word &= ~torch.cat([source[:, :1], source[:, :-1]], dim=1)
     return Template(ids, keep, attention, after_word, source)
-
-
-def kept_texts(tokenizer, template: Template, row: int) -> list[str]:
-    """The kept text runs of a template row (special tokens and the source left out)."""
-    keep = template.keep[row].tolist()
-    source = [False] * len(keep) if template.source is None else template.source[row].tolist()
-    runs, current = [], []
-    for i, kept in enumerate(keep):
-        if kept and not source[i]:
-            current.append(int(template.ids[row, i]))
-        elif current:
-            runs.append(current)
-            current = []
-    if current:
-        runs.append(current)
-    texts = [tokenizer.decode(r, skip_special_tokens=True).strip() for r in runs]
-    return [t for t in texts if t]
-
-
-def survives(text: str, kept: Sequence[str]) -> bool:
-    """Whether every kept run appears in ``text`` in order, unchanged and not merged into a
-    neighbouring word: no letter or digit right before or after it (punctuation a fill puts
-    there, as in "its." or "man,", leaves the kept words whole); whitespace-insensitive."""
-    at = 0
-    for run in kept:
-        words = run.split()
-        if not words:
-            continue
-        body = r"\s+".join(re.escape(w) for w in words)
-        found = re.compile(rf"(?<![^\W_]){body}(?![^\W_])").search(text, at)
-        if found is None:
-            return False
-        at = found.end()
-    return True
-
-
-def verbatim_text(request: InfillRequest, fills: Sequence[str], decoded: str) -> str:
-    """A template with its gaps filled: the kept text exactly as the user gave it (case,
-    punctuation and spacing; a tokenizer's decode would lower-case and respace it), each gap
-    its decoded fill. ``decoded`` (the whole row decoded) for requests given as ids, and where
-    fills cannot be told apart (adjacent gaps decode as one span)."""
-    if request.parts is None:
-        return decoded
-    gaps = [p for p in request.parts if isinstance(p, Gap)]
-    if len(gaps) != len(fills):
-        return decoded
-    out: list[str] = []
-    it = iter(fills)
-    for part in request.parts:
-        if not isinstance(part, Gap):
-            out.append(part[1:] if out and out[-1][-1:].isspace() and part[:1].isspace() else part)
-            continue
-        fill = next(it)
-        if fill:
-            out.append(fill)
-    return "".join(out).strip()
-
-
-def fill_texts(tokenizer, template: Template, tokens: Tensor) -> list[list[str]]:
-    """Each row's filled gaps as text, in order."""
-    out = []
-    for b in range(tokens.shape[0]):
-        fill = (~template.keep[b]).tolist()
-        spans, current = [], []
-        for i, is_fill in enumerate(fill):
-            if is_fill:
-                current.append(int(tokens[b, i]))
-            elif current:
-                spans.append(current)
-                current = []
-        if current:
-            spans.append(current)
-        out.append([tokenizer.decode(s, skip_special_tokens=True).strip() for s in spans])
-    return out
 
 
 def request_from_record(row: dict, field: str = "text") -> InfillRequest:
@@ -445,6 +347,7 @@ def words_to_tokens(words: int, tokens_per_word: float = 0.0) -> int:
 def length_requests(
     length_range: str,
     indices: Sequence[int],
+    *,
     seed: Seeds,
     histogram: Sequence[int] = (),
     tokens_per_word: float = 0.0,
@@ -454,7 +357,7 @@ def length_requests(
     none); ``data``: a length drawn from the training texts' ``histogram``."""
     out = []
     for k, i in enumerate(indices):
-        gen = length_generator(seed_of(seed, k), i)
+        gen = length_generator(seed=seed_of(seed, k), index=i)
         if length_range == "data":
             weights = torch.tensor([float(c) for c in histogram])
             weights[0] = 0.0  # an empty text has no gap to fill
@@ -467,51 +370,3 @@ def length_requests(
             lo = hi = words_to_tokens(k, tokens_per_word)
         out.append(InfillRequest(parts=length_template(lo, hi)))
     return out
-
-
-@dataclass
-class Infilled:
-    """Filled texts and what to check them by."""
-
-    texts: list[str]
-    """The whole texts (a conditional model's target only)."""
-    fills: list[list[str]]
-    """Each sample's filled gaps, in order."""
-    kept: list[list[str]]
-    """Each sample's kept text runs."""
-    survived: list[bool]
-    """Whether every kept run is in the text, whole and in order (:func:`survives`)."""
-    tokens: Tensor
-    """(n, L_out) token ids."""
-    trajectory: list[list[str]] | None = None
-    """trajectory[k][i]: sample i's text after step k (when asked for)."""
-
-
-def infill_batch(
-    pipe,
-    requests: Sequence[InfillRequest],
-    sampler: SamplerConfig,
-    *,
-    seed: Seeds = 0,
-    indices: Sequence[int] | None = None,
-    trajectory: bool = False,
-    callback_on_step_end=None,
-    cuda_graphs: bool | None = None,
-) -> Infilled:
-    """Fill ``requests`` in one batch with ``pipe``'s model (an :class:`elflow.ELFPipeline`),
-    unchecked: see :meth:`ELFPipeline.infill`. Request b is sample ``indices[b]`` (default b) of
-    its seed (``seed``: one for all or one per request): its noise and gap lengths depend on
-    these alone, not on the rest of the batch (:func:`elflow.generation.engine.run_rows`;
-    ``cuda_graphs`` as there)."""
-    from elflow.generation.engine import make_rows, run_rows
-
-    indices = range(len(requests)) if indices is None else indices
-    rows = make_rows(indices, seed, infill=requests)
-    return run_rows(
-        pipe,
-        rows,
-        sampler,
-        trajectory=trajectory,
-        callback_on_step_end=callback_on_step_end,
-        cuda_graphs=cuda_graphs,
-    )

@@ -2,13 +2,14 @@
 
 For each text: its training row, the frozen encoder's latents x, a draw z = t1 x + (1 - t1) s eps
 from the flow's own path at t1 (default :data:`DEFAULT_T1`), the exact change of variables along
-the probability-flow ODE from z back to noise (:func:`elflow.sampling.likelihood_maths.ode_log_density`),
-and the decoder's cross-entropy of the row's tokens at z. Together they bound -log p(text) for the
-model "integrate the flow to t1, then decode" (:func:`elflow.sampling.likelihood_maths.nll_bound`): an
-estimate with stated assumptions, not the paper's sampler's exact likelihood. Assumptions: the
-velocity is the network's x-prediction without self-conditioning (the input's second half zeros,
-whose training target is the plain flow velocity for every w), RK4 with ``steps`` steps integrates
-the ODE accurately, and Hutchinson's trace estimate (``probes`` > 0) is unbiased for the
+the probability-flow ODE from z back to noise
+(:func:`elflow.sampling.likelihood_maths.ode_log_density`), and the decoder's cross-entropy of the
+row's tokens at z. Together they bound -log p(text) for the model "integrate the flow to t1, then
+decode" (:func:`elflow.sampling.likelihood_maths.nll_bound`): an estimate with stated
+assumptions, not the paper's sampler's exact likelihood. Assumptions: the velocity is the
+network's x-prediction without self-conditioning (the input's second half zeros, whose training
+target is the plain flow velocity for every w), RK4 with ``steps`` steps integrates the ODE
+accurately, and Hutchinson's trace estimate (``probes`` > 0) is unbiased for the
 log-density though noisy per text; ``probes`` = 0 takes the exact trace (one backward pass per
 latent dimension: small models only).
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -26,6 +28,9 @@ from elflow.errors import ELFError
 from elflow.flow import velocity
 from elflow.sampling.likelihood_maths import nll_bound, ode_log_density, rademacher
 from elflow.text.tokens import tokenize
+
+if TYPE_CHECKING:
+    from elflow.generation.pipeline import ELFPipeline
 
 DEFAULT_T1 = 0.1
 """Where the flow stops and the decoder takes over. The bound is loosest near t1 = 1 (the draw's
@@ -52,7 +57,7 @@ def text_generator(seed: int, index: int, device) -> torch.Generator:
 
 
 def text_likelihood(
-    pipe,
+    pipe: ELFPipeline,
     texts: Sequence[str],
     *,
     steps: int = 16,

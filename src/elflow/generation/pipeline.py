@@ -9,33 +9,35 @@ size; conditional models run the frozen encoder once on the sources.
 from __future__ import annotations
 
 import functools
-import operator
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from elflow.config import SamplerConfig, length_bounds
+from elflow.config import SamplerConfig
 from elflow.errors import ELFError
-from elflow.generation.engine import make_rows, run_rows
-from elflow.generation.infill import (
-    Infilled,
-    InfillRequest,
-    as_requests,
-    fill_vocabulary,
-    infill_batch,
-    words_to_tokens,
+from elflow.generation.engine import infill_batch, make_rows, run_rows
+from elflow.generation.infill import InfillRequest, as_requests
+from elflow.generation.infill_texts import fill_vocabulary
+from elflow.generation.model_folder import ModelFolderMixin
+from elflow.generation.outputs import Generation, Infilled
+from elflow.generation.request_checks import (
+    check_batch_size,
+    check_device,
+    check_encoder,
+    check_length_range,
+    check_sample_count,
+    check_seeds,
 )
 from elflow.io.artifact import ArtifactConfig, load_resolved
 from elflow.io.model_sources import resolve_source
 from elflow.model import ELF
+from elflow.sampling import Condition, Seeds, StepCallback, seeds_of
 from elflow.sampling.infill_maths import FillVocabulary
 from elflow.sampling.projection import Projection
-from elflow.sampling import Condition, Seeds, StepCallback, seeds_of
 from elflow.text.encoder import FrozenEncoder
 from elflow.text.tokenizer import check_tokenizer, load_tokenizer, model_tokenizer
 from elflow.text.tokens import (
@@ -48,16 +50,6 @@ from elflow.text.tokens import (
 )
 
 
-@dataclass
-class Generation:
-    texts: list[str]
-    """One decoded text per sample."""
-    tokens: Tensor
-    """(n, L_out) generated token ids (source removed for conditional models)."""
-    trajectory: list[list[str]] | None = None
-    """trajectory[k][i]: sample i's decoded x_hat after step k (when asked for)."""
-
-
 def model_encoder(config: ArtifactConfig) -> FrozenEncoder:
     """The frozen encoder a model was trained with: its encoder, layer and latent normalisation."""
     return FrozenEncoder.from_pretrained(
@@ -68,74 +60,7 @@ def model_encoder(config: ArtifactConfig) -> FrozenEncoder:
     )
 
 
-def check_encoder(encoder: FrozenEncoder, config: ArtifactConfig, device: torch.device) -> None:
-    """A given encoder must have the model's latent width, layer and normalisation, and sit on
-    its device. (Which encoder it is cannot be checked: the config records only its name.)"""
-    given = (encoder.hidden_size, encoder.layer, encoder.latent_mean, encoder.latent_std)
-    wanted = (config.model.encoder_dim, config.encoder_layer, config.latent_mean, config.latent_std)
-    if given != wanted:
-        raise ELFError(
-            f"the encoder given has width, layer, latent_mean, latent_std {given}, but the model "
-            f"was trained on {wanted}; build it with "
-            "elflow.generation.pipeline.model_encoder(config), or pass none"
-        )
-    at = next(encoder.model.parameters()).device
-    if at != device:
-        raise ELFError(f"the encoder is on {at} but the model on {device}; move it (.to(device))")
-
-
-def check_seeds(seed: Seeds, n: int) -> None:
-    """``seed`` is one int, or one int per sample."""
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        if isinstance(seed, (str, bytes)) or not all(
-            isinstance(s, int) and not isinstance(s, bool) for s in seed
-        ):
-            raise ELFError(f"seed must be an int or a list of ints, got {seed!r}")
-        if len(seed) != n:
-            raise ELFError(f"{len(seed)} seeds for {n} samples; give one seed, or one per sample")
-
-
-def check_device(device: torch.device | str) -> torch.device:
-    """``device`` as a device this process has, or a one-line error (not torch's traceback)."""
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise ELFError(
-            f"device {device!r} is not a device; use 'cpu', 'cuda' or 'cuda:K'"
-        ) from None
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ELFError(f"device {device!r}: no CUDA device is available here; use 'cpu'")
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise ELFError(
-                f"device {device!r}: there are {torch.cuda.device_count()} CUDA devices "
-                f"(cuda:0 to cuda:{torch.cuda.device_count() - 1})"
-            )
-    elif dev.type != "cpu":
-        backend = getattr(torch, dev.type, None) or getattr(torch.backends, dev.type, None)
-        available = getattr(backend, "is_available", None)
-        if available is None or not available():
-            raise ELFError(f"device {device!r} is not available here; use 'cpu' or 'cuda'")
-    return dev
-
-
-def _is_count(n: Any) -> bool:
-    """An integer (a Python or NumPy one), not a bool."""
-    if isinstance(n, bool):
-        return False
-    try:
-        operator.index(n)
-    except TypeError:
-        return False
-    return True
-
-
-def check_batch_size(batch_size: int) -> None:
-    if batch_size < 1:
-        raise ELFError(f"batch_size= must be >= 1, got {batch_size}")
-
-
-class ELFPipeline:
+class ELFPipeline(ModelFolderMixin):
     """Generate text with an ELF model."""
 
     def __init__(
@@ -263,42 +188,8 @@ class ELFPipeline:
     ) -> tuple[SamplerConfig, int, Projection | None]:
         """Check a request once, before any work: (the sampler, the number of samples, the
         projection it needs). The settings are checked by ``ArtifactConfig.check_sampler``."""
-        cfg = self.config
         sampler = self._checked(sampler)
-        if isinstance(sources, str):  # would give one sample per character
-            raise ELFError("sources must be a list of strings; wrap a single source in a list")
-        if sources is not None:
-            for i, source in enumerate(sources):
-                if not isinstance(source, str):
-                    raise ELFError(f"source {i} is a {type(source).__name__}, not a string")
-            if n is not None and n != len(sources):
-                raise ELFError(
-                    f"asked for {n} samples with {len(sources)} sources: a conditional model "
-                    "writes one sample per source; drop n="
-                )
-            n = len(sources)
-        elif n is not None and not _is_count(n):
-            hint = ""
-            if isinstance(n, str):
-                hint = (
-                    "; a source goes in sources=[...]"
-                    if cfg.conditional
-                    else ("; text with gaps to fill goes to pipe.infill([...])")
-                )
-            raise ELFError(
-                f"n= is the number of samples, an int; got {type(n).__name__} {n!r}{hint}"
-            )
-        if cfg.conditional and sources is None:
-            raise ELFError("this model is conditional: give source texts (sources=)")
-        if not cfg.conditional and sources is not None:
-            raise ELFError(
-                "this model is unconditional: it takes no sources (sources=); ask for a number "
-                "of samples (n=) instead"
-            )
-        if n is None or n < 1:
-            raise ELFError(
-                f"asked for {n} samples; ask for at least 1 (n=), or give at least one source"
-            )
+        n = check_sample_count(self.config, n, sources)
         projection = None
         if sampler.length_range:  # kept latents and projection go through the encoder
             self.frozen_encoder("length control (sampler.length_range)")
@@ -311,27 +202,11 @@ class ELFPipeline:
         sampler that passed is remembered, so a run's batches and seeds do not check it again."""
         if sampler not in self._valid_samplers:
             self.config.check_sampler(sampler)
-            self._check_length_range(sampler)
+            check_length_range(self.config, self.tokenizer, sampler)
             if len(self._valid_samplers) >= 256:  # a server sees many; keep the memory bounded
                 self._valid_samplers.clear()
             self._valid_samplers.add(sampler)
         return sampler
-
-    def _check_length_range(self, sampler: SamplerConfig) -> None:
-        """A token or word ``length_range`` must fit the rows with the tokenizer's special
-        tokens (its texts are one-gap templates: a longer draw would fail mid-run)."""
-        if sampler.length_range in ("", "data") or self.config.conditional:
-            return
-        _, hi, words = length_bounds(sampler.length_range)
-        most = words_to_tokens(hi, self.config.tokens_per_word) if words else hi
-        special = len(tokenize(self.tokenizer, [""])[0])
-        room = self.config.model.max_length - special
-        if most > room:
-            raise ELFError(
-                f"sampler.length_range {sampler.length_range} reaches {most} tokens of text; "
-                f"this model's rows hold at most {room} ({self.config.model.max_length} less "
-                f"{special} special tokens)"
-            )
 
     def _checked(self, sampler: SamplerConfig | None) -> SamplerConfig:
         """``sampler`` (default: the model's) checked against the model, and the weights fp32."""
@@ -369,7 +244,7 @@ class ELFPipeline:
         the batch; ``seed`` is one for all or one per sample (:mod:`elflow.generation.engine`)."""
         out = run_rows(
             self,
-            make_rows(indices, seed, sources),
+            make_rows(indices, seed=seed, sources=sources),
             sampler,
             projection=projection,
             trajectory=trajectory,
@@ -393,8 +268,8 @@ class ELFPipeline:
         """``pipe(n)`` / ``pipe(sources=[...])``, the transformers and diffusers way: like
         :meth:`generate`, returning a :class:`Generation` with ``texts``, ``tokens`` and, when
         asked for, the per-step ``trajectory``; ``callback_on_step_end`` gets each batch's
-        :class:`elflow.sampling.sample_loop.StepState` after every step. ``seed``: one for every sample
-        (sample i depends on (seed, i)), or a list of one per sample. ``cuda_graphs``: each
+        :class:`elflow.sampling.sample_loop.StepState` after every step. ``seed``: one for every
+        sample (sample i depends on (seed, i)), or a list of one per sample. ``cuda_graphs``: each
         step replays a captured CUDA graph (None: on CUDA, eager elsewhere; False: eager; True
         off CUDA: an error; docs/sampling.md)."""
         sampler, n, projection = self.prepare(sampler, n, sources)
@@ -416,49 +291,17 @@ class ELFPipeline:
                     cuda_graphs=cuda_graphs,
                 )
             )
-        frames = None
-        if trajectory:
-            frames = [[t for p in parts for t in p.trajectory[k]] for k in range(sampler.steps)]
-        texts = [t for p in parts for t in p.texts]
-        return Generation(texts, torch.cat([p.tokens for p in parts]), frames)
+        return Generation.joined(parts)
 
     def to(self, device: torch.device | str) -> ELFPipeline:
         """Move the model (and the encoder, if loaded) to ``device``; returns the pipeline.
-        Sampling precision is chosen per call (``elflow.runtime.hardware``'s bf16 autocast on CUDA), so
-        the weights stay fp32."""
+        Sampling precision is chosen per call (``elflow.runtime.hardware``'s bf16 autocast on
+        CUDA), so the weights stay fp32."""
         device = check_device(device)
         self.model.to(device)
         if self.encoder is not None:
             self.encoder = self.encoder.to(device)
         return self
-
-    def save_pretrained(
-        self, folder: str | Path, *, metrics: dict | None = None, overwrite: bool = False
-    ) -> Path:
-        """Write the pipeline as a model folder that :meth:`from_pretrained` (and ``elflow
-        sample --model``) loads: ``model.safetensors``, ``config.json``, ``tokenizer/`` and a
-        ``README.md`` model card whose YAML front matter names ``library_name: elflow``;
-        ``metrics`` (e.g. an ``elflow score`` result) go into the card. A folder that already
-        holds a model's files is refused unless ``overwrite=True``."""
-        from elflow.io.artifact import save_model
-        from elflow.io.model_card import write_model_card
-
-        out = save_model(folder, self.model, self.config, overwrite=overwrite)
-        self.tokenizer.save_pretrained(str(Path(out) / "tokenizer"))
-        write_model_card(Path(out), self.config, metrics)
-        return Path(out)
-
-    def push_to_hub(
-        self, repo_id: str, *, private: bool = False, token: str | None = None, **save
-    ) -> str:
-        """:meth:`save_pretrained` into a temporary folder and upload it to the Hugging Face Hub
-        repository ``repo_id`` (created if needed) with ``huggingface_hub``; returns its URL."""
-        import tempfile
-
-        from elflow.io.model_card import upload_folder
-
-        with tempfile.TemporaryDirectory() as tmp:
-            return upload_folder(self.save_pretrained(tmp, **save), repo_id, private, token)
 
     __call__ = generate_full
 
@@ -525,17 +368,7 @@ class ELFPipeline:
             )
             for start in range(0, len(parsed), batch_size)
         ]
-        frames = None
-        if trajectory:
-            frames = [[t for p in parts for t in p.trajectory[k]] for k in range(sampler.steps)]
-        return Infilled(
-            texts=[t for p in parts for t in p.texts],
-            fills=[f for p in parts for f in p.fills],
-            kept=[k for p in parts for k in p.kept],
-            survived=[s for p in parts for s in p.survived],
-            tokens=torch.cat([p.tokens for p in parts]),
-            trajectory=frames,
-        )
+        return Infilled.joined(parts)
 
     def strip_source(self, tokens: Tensor, cond_mask: Tensor | None) -> Tensor:
         """A conditional model's target tokens (each row shifted past its source)."""

@@ -21,8 +21,10 @@ import torch.distributed as dist
 
 from elflow.config import SamplerConfig, sampler_own_settings, unused_settings
 from elflow.errors import ELFError, note_once
-from elflow.generation.infill import InfillRequest, infill_batch
-from elflow.generation.pipeline import ELFPipeline, check_batch_size
+from elflow.generation.engine import infill_batch
+from elflow.generation.infill import InfillRequest
+from elflow.generation.pipeline import ELFPipeline
+from elflow.generation.request_checks import check_batch_size
 from elflow.io.jsonl import read_jsonl
 from elflow.io.paths import input_file
 from elflow.runtime.distributed import DistInfo

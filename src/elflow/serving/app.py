@@ -17,7 +17,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import asdict, replace
 from importlib import resources
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
@@ -34,11 +34,14 @@ from elflow.serving.api_schema import (
 )
 from elflow.serving.batcher import Batcher, Job, QueueFull
 
+if TYPE_CHECKING:
+    from elflow.generation.pipeline import ELFPipeline
+
 POLL_S = 0.2
 """How often a waiting request looks at its client and its deadline."""
 
 
-def model_card(pipe, name: str) -> dict[str, Any]:
+def model_card(pipe: ELFPipeline, name: str) -> dict[str, Any]:
     """``GET /v1/models``'s entry: the OpenAI fields and, under ``elf``, what the playground
     needs (task, lengths, default sampler settings)."""
     cfg = pipe.config
@@ -58,7 +61,7 @@ def model_card(pipe, name: str) -> dict[str, Any]:
 
 
 def create_app(
-    pipe,
+    pipe: ELFPipeline,
     *,
     name: str = "elflow",
     api_key: str | None = None,
@@ -231,7 +234,7 @@ def _sse(obj: Any) -> str:
 
 
 async def _events(
-    pipe,
+    pipe: ELFPipeline,
     batcher: Batcher,
     job: Job,
     events: asyncio.Queue,

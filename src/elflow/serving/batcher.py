@@ -15,11 +15,14 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from elflow.errors import ELFError
 from elflow.serving.api_schema import Completion, RequestError
 from elflow.serving.server_metrics import Metrics
+
+if TYPE_CHECKING:
+    from elflow.generation.pipeline import ELFPipeline
 
 
 class QueueFull(Exception):
@@ -70,7 +73,7 @@ class Batcher:
 
     def __init__(
         self,
-        pipe,
+        pipe: ELFPipeline,
         *,
         max_batch: int = 32,
         max_queue: int = 64,
