@@ -154,7 +154,7 @@ class Sweep:
         from elflow.evaluation import score_samples
         from elflow.evaluation import sweep_plan as sw
         from elflow.evaluation.diversity import degenerate
-        from elflow.evaluation.report_tables import SETTING_COLUMNS
+        from elflow.evaluation.grid import row_settings
         from elflow.evaluation.scoring import write_metrics
         from elflow.generation.records import recorded_project_from, sample_records
         from elflow.io.jsonl import write_jsonl
@@ -207,7 +207,7 @@ class Sweep:
         metrics = score_samples(
             records, refs=self.refs, reference=self.reference_features, **self.score
         )
-        settings = {k: records[0].get(k) for k in SETTING_COLUMNS}  # older files lack some
+        settings = {k: records[0].get(k) for k in row_settings()}  # older files lack some
         took = None if earlier else seconds  # a cell sampled in part earlier has no one time
         record = {**settings, "cell": cell.name, "seconds": took}
         write_metrics(metrics_file, {**metrics, "sweep": record})
