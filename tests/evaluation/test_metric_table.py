@@ -16,8 +16,8 @@ from elflow.errors import ELFError
 from elflow.evaluation import report_tables as tables
 from elflow.evaluation import score_samples
 from elflow.evaluation.comparison import compare, load_result
-from elflow.evaluation.grid import row_settings
 from elflow.evaluation.metric_table import METRICS, Metric
+from elflow.evaluation.sweep_grid import row_settings
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "elflow"
 SAMPLES = [

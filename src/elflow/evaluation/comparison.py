@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from elflow.errors import ELFError
-from elflow.evaluation.grid import row_settings
+from elflow.evaluation.sweep_grid import row_settings
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from elflow.evaluation.comparison import Scored, separation
-from elflow.evaluation.grid import row_settings
 from elflow.evaluation.metric_table import METRICS, Metric
+from elflow.evaluation.sweep_grid import row_settings
 
 COUNT_COLUMNS = ("num_seeds", "num_samples", "num_empty", "seconds")
 
