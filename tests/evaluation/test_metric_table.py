@@ -108,6 +108,8 @@ def test_a_metric_added_to_the_table_is_scored_tabled_and_offered(monkeypatch, t
     argv = ["--samples", str(samples), "--out", str(out), "--judge", "none"]
     assert score_cli.run(parser.parse_args([*argv, "--metrics", "words,rep_4"])) == 0
     printed = capsys.readouterr().out
+    with pytest.raises(ELFError, match="unknown metric 'word' in --metrics; use gen_ppl, "):
+        score_cli.run(parser.parse_args([*argv, "--metrics", "word", "--overwrite"]))
     assert printed.startswith("rep_4") and "\nwords" in printed and "self_bleu" not in printed
 
 

@@ -95,6 +95,10 @@ def run(args: argparse.Namespace) -> int:
     from elflow.evaluation.scoring import read_refs, write_metrics
 
     check_counts(args.batch_size, args.bootstrap)
+    chosen = [k.strip() for k in args.metrics.split(",") if k.strip()] if args.metrics else None
+    unknown = [k for k in chosen or () if k not in METRICS]
+    if unknown:
+        raise ELFError(f"unknown metric {unknown[0]!r} in --metrics; use {', '.join(METRICS)}")
     out = output_file(args.out, "--out", overwrite=args.overwrite)
     samples = [r for path in args.samples for r in read_jsonl(path)]
     if not samples:
@@ -108,7 +112,6 @@ def run(args: argparse.Namespace) -> int:
         reference = [r["text"] for r in read_jsonl(args.reference)]
         if len(reference) < 2:
             raise ELFError(f"--reference {args.reference} needs at least 2 texts for MAUVE")
-    chosen = [k.strip() for k in args.metrics.split(",") if k.strip()] if args.metrics else None
     metrics = score_samples(
         samples,
         judge=judge,
