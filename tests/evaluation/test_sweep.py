@@ -357,7 +357,7 @@ def test_the_python_sweep_is_what_the_command_runs(model_dir, judge_dir, tmp_pat
     the command writes for the same grid, seed and options."""
     from elflow import ELFPipeline
     from elflow.evaluation import load_judge
-    from elflow.evaluation.grid import grid
+    from elflow.evaluation.sweep_grid import grid
     from elflow.evaluation.sweep_run import SweepOptions, sweep
 
     cli_out, py_out = tmp_path / "cli", tmp_path / "py"

@@ -12,26 +12,9 @@ import math
 
 from elflow.errors import ELFError
 from elflow.evaluation.judge_protocol import DEFAULT_JUDGE, PROTOCOLS
+from elflow.evaluation.metric_table import METRICS
 from elflow.io.jsonl import read_jsonl
 from elflow.io.paths import output_file
-
-SUMMARY_KEYS = (
-    "gen_ppl",
-    "entropy",
-    "mean_length",
-    "mauve",
-    "distinct_2",
-    "rep_4",
-    "self_bleu",
-    "empty_share",
-    "duplicate_share",
-    "bleu",
-    "bleu_cased",
-    "rouge1",
-    "rouge2",
-    "rougeL",
-    "rougeLsum",
-)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -51,7 +34,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "the model's training rows, e.g. a sweep's reference.jsonl)",
     )
     add_judge_arguments(p, "--batch-size", "--seed")
+    p.add_argument(
+        "--metrics",
+        metavar="NAME,...",
+        help="compute only these metrics (default: all): " + ", ".join(METRICS),
+    )
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    p.formatter_class = argparse.RawDescriptionHelpFormatter  # one line per metric
+    p.epilog = "metrics:\n" + "\n".join(f"  {m.name:<16} {m.line}" for m in METRICS.values())
 
 
 def add_judge_arguments(p: argparse.ArgumentParser, batch_flag: str, seed_flag: str) -> None:
@@ -77,7 +67,7 @@ def summary(metrics: dict) -> str:
     from elflow.evaluation.scoring import protocol_line
 
     lines = []
-    for key in SUMMARY_KEYS:
+    for key in (m.name for m in METRICS.values() if m.summary):
         if key not in metrics:
             continue
         line = f"{key:<15} {_fmt(metrics[key]):>8}"
@@ -105,6 +95,10 @@ def run(args: argparse.Namespace) -> int:
     from elflow.evaluation.scoring import read_refs, write_metrics
 
     check_counts(args.batch_size, args.bootstrap)
+    chosen = [k.strip() for k in args.metrics.split(",") if k.strip()] if args.metrics else None
+    unknown = [k for k in chosen or () if k not in METRICS]
+    if unknown:
+        raise ELFError(f"unknown metric {unknown[0]!r} in --metrics; use {', '.join(METRICS)}")
     out = output_file(args.out, "--out", overwrite=args.overwrite)
     samples = [r for path in args.samples for r in read_jsonl(path)]
     if not samples:
@@ -127,6 +121,7 @@ def run(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         bootstrap=args.bootstrap,
         seed=args.seed,
+        metrics=chosen,
     )
     write_metrics(out, metrics)
     print(summary(metrics))

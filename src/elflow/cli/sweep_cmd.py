@@ -34,7 +34,7 @@ from elflow.cli.common import (
 )
 from elflow.cli.score_cmd import add_judge_arguments, check_counts
 from elflow.errors import ELFError
-from elflow.evaluation.grid import AXES as GRID_AXES
+from elflow.evaluation.sweep_grid import AXES as GRID_AXES
 from elflow.io.paths import output_dir
 
 AXES = ("sampler", *(axis.field for axis in GRID_AXES))
@@ -71,7 +71,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def parse_grid(samplers: str, lists: dict[str, str | None]):
     """The grid's cells from the comma lists of ``--sampler`` and of each axis flag (``lists``:
     field -> text; None: the model's value)."""
-    from elflow.evaluation.grid import grid
+    from elflow.evaluation.sweep_grid import grid
 
     return grid(
         [name.strip() for name in samplers.split(",") if name.strip()],

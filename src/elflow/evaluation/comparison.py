@@ -20,9 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from elflow.errors import ELFError
-
-SETTINGS = ("sampler", "steps", "nfe", "gamma", "gamma_schedule", "w", "project_from")
-"""Cell settings a comparison may require to agree (``same=``)."""
+from elflow.evaluation.sweep_grid import row_settings
 
 
 @dataclass(frozen=True)
@@ -50,7 +48,7 @@ def _from_metrics(result: str, cell: str, m: dict, settings: dict) -> Scored:
     if "gen_ppl" not in m or "entropy" not in m:
         raise ELFError(f"{result}: no gen_ppl and entropy (scored without a judge?)")
     lo, hi = (m.get("gen_ppl_ci") or [None, None])[:2]
-    shown = {k: "" if settings.get(k) is None else str(settings[k]) for k in SETTINGS}
+    shown = {k: "" if settings.get(k) is None else str(settings[k]) for k in row_settings()}
     return Scored(
         result,
         cell,
@@ -86,7 +84,7 @@ def load_result(path: str | Path) -> list[Scored]:
                 _num(r.get("gen_ppl_lo")),
                 _num(r.get("gen_ppl_hi")),
                 _num(r.get("entropy")),
-                {k: r.get(k, "") for k in SETTINGS},
+                {k: r.get(k, "") for k in row_settings()},
                 r.get("num_samples", ""),
             )
             for r in rows
@@ -151,9 +149,10 @@ def compare(
     """Every result against every later one (one result: its cells against each other)."""
     if tolerance < 0 or not math.isfinite(tolerance):
         raise ELFError(f"tolerance= must be a finite number >= 0, got {tolerance}")
-    unknown = [k for k in same if k not in SETTINGS]
+    settings = row_settings()  # what a cell records, and so may be required to agree
+    unknown = [k for k in same if k not in settings]
     if unknown:
-        raise ELFError(f"{unknown[0]!r} in same= is not a cell setting; use {', '.join(SETTINGS)}")
+        raise ELFError(f"{unknown[0]!r} in same= is not a cell setting; use {', '.join(settings)}")
     if len(results) == 1:
         cells = results[0]
         name = cells[0].result if cells else ""

@@ -26,14 +26,6 @@ from elflow.evaluation.copying import words
 
 DISTINCT_ORDERS = (1, 2, 3)
 REP_ORDER = 4
-KEYS = (
-    *(f"distinct_{n}" for n in DISTINCT_ORDERS),
-    f"rep_{REP_ORDER}",
-    "self_bleu",
-    "empty_share",
-    "duplicate_share",
-)
-"""What :func:`diversity` returns."""
 
 
 def _ngrams(tokens: Sequence[str], n: int) -> list[tuple[str, ...]]:
@@ -122,7 +114,8 @@ def duplicate_share(texts: Sequence[str]) -> float:
 
 
 def diversity(texts: Sequence[str]) -> dict[str, float]:
-    """Every number of :data:`KEYS` for ``texts``."""
+    """This module's numbers for ``texts`` at once (``elflow score`` computes each as a metric of
+    :data:`elflow.evaluation.metric_table.METRICS`)."""
     kept = _non_empty(texts)
     rep = repeated_ngrams(kept)
     return {

@@ -19,51 +19,59 @@ from pathlib import Path
 from typing import Any
 
 from elflow.evaluation.comparison import Scored, separation
+from elflow.evaluation.metric_table import METRICS, Metric
+from elflow.evaluation.sweep_grid import row_settings
 
-SETTING_COLUMNS = ("sampler", "steps", "nfe", "gamma", "gamma_schedule", "w", "project_from")
-"""The sampler settings of a row; a new grid axis adds its field here."""
-SEED_METRICS = ("gen_ppl", "entropy", "mauve")
-"""Metrics whose between-seed mean and spread get columns."""
-SPREAD_COLUMNS = tuple(f"{k}_seed_{s}" for k in SEED_METRICS for s in ("mean", "sd"))
-METRIC_COLUMNS = (
-    "gen_ppl",
-    "gen_ppl_lo",
-    "gen_ppl_hi",
-    "entropy",
-    "entropy_lo",
-    "entropy_hi",
-    "mauve",
-    *SPREAD_COLUMNS,
-    "distinct_1",
-    "distinct_2",
-    "distinct_3",
-    "rep_4",
-    "self_bleu",
-    "empty_share",
-    "duplicate_share",
-    "num_seeds",
-    "num_samples",
-    "num_empty",
-    "seconds",
-    "bleu",
-    "rougeL",
-)
-COLUMNS = ("cell", *SETTING_COLUMNS, *METRIC_COLUMNS)
-"""The columns of ``table.csv``."""
-OPTIONAL = ("mauve", "bleu", "rougeL", *SPREAD_COLUMNS)
-"""Columns left empty (not NaN) when a sweep does not compute them."""
+COUNT_COLUMNS = ("num_seeds", "num_samples", "num_empty", "seconds")
+
+
+def _own_columns(metrics: Sequence[Metric]) -> list[str]:
+    return [c for m in metrics for c in (m.name, *(f"{m.name}_lo", f"{m.name}_hi") * m.table_ci)]
+
+
+def metric_columns() -> tuple[str, ...]:
+    """The metric columns of ``table.csv`` (:data:`METRICS` with ``table``): the judge's metrics
+    (with ``_lo``/``_hi`` where ``table_ci``), the seed spreads (``table_seeds``), the
+    judge-free metrics, the counts, then the metrics against references."""
+    shown = [m for m in METRICS.values() if m.table]
+    spreads = [f"{m.name}_seed_{s}" for m in shown if m.table_seeds for s in ("mean", "sd")]
+    return (
+        *_own_columns([m for m in shown if m.needs in ("judge", "reference")]),
+        *spreads,
+        *_own_columns([m for m in shown if not m.needs]),
+        *COUNT_COLUMNS,
+        *_own_columns([m for m in shown if m.needs == "refs"]),
+    )
+
+
+def optional_columns() -> set[str]:
+    """Columns left empty (not NaN) when a sweep does not compute them: the metrics needing real
+    text or references, and the seed spreads."""
+    shown = [m for m in METRICS.values() if m.table]
+    optional = set(_own_columns([m for m in shown if m.needs in ("reference", "refs")]))
+    return optional | {c for c in metric_columns() if "_seed_" in c}
+
+
+def table_columns() -> tuple[str, ...]:
+    """The columns of ``table.csv``: the cell, its settings, its metrics."""
+    return ("cell", *row_settings(), *metric_columns())
+
+
+COLUMNS = table_columns()
+"""The columns of ``table.csv`` with the built-in samplers and metrics (:func:`table_columns`
+reads the registries when called)."""
 
 
 def table_row(name: str, settings: dict, metrics: dict, seconds: float | None) -> dict:
     """One row of ``table.csv`` (NaN where a metric was not computed, empty where it does not
     apply: no ``--reference``, no ``--refs``, one seed)."""
-    nan = math.nan
-    lo, hi = metrics.get("gen_ppl_ci", [nan, nan])
-    elo, ehi = metrics.get("entropy_ci", [nan, nan])
+    optional = optional_columns()
     row: dict[str, Any] = {"cell": name}
-    row |= {k: "" if settings.get(k) is None else settings[k] for k in SETTING_COLUMNS}
-    row |= {k: metrics.get(k, "" if k in OPTIONAL else nan) for k in METRIC_COLUMNS}
-    row |= {"gen_ppl_lo": lo, "gen_ppl_hi": hi, "entropy_lo": elo, "entropy_hi": ehi}
+    row |= {k: "" if settings.get(k) is None else settings[k] for k in row_settings()}
+    row |= {k: metrics.get(k, "" if k in optional else math.nan) for k in metric_columns()}
+    for m in (m for m in METRICS.values() if m.table and m.table_ci):
+        missing = "" if f"{m.name}_lo" in optional else math.nan
+        row[f"{m.name}_lo"], row[f"{m.name}_hi"] = metrics.get(f"{m.name}_ci", [missing] * 2)
     row["num_seeds"] = len(metrics.get("seeds") or [0])
     row["num_samples"] = metrics.get("num_samples", "")
     row["num_empty"] = metrics.get("num_empty", "")
@@ -123,7 +131,7 @@ def write_tables(folder: Path, rows: list[dict], protocol: str, notes: Sequence[
     """``table.csv`` (every column) and ``table.md`` (the columns a reader compares, then the
     protocol, ``notes`` and the separability line)."""
     with (folder / "table.csv").open("w", newline="", encoding="utf-8") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer = csv.DictWriter(f, fieldnames=table_columns())
         writer.writeheader()
         writer.writerows(rows)
     refs = any(r["bleu"] != "" for r in rows)  # scored against --refs: BLEU and ROUGE-L too

@@ -16,7 +16,6 @@ seeds (:mod:`~elflow.evaluation.seeds`). References for BLEU/ROUGE: :mod:`~elflo
 from __future__ import annotations
 
 import json
-import math
 import os
 from collections.abc import Sequence
 from importlib.metadata import PackageNotFoundError, version
@@ -26,39 +25,20 @@ from typing import Any
 import numpy as np
 
 from elflow.errors import ELFError
-from elflow.evaluation.diversity import KEYS as DIVERSITY_KEYS
-from elflow.evaluation.diversity import diversity
 from elflow.evaluation.judge import Judge, load_judge
 from elflow.evaluation.judge_protocol import DEFAULT_JUDGE, PROTOCOLS
-from elflow.evaluation.mauve import mauve
+from elflow.evaluation.metric_table import METRICS, Metric
 from elflow.evaluation.refs import align_refs, read_refs
+from elflow.evaluation.sample_stats import SampleStats
 from elflow.evaluation.seeds import seed_groups, spread
-from elflow.evaluation.text_metrics import (
-    ROUGE_TYPES,
-    bleu,
-    bleu_from_stats,
-    bootstrap_ci,
-    gen_ppl,
-    is_empty,
-    ppl_from_sums,
-    rouge_per_example,
-    unigram_entropies,
-)
+from elflow.evaluation.text_metrics import bootstrap_ci, gen_ppl, unigram_entropies
 from elflow.io.jsonl import finite_or_null
 
 __all__ = ["align_refs", "read_refs", "reference_features", "score_samples", "write_metrics"]
 
-SEED_KEYS = (
-    "gen_ppl",
-    "entropy",
-    "mean_length",
-    "mauve",
-    *DIVERSITY_KEYS,
-    "bleu",
-    "bleu_cased",
-    *ROUGE_TYPES,
-)
-"""The metrics summarised across seeds (``<key>_seed_mean``, ``<key>_seed_sd``)."""
+SEED_KEYS = tuple(METRICS)
+"""The metrics summarised across seeds (``<key>_seed_mean``, ``<key>_seed_sd``): every metric of
+:data:`~elflow.evaluation.metric_table.METRICS` (as imported; scoring reads the table live)."""
 
 
 def _texts(rows: Sequence[Any], what: str) -> list[str]:
@@ -76,10 +56,6 @@ def library_versions() -> dict[str, str | None]:
         except PackageNotFoundError:
             out[name] = None
     return out
-
-
-def _ci(stats: np.ndarray, fn, n: int, seed: int) -> list[float]:
-    return list(bootstrap_ci(stats, fn, n_resamples=n, seed=seed))
 
 
 def reference_features(
@@ -101,47 +77,20 @@ def reference_features(
     return res.features
 
 
-class _PerSample:
-    """What each sample contributes, so that any subset (a seed) is summarised without running
-    the judge again."""
+def _selected(metrics: Sequence[str] | None) -> list[Metric]:
+    """The metrics to compute, in table order (None: all)."""
+    if metrics is None:
+        return list(METRICS.values())
+    for name in metrics:
+        if name not in METRICS:
+            raise ELFError(f"unknown metric {name!r} in metrics=; use {', '.join(METRICS)}")
+    return [m for m in METRICS.values() if m.name in metrics]
 
-    def __init__(self, texts: list[str]):
-        self.texts = texts
-        self.empty = np.array([is_empty(t) for t in texts], dtype=bool)
-        self.kept = np.flatnonzero(~self.empty)  # sample index of each judged row
-        self.ppl = None  # PPLResult over the kept samples
-        self.entropy = None  # (K,) over the kept samples
-        self.aggregate = "corpus"
-        self.features = None  # (K, D)
-        self.reference = None  # (M, D) real text's features
-        self.bleu_stats: dict[str, np.ndarray] = {}  # (N, 10) lowercased / cased
-        self.rouge: dict[str, np.ndarray] = {}  # (N,) per type
 
-    def summary(self, idx: np.ndarray, seed: int) -> dict[str, Any]:
-        """Every metric over samples ``idx``."""
-        texts = [self.texts[i] for i in idx]
-        out: dict[str, Any] = {
-            "num_samples": len(idx),
-            "num_empty": int(self.empty[idx].sum()),
-        }
-        rows = np.flatnonzero(np.isin(self.kept, idx))  # judged rows of these samples
-        if self.ppl is not None:
-            out["gen_ppl"] = ppl_from_sums(
-                self.ppl.nll[rows], self.ppl.counts[rows], self.aggregate
-            )
-            out["entropy"] = float(self.entropy[rows].mean()) if len(rows) else math.nan
-            # Per sample, an empty one counting 0: a model that writes empties is not "longer".
-            out["mean_length"] = float(self.ppl.lengths[rows].sum()) / len(idx)
-        if self.reference is not None:
-            feats = self.features[rows]
-            enough = len(rows) > 1
-            out["mauve"] = mauve(feats, self.reference, seed=seed).mauve if enough else math.nan
-        out |= diversity(texts)
-        for key, stats in self.bleu_stats.items():
-            out[key] = bleu_from_stats(stats[idx], lowercase=key == "bleu")
-        for key, values in self.rouge.items():
-            out[key] = float(values[idx].mean())
-        return out
+def _summary(stats: SampleStats, chosen: Sequence[Metric], idx: np.ndarray, seed: int) -> dict:
+    """Every chosen metric that its inputs allow, over samples ``idx``."""
+    out: dict[str, Any] = {"num_samples": len(idx), "num_empty": int(stats.empty[idx].sum())}
+    return out | {m.name: m.value(stats, idx, seed) for m in chosen if stats.has(m.needs)}
 
 
 def score_samples(
@@ -154,6 +103,7 @@ def score_samples(
     batch_size: int = 16,
     bootstrap: int = 1000,
     seed: int = 0,
+    metrics: Sequence[str] | None = None,
 ) -> dict[str, Any]:
     """Flat metrics of `samples` (dicts with `text`) plus a `protocol` card (spec §6).
 
@@ -164,8 +114,10 @@ def score_samples(
     percentile-bootstrap interval (`bootstrap` resamples; 0: none). Samples of several seeds
     (each record's `seed`) add `seeds`, `per_seed` and `<metric>_seed_mean` / `_seed_sd`; the
     flat metrics and intervals are then those of all seeds' samples pooled. `seed` seeds the
-    bootstrap and MAUVE's k-means.
+    bootstrap and MAUVE's k-means. `metrics` names the metrics to compute (default: every one of
+    :data:`~elflow.evaluation.metric_table.METRICS`); the judge runs only for those that need it.
     """
+    chosen = _selected(metrics)
     if protocol not in PROTOCOLS:
         raise ELFError(f"unknown protocol '{protocol}'; use one of {', '.join(PROTOCOLS)}")
     spec = PROTOCOLS[protocol]
@@ -173,7 +125,16 @@ def score_samples(
     if not texts:
         raise ELFError("no samples to score")
     groups = seed_groups(samples)
-    per = _PerSample(texts)
+    ref_texts = None
+    if refs is not None:
+        _texts(refs, "reference")
+        ref_texts = align_refs(samples, refs)
+    stats = SampleStats(texts, ref_texts)
+    needs = {m.needs for m in chosen}
+    if not needs & {"judge", "reference"}:
+        judge = None  # nothing chosen needs it
+    if "reference" not in needs:
+        reference = None
     card: dict[str, Any] = {
         "name": protocol,
         "description": spec.description,
@@ -192,7 +153,7 @@ def score_samples(
         j = load_judge(judge) if isinstance(judge, str) else judge
         if reference is not None and not isinstance(reference, np.ndarray):
             reference = reference_features(reference, j, protocol, batch_size)
-        per.ppl = gen_ppl(
+        stats.ppl = gen_ppl(
             texts,
             j,
             dtype=spec.dtype,
@@ -202,8 +163,9 @@ def score_samples(
             aggregate=spec.aggregate,
             features=reference is not None,
         )
-        per.aggregate, per.features, per.reference = spec.aggregate, per.ppl.features, reference
-        per.entropy = unigram_entropies(texts, j.tokenizer)
+        stats.aggregate, stats.features = spec.aggregate, stats.ppl.features
+        stats.reference = reference
+        stats.entropy = unigram_entropies(texts, j.tokenizer)
         card.update(
             judge=j.name,
             judge_revision=j.revision,
@@ -214,8 +176,8 @@ def score_samples(
             eos_slot_scored=spec.score_eos,
             aggregate=spec.aggregate,
             truncation=j.max_length,
-            num_truncated=per.ppl.num_truncated,
-            num_scored_tokens=per.ppl.num_tokens,
+            num_truncated=stats.ppl.num_truncated,
+            num_scored_tokens=stats.ppl.num_tokens,
         )
         if reference is not None:
             card["mauve"] = (
@@ -224,46 +186,38 @@ def score_samples(
                 f"{len(reference)} real texts"
             )
 
-    if refs is not None:
-        _texts(refs, "reference")
-        ref_texts = align_refs(samples, refs)
-        for key, lowercase in (("bleu", True), ("bleu_cased", False)):
-            b = bleu(texts, ref_texts, lowercase=lowercase)
-            per.bleu_stats[key] = b.stats
-            card[f"sacrebleu_signature{'' if lowercase else '_cased'}"] = b.signature
-        per.rouge = rouge_per_example(texts, ref_texts)
+    out = _summary(stats, chosen, np.arange(len(texts)), seed)
+    signatures = stats.bleu_signatures
+    for lowercase in (True, False):
+        if lowercase in signatures:
+            card[f"sacrebleu_signature{'' if lowercase else '_cased'}"] = signatures[lowercase]
+    if stats.rouge_computed:
         card["rouge"] = "rouge-score, use_stemmer=True, F-measure x100 mean over examples"
-
-    out = per.summary(np.arange(len(texts)), seed)
     card["num_empty"] = out["num_empty"]
-    if per.ppl is not None:
-        out["num_truncated"] = per.ppl.num_truncated
-        out["num_scored_tokens"] = per.ppl.num_tokens
+    if stats.ppl is not None:
+        out["num_truncated"] = stats.ppl.num_truncated
+        out["num_scored_tokens"] = stats.ppl.num_tokens
     if bootstrap:
-        out |= _intervals(per, spec.aggregate, bootstrap, seed)
+        out |= _intervals(stats, chosen, bootstrap, seed)
     if groups is not None:
-        by_seed = {str(s): per.summary(idx, seed) for s, idx in groups.items()}
+        by_seed = {str(s): _summary(stats, chosen, idx, seed) for s, idx in groups.items()}
         out["seeds"] = list(groups)
-        out |= spread(by_seed, SEED_KEYS)
+        out |= spread(by_seed, [m.name for m in chosen])
         out["per_seed"] = by_seed
         card["seeds"] = list(groups)
     out["protocol"] = card
     return out
 
 
-def _intervals(per: _PerSample, aggregate: str, n: int, seed: int) -> dict[str, list[float]]:
+def _intervals(
+    stats: SampleStats, chosen: Sequence[Metric], n: int, seed: int
+) -> dict[str, list[float]]:
     """95% percentile-bootstrap intervals over the (pooled) samples."""
     out = {}
-    if per.ppl is not None:
-        pairs = np.stack([per.ppl.nll, per.ppl.counts.astype(np.float64)], axis=1)  # (K, 2)
-        ratio = lambda s: ppl_from_sums(s[:, 0], s[:, 1], aggregate)
-        out["gen_ppl_ci"] = _ci(pairs, ratio, n, seed)
-        out["entropy_ci"] = _ci(per.entropy, np.mean, n, seed)
-    for key, stats in per.bleu_stats.items():
-        fn = lambda s, lc=key == "bleu": bleu_from_stats(s, lowercase=lc)
-        out[f"{key}_ci"] = _ci(stats, fn, n, seed)
-    for key, values in per.rouge.items():
-        out[f"{key}_ci"] = _ci(values, np.mean, n, seed)
+    for m in chosen:
+        if m.resample is not None and stats.has(m.needs):
+            rows, statistic = m.resample(stats)
+            out[f"{m.name}_ci"] = list(bootstrap_ci(rows, statistic, n_resamples=n, seed=seed))
     return out
 
 

@@ -1,9 +1,10 @@
 """A sweep's files: what it records, how it resumes, and its real-text reference (spec §5, §6).
 
-The grid (sampler x steps x w x gamma, axes as data) is :mod:`elflow.evaluation.grid`; the tables
-and plot are :mod:`elflow.evaluation.report_tables`. Each cell is exactly an ``elflow sample`` run
-(:func:`elflow.generation.records.sample_records`, the same seeds) followed by an ``elflow score``
-run (:func:`elflow.evaluation.score_samples`, spec §6), so a cell can be reproduced on its own.
+The grid (sampler x steps x w x gamma, axes as data) is :mod:`elflow.evaluation.sweep_grid`; the
+tables and plot are :mod:`elflow.evaluation.report_tables`. Each cell is exactly an
+``elflow sample`` run (:func:`elflow.generation.records.sample_records`, the same seeds) followed
+by an ``elflow score`` run (:func:`elflow.evaluation.score_samples`, spec §6), so a cell can be
+reproduced on its own.
 A sweep folder holds ``samples/<cell>.jsonl`` (every seed's records, in seed order),
 ``metrics/<cell>.json``, ``reference.jsonl`` (the real text as scored), ``table.csv``,
 ``table.md``, ``frontier.png`` and ``sweep.json`` (what a ``--resume`` must repeat, seeds
@@ -22,8 +23,8 @@ from typing import Any
 
 from elflow.config import SamplerConfig
 from elflow.errors import ELFError
-from elflow.evaluation.grid import AXES, Cell, grid
 from elflow.evaluation.report_tables import COLUMNS, fmt, plot_frontier, table_row, write_tables
+from elflow.evaluation.sweep_grid import AXES, Cell, grid
 from elflow.generation.records import source_fields
 from elflow.io.jsonl import read_jsonl
 

@@ -1,9 +1,9 @@
 """Run a sweep from Python: sample and score a grid of sampler settings into a folder.
 
 :func:`sweep` is what ``elflow sweep`` runs once it has read its flags: each cell (a
-:class:`elflow.evaluation.grid.Cell` and its :class:`elflow.SamplerConfig`) is sampled for every
-seed, written to ``OUT/samples/<cell>.jsonl``, scored into ``OUT/metrics/<cell>.json``, and the
-tables (``table.csv``, ``table.md``) and the frontier plot gathered at the end; with real
+:class:`elflow.evaluation.sweep_grid.Cell` and its :class:`elflow.SamplerConfig`) is sampled for
+every seed, written to ``OUT/samples/<cell>.jsonl``, scored into ``OUT/metrics/<cell>.json``, and
+the tables (``table.csv``, ``table.md``) and the frontier plot gathered at the end; with real
 ``reference`` text the real text gets its own row and each cell's MAUVE is measured against it.
 Under ``torchrun`` every process samples and process 0 scores.
 """
@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from elflow.config import SamplerConfig
-from elflow.evaluation.grid import Cell
+from elflow.evaluation.sweep_grid import Cell
 
 
 @dataclass(frozen=True)
@@ -154,8 +154,8 @@ class Sweep:
         from elflow.evaluation import score_samples
         from elflow.evaluation import sweep_plan as sw
         from elflow.evaluation.diversity import degenerate
-        from elflow.evaluation.report_tables import SETTING_COLUMNS
         from elflow.evaluation.scoring import write_metrics
+        from elflow.evaluation.sweep_grid import row_settings
         from elflow.generation.records import recorded_project_from, sample_records
         from elflow.io.jsonl import write_jsonl
         from elflow.runtime.distributed import broadcast_object
@@ -207,7 +207,7 @@ class Sweep:
         metrics = score_samples(
             records, refs=self.refs, reference=self.reference_features, **self.score
         )
-        settings = {k: records[0].get(k) for k in SETTING_COLUMNS}  # older files lack some
+        settings = {k: records[0].get(k) for k in row_settings()}  # older files lack some
         took = None if earlier else seconds  # a cell sampled in part earlier has no one time
         record = {**settings, "cell": cell.name, "seconds": took}
         write_metrics(metrics_file, {**metrics, "sweep": record})

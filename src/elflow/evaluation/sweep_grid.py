@@ -8,11 +8,12 @@ its parsing and its part of the cell names follow. Light: no torch, so the comma
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from elflow.config import SAMPLERS, unused_settings
+from elflow.config import SAMPLERS, SamplerConfig, sampler_own_settings, unused_settings
 from elflow.errors import ELFError
 
 
@@ -47,6 +48,23 @@ AXES: tuple[Axis, ...] = (
     Axis("gamma_schedule", str, "s", named_default=False),
 )
 """The grid's axes besides the sampler, in cell-name order."""
+
+
+SHOWN_SHARED = ("project_from",)
+"""Settings every cell of one sweep shares that its rows still show: projected sampling changes
+the text most, and results of several sweeps are compared on it (``elflow compare --same``)."""
+
+
+def row_settings() -> tuple[str, ...]:
+    """The sampler settings each sweep row records (table.csv, ``elflow compare --same``): the
+    sampler, the grid's axes, every sampler's own settings (``SamplerSpec.settings``) and
+    :data:`SHOWN_SHARED`, in :class:`SamplerConfig` field order, with ``nfe`` (network
+    evaluations per sample, what the steps cost) after ``steps``. Read when called, so a
+    sampler registered later brings its settings."""
+    shown = {a.field for a in AXES} | sampler_own_settings() | set(SHOWN_SHARED)
+    fields = [f.name for f in dataclasses.fields(SamplerConfig) if f.name in shown]
+    after = fields.index("steps") + 1
+    return ("sampler", *fields[:after], "nfe", *fields[after:])
 
 
 def _show(value: Any) -> str:
