@@ -22,10 +22,11 @@ from elflow.config.run_presets import preset
 from elflow.data.rows import build_dataset
 from elflow.distill.curriculum import teacher_objective
 from elflow.generation.pipeline import ELFPipeline, model_encoder
-from elflow.objective import elf_loss, sample_draws_keyed
+from elflow.objective import elf_loss
 from elflow.train.batches import make_batch
 from elflow.train.forward import TrainForward
 from elflow.train.heldout import HeldOutSplit, RowSubset, heldout_loss, spread_rows
+from elflow.train.objective_draws import sample_draws_keyed
 from elflow.train.resume import model_encoder_config
 from elflow.train.step import ELFObjective
 

@@ -21,8 +21,9 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from elflow.config import ObjectiveConfig, model_preset
 from elflow.model import build_model, count_parameters
-from elflow.objective import Batch, elf_loss, sample_draws
+from elflow.objective import Batch, elf_loss
 from elflow.train.forward import TrainForward
+from elflow.train.objective_draws import sample_draws
 
 SIZES = {
     # name: (model preset, E, V, L, B)

@@ -39,10 +39,11 @@ def one(
 ) -> dict:
     from elflow.config import ObjectiveConfig, model_preset
     from elflow.model import build_model
-    from elflow.objective import Batch, elf_loss, sample_draws_keyed
+    from elflow.objective import Batch, elf_loss
     from elflow.runtime.hardware import cpu_has_native_bf16
     from elflow.train.ema import EMA
     from elflow.train.forward import TrainForward
+    from elflow.train.objective_draws import sample_draws_keyed
     from elflow.train.optim import OptimConfig, build_optimizer, resolve_ns_dtype, set_lr
 
     preset, E, V, L, B = SIZES[size]

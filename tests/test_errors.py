@@ -7,10 +7,10 @@ import torch
 
 from elflow import Batch, ELFError, ObjectiveConfig, SamplerConfig, build_model, elf_loss
 from elflow.config import elf_tiny
-from elflow.objective import sample_draws
 from elflow.sampling import Condition, sample_generators
 from elflow.sampling.denoiser import sample_model
 from elflow.train.forward import TrainForward
+from elflow.train.objective_draws import sample_draws
 
 CFG = elf_tiny(encoder_dim=8, vocab_size=20, max_length=8)
 

@@ -9,8 +9,9 @@ from torch.testing import assert_close
 
 from elflow.config import ObjectiveConfig, elf_tiny
 from elflow.model import ELF, build_model
-from elflow.objective import Batch, Draws, elf_loss, sample_draws
+from elflow.objective import Batch, elf_loss
 from elflow.train.forward import TrainForward
+from elflow.train.objective_draws import Draws, sample_draws
 
 E, V, L, B = 8, 20, 10, 6
 

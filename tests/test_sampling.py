@@ -12,8 +12,6 @@ from elflow.config import SamplerConfig, elf_tiny
 from elflow.errors import ELFError
 from elflow.flow import uniform_grid, velocity
 from elflow.model import ELF, build_model
-from elflow.sampling.denoiser import decode_tokens, make_denoiser, sample_model
-from elflow.sampling.projection import Projection, project_denoiser, text_rows
 from elflow.sampling import (
     Condition,
     heun_step,
@@ -21,6 +19,8 @@ from elflow.sampling import (
     sample_generators,
     sde_step,
 )
+from elflow.sampling.denoiser import decode_tokens, make_denoiser, sample_model
+from elflow.sampling.projection import Projection, project_denoiser, text_rows
 
 E, V, L = 8, 20, 6
 

@@ -16,9 +16,10 @@ from elflow.config import ObjectiveConfig, elf_tiny
 from elflow.config.train_config import RunConfig, TrainConfig, apply_overrides, run_config_from_dict
 from elflow.errors import ELFError
 from elflow.model import Attention, DecoderHead, build_model, rope_tables
-from elflow.objective import Batch, keyed_row_draws
+from elflow.objective import Batch
 from elflow.runtime.fused_head_loss import linear_cross_entropy
 from elflow.train.forward import TrainForward
+from elflow.train.objective_draws import keyed_row_draws
 from elflow.train.step import ELFObjective
 
 E, V, L, B = 8, 20, 10, 6

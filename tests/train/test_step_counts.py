@@ -13,7 +13,7 @@ import torch
 
 from elflow.config import ObjectiveConfig, elf_b, elf_tiny
 from elflow.model import build_model
-from elflow.objective import Batch, RowPlan, elf_loss, sample_draws, sample_draws_keyed
+from elflow.objective import Batch, elf_loss
 from elflow.runtime.profiling import OpCounter, optimizer_host_tensors
 from elflow.train.flops import (
     encoder_flops_per_token,
@@ -26,6 +26,7 @@ from elflow.train.flops import (
 )
 from elflow.train.forward import TrainForward
 from elflow.train.muon import assign_owners, newton_schulz_flops
+from elflow.train.objective_draws import RowPlan, sample_draws, sample_draws_keyed
 from tests.train_helpers import run_config, train_cli
 
 E, V, L = 8, 20, 10
@@ -201,7 +202,8 @@ def _draws(B):
 def _counted_step(cfg, draws, procedure="efficient", plan=None, checkpointing=False):
     """Counted FLOPs of one step of ``procedure``, with ``plan`` (a padded one, as
     ``train.compile=step`` makes) instead of the draws' own."""
-    from elflow.objective import BranchRows, branch_loss
+    from elflow.objective import branch_loss
+    from elflow.train.objective_draws import BranchRows
 
     torch.manual_seed(0)
     B = draws.t.shape[0]
@@ -258,7 +260,7 @@ def test_expected_padding_is_the_binomial_expectation():
 
 
 def test_executed_flops_count_the_compiled_steps_padding_and_the_recomputed_blocks():
-    from elflow.objective import RowPlan
+    from elflow.train.objective_draws import RowPlan
 
     B = 6
     cfg = elf_tiny(encoder_dim=E, vocab_size=V, max_length=12)

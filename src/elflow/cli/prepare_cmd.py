@@ -13,8 +13,8 @@ import os
 import sys
 from pathlib import Path
 
-from elflow.config.data_config import FORMATS, DataConfig
 from elflow.config import field_docs
+from elflow.config.data_config import FORMATS, DataConfig
 from elflow.errors import ELFError, Interrupted
 
 

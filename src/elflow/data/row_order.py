@@ -1,12 +1,13 @@
 """Deterministic, resumable example order and per-example random draws keyed by position (§10).
 
 Training consumes an infinite *stream* of rows: stream position p lies in epoch e = p // N and is
-row ``perm_e[p % N]``, where perm_e is a permutation drawn from a generator seeded by (seed, e).
-The order is a pure function of (seed, position), so resuming at a saved position replays exactly
-what an uninterrupted run would have seen. Global batch g covers positions [g*G, (g+1)*G); under N
+row ``perm_e[p % N]``, where perm_e is a permutation drawn from a generator seeded by (seed, e). The
+order is a pure function of (seed, position), so resuming at a saved position replays exactly what
+an uninterrupted run would have seen. Global batch g covers positions [g*G, (g+1)*G); under N
 processes rank r takes a contiguous slice and gradient accumulation splits that slice further, so
 any (world size, accumulation) reproduces the one-process batch. Random draws tied to an example
-(label drop) are keyed by (seed, salt, position) (:mod:`elflow.runtime.keyed_random`), independent of batching.
+(label drop) are keyed by (seed, salt, position) (:mod:`elflow.runtime.keyed_random`), independent
+of batching.
 """
 
 from __future__ import annotations

@@ -1,14 +1,14 @@
 """Tokenising a corpus in shards, in parallel and resumably (``elflow prepare --workers N``).
 
-The documents are read in order and cut into shards of about ``shard_bytes`` of text. Each shard
-is tokenised by one of ``workers`` processes (:class:`concurrent.futures.ProcessPoolExecutor`),
-which writes it as a small token table (:mod:`elflow.data.token_tables`) into ``FOLDER/shards/`` under
-a temporary name and renames it when complete; at most two shards per worker are in flight, so
-memory does not grow with the corpus. When every shard is there, they are concatenated in order
-into the folder's tables. A run that was killed keeps its finished shards: run again with the
-same plan (input, tokenizer, reading settings: ``plan.json``), it reads past them without
-tokenising them again. The result is the same file, byte for byte, whatever the number of
-workers and however often the run was interrupted.
+The documents are read in order and cut into shards of about ``shard_bytes`` of text. Each shard is
+tokenised by one of ``workers`` processes (:class:`concurrent.futures.ProcessPoolExecutor`), which
+writes it as a small token table (:mod:`elflow.data.token_tables`) into ``FOLDER/shards/`` under a
+temporary name and renames it when complete; at most two shards per worker are in flight, so memory
+does not grow with the corpus. When every shard is there, they are concatenated in order into the
+folder's tables. A run that was killed keeps its finished shards: run again with the same plan
+(input, tokenizer, reading settings: ``plan.json``), it reads past them without tokenising them
+again. The result is the same file, byte for byte, whatever the number of workers and however often
+the run was interrupted.
 """
 
 from __future__ import annotations

@@ -21,20 +21,16 @@ from elflow.config.objective_config import ObjectiveConfig
 from elflow.distill.distill_config import DistillConfig
 from elflow.errors import ELFError, check_finite
 from elflow.flow import euler_step, interpolate, logit_normal, velocity
-from elflow.objective import (
-    Batch,
-    Draws,
-    Forward,
-    RowPlan,
-    batch_latents,
-    host_index,
-    nograd_prediction,
-    sample_draws,
-    sample_draws_keyed,
-    token_cross_entropy,
-)
+from elflow.objective import Batch, Forward, batch_latents, nograd_prediction, token_cross_entropy
 from elflow.runtime.keyed_random import host_normal
 from elflow.sampling.projection import Project
+from elflow.train.objective_draws import (
+    Draws,
+    RowPlan,
+    host_index,
+    sample_draws,
+    sample_draws_keyed,
+)
 
 MIN_SPAN = 1e-3
 """Below this student step size the x-target is the teacher's last x-prediction (ELF_SPEC §8)."""
@@ -98,8 +94,8 @@ def sample_distill_draws(
 ) -> DistillDraws:
     """Draw every random quantity of the distillation objective from ``generator``.
 
-    The §3 draws come first, in :func:`elflow.objective.sample_draws`'s order (its t is u here),
-    then the K - 1 interior sub-step times.
+    The §3 draws come first, in :func:`elflow.train.objective_draws.sample_draws`'s order (its t is
+    u here), then the K - 1 interior sub-step times.
     """
     d = sample_draws(batch, length, dim, cfg, generator, device)
     inner = torch.randn(batch, K - 1, generator=generator, device=device)
@@ -123,7 +119,8 @@ def sample_distill_draws_keyed(
 ) -> DistillDraws:
     """Draws for the examples at stream ``positions``: each row's depend only on (seed, its
     position), so N processes or gradient accumulation see the draws of one process (ELF_SPEC
-    §10): :func:`elflow.objective.sample_draws_keyed`'s, and the K - 1 interior times."""
+    §10): :func:`~elflow.train.objective_draws.sample_draws_keyed`'s, and the K - 1 interior
+    times."""
     pos = np.asarray(positions, dtype=np.int64).reshape(-1)
     d = sample_draws_keyed(pos, length, dim, cfg, seed, device)
     inner = np.zeros((len(pos), K - 1), dtype=np.float32)

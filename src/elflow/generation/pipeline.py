@@ -22,8 +22,8 @@ from elflow.errors import ELFError
 from elflow.generation.engine import infill_batch, make_rows, run_rows
 from elflow.generation.infill import InfillRequest, as_requests
 from elflow.generation.infill_texts import fill_vocabulary
-from elflow.generation.model_folder import ModelFolderMixin
 from elflow.generation.outputs import Generation, Infilled
+from elflow.generation.pipeline_export import ModelFolderMixin
 from elflow.generation.request_checks import (
     check_batch_size,
     check_device,

@@ -1,1 +1,2 @@
-"""Where elflow runs: devices and precision, distributed processes, the bf16 fast path, the fused head loss, keyed randomness, profiling."""
+"""Where elflow runs: devices and precision, distributed processes, the bf16 fast path, the fused
+head loss, keyed randomness, profiling, lazy exports."""

@@ -6,7 +6,8 @@ losses, a distillation teacher), :func:`forward` runs :meth:`ELF.embed`, then ev
 Linear, pre-packed by oneDNN on a CPU), then :meth:`ELF.heads`; anywhere else it is the plain
 ``model(...)``. The matmuls and attention run in bf16, the residual stream, RMSNorms and RoPE in
 fp32 (spec §3); outputs are tested against fp32 and per-op autocast. One switch turns it off:
-``ELFLOW_FAST_BF16=0`` (:func:`enabled`). :mod:`elflow.sampling.denoiser` applies it; ``ELF`` never does.
+``ELFLOW_FAST_BF16=0`` (:func:`enabled`). :mod:`elflow.sampling.denoiser` applies it; ``ELF`` never
+does.
 """
 
 from __future__ import annotations

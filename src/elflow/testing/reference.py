@@ -28,10 +28,11 @@ from elflow.io.official import (
     official_to_elflow,
 )
 from elflow.model import ELF
-from elflow.objective import Batch, Draws, elf_loss
+from elflow.objective import Batch, elf_loss
 from elflow.sampling import Condition, ode_step, sde_step
 from elflow.sampling.denoiser import decode_tokens, make_denoiser
 from elflow.train.forward import TrainForward
+from elflow.train.objective_draws import Draws
 
 BUNDLED_FIXTURE = Path(__file__).resolve().parent / "fixtures" / "elf_reference_tiny.safetensors"
 """The reference fixture shipped with elflow (``elflow check-fixture`` with no argument)."""

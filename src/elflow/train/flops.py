@@ -127,7 +127,7 @@ def model_row_flops(
 
 def expected_padding(rows: int, p: float, minimum: int) -> float:
     """Expected rows a compiled step adds to a branch of ``rows`` rows each taken with
-    probability ``p`` to reach ``minimum`` (:meth:`elflow.objective.RowPlan.padded`)."""
+    probability ``p`` to reach ``minimum`` (:meth:`elflow.train.objective_draws.RowPlan.padded`)."""
     if rows <= 0 or minimum <= 0:
         return 0.0
     return sum(

@@ -17,8 +17,8 @@ from elflow.io import train_state
 from elflow.io.official import load_state_dict_strict
 from elflow.model import ELF, build_model
 from elflow.runtime.distributed import DistInfo, group_up, parallelize
-from elflow.sampling.denoiser import TrainForward
 from elflow.train.ema import EMA
+from elflow.train.forward import TrainForward
 from elflow.train.optim import build_optimizer
 
 

@@ -46,7 +46,6 @@ from elflow.text.encoder import FrozenEncoder, load_encoder
 from elflow.text.tokenizer import load_tokenizer
 from elflow.text.tokens import TokenSpec, token_spec, vocab_hash
 from elflow.train.ema import EMA
-from elflow.train.forward import TrainForward
 from elflow.train.heldout import valid_rows
 from elflow.train.network_setup import build_network
 from elflow.train.optim import OptimConfig, resolve_ns_dtype
@@ -106,7 +105,7 @@ class Run:
     bf16: bool
     model: ELF
     forward: torch.nn.Module
-    """The :class:`TrainForward` around ``model``, wrapped for data parallelism."""
+    """``model`` in a ``train.forward.TrainForward``, wrapped for data parallelism."""
     ema: EMA
     optimizer: torch.optim.Optimizer
     start_step: int

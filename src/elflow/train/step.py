@@ -22,20 +22,17 @@ import torch
 from torch import Tensor
 
 from elflow.config.train_config import RunConfig
-from elflow.objective import (
-    Batch,
+from elflow.objective import Batch, LossOutput, branch_loss, elf_loss
+from elflow.runtime.distributed import all_reduce_sum, gradient_sync
+from elflow.train.batches import BatchLoader, HostBatch
+from elflow.train.objective_draws import (
     BranchRows,
     Draws,
-    LossOutput,
-    branch_loss,
-    elf_loss,
     host_index,
     keyed_device_draws,
     keyed_row_draws,
     sample_draws_keyed,
 )
-from elflow.runtime.distributed import all_reduce_sum, gradient_sync
-from elflow.train.batches import BatchLoader, HostBatch
 
 NUM_STATS = 5
 """A micro-batch's logging sums: l2 sum, ce sum, l2 tokens, ce tokens, non-finite latents."""
