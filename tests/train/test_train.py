@@ -164,7 +164,10 @@ def test_gradient_accumulation_equals_one_double_batch(tmp_path, assets):
 def test_two_processes_ddp_equal_one_and_resume(tmp_path, assets):
     cfg = run_config(assets, train={"eval_every": 3, "eval_rows": 7})  # 7 rows: 4 + 3 per rank
     assert train_cli(tmp_path, tmp_path / "single", cfg) == 0
-    torchrun(tmp_path, tmp_path / "ddp", cfg)
+    # The two processes save in the background (train.async_save): complete, and the same run.
+    asynchronous = {**cfg, "train": {**cfg["train"], "async_save": True}}
+    torchrun(tmp_path, tmp_path / "ddp", asynchronous)
+    assert not list((tmp_path / "ddp").glob(".tmp-*"))
     for step in (3, 6):
         assert_same(
             weights(tmp_path / "single" / f"checkpoint-{step}"),
@@ -196,12 +199,13 @@ def test_two_processes_ddp_equal_one_and_resume(tmp_path, assets):
     shutil.copytree(tmp_path / "ddp" / "checkpoint-3", tmp_path / "resumed" / "checkpoint-3")
     torchrun(tmp_path, tmp_path / "resumed", cfg)
     assert_same_checkpoint(tmp_path / "ddp" / "checkpoint-6", tmp_path / "resumed" / "checkpoint-6")
-    # Another number of processes (DDP): 2 -> 1 and 1 -> 2 continue the same run.
+    # Another number of processes (DDP): 2 -> 1 and 1 -> 4 continue the same run (four: the
+    # sharded train state read by more processes than ever wrote it).
     for run, source in (("shrunk", "ddp"), ("grown", "single")):
         (tmp_path / run).mkdir()
         shutil.copytree(tmp_path / source / "checkpoint-3", tmp_path / run / "checkpoint-3")
     assert train_cli(tmp_path, tmp_path / "shrunk", cfg) == 0
-    torchrun(tmp_path, tmp_path / "grown", cfg)
+    torchrun(tmp_path, tmp_path / "grown", cfg, 4)
     for run in ("shrunk", "grown"):
         assert_same_checkpoint(
             tmp_path / "single" / "checkpoint-6", tmp_path / run / "checkpoint-6", atol=1e-5
