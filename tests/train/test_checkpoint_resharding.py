@@ -14,6 +14,7 @@ import torch
 
 from tests.train_helpers import (
     assert_same_checkpoint,
+    heldout_lines,
     run_config,
     torchrun,
     train_cli,
@@ -37,21 +38,32 @@ def _resume(tmp: Path, source: Path, name: str, cfg: dict, nproc: int, steps: in
 @pytest.mark.dist
 def test_fsdp2_resumes_on_one_two_and_four_processes(tmp_path, assets):
     """One chain of resumes (a constant learning rate: a run's length changes nothing before its
-    end): 2 processes to step 3, then 2 -> 1 to step 6, 1 -> 2 to step 9, and 2 -> 4 from step 3
-    to 6, each within 1e-5 of the one-process run."""
+    end): 2 processes to step 3, then 2 -> 1 to step 6, 1 -> 2 to step 9 (with activation
+    checkpointing: the recomputed blocks re-gather their shards), and 2 -> 4 from step 3 to 6,
+    each within 1e-5 of the one-process run, and so are the held-out losses (steps 2, 4 and 8:
+    no save there; the sharded EMA gathered; 1 row leaves the other processes none)."""
+    held = {"eval_every": 2, "eval_rows": 1}
     straight = tmp_path / "single"
-    assert train_cli(tmp_path, straight, run_config(assets, train={**TRAIN, "max_steps": 9})) == 0
-    fsdp = run_config(assets, train={**TRAIN, "parallel": "fsdp2", "max_steps": 3})
+    single = run_config(assets, train={**TRAIN, **held, "max_steps": 9})
+    assert train_cli(tmp_path, straight, single) == 0
+    fsdp = run_config(assets, train={**TRAIN, **held, "parallel": "fsdp2", "max_steps": 3})
     torchrun(tmp_path, tmp_path / "two", fsdp, 2)
     middle = tmp_path / "two" / "checkpoint-3"
     assert_same_checkpoint(straight / "checkpoint-3", middle, 1e-5)
     # Two processes to one (FSDP2 over a mesh of one), and that one process's checkpoint to two.
     one = _resume(tmp_path, middle, "two-to-one", fsdp, 1, 6)
     assert_same_checkpoint(straight / "checkpoint-6", one, atol=1e-5)
-    end = _resume(tmp_path, one, "one-to-two", fsdp, 2, 9)
+    recompute = {**fsdp, "train": {**fsdp["train"], "activation_checkpointing": True}}
+    end = _resume(tmp_path, one, "one-to-two", recompute, 2, 9)
     assert_same_checkpoint(straight / "checkpoint-9", end, atol=1e-5)
     end = _resume(tmp_path, middle, "two-to-four", fsdp, 4, 6)
     assert_same_checkpoint(straight / "checkpoint-6", end, atol=1e-5)
+    losses = {x["step"]: x["train_rows_loss"] for x in heldout_lines(straight)}
+    runs = {"two": [2], "two-to-one": [4, 6], "one-to-two": [8, 9], "two-to-four": [4, 6]}
+    for run, steps in runs.items():  # (and each run's last step, not always the straight run's)
+        got = {x["step"]: x["train_rows_loss"] for x in heldout_lines(tmp_path / run)}
+        assert set(steps) <= set(got), (run, got)
+        assert [got[k] for k in steps] == pytest.approx([losses[k] for k in steps], rel=1e-4)
 
 
 def test_a_checkpoint_of_the_older_layout_still_resumes_bitwise(tmp_path, assets):
