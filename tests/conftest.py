@@ -78,7 +78,21 @@ def _fast_tier(config) -> bool:
     return not any("::" in a for a in config.args)
 
 
+def _longest_first(item) -> int:
+    """0: marked ``slow`` (compiles, whole demos, subprocess races), 1: ``e2e`` or ``docs``
+    (whole commands), 2: the rest."""
+    if item.get_closest_marker("slow"):
+        return 0
+    return 1 if item.get_closest_marker("e2e") or item.get_closest_marker("docs") else 2
+
+
 def pytest_collection_modifyitems(config, items):
+    if hasattr(config, "workerinput"):
+        # A pytest-xdist worker (the full tier's ``-n 2 --dist loadgroup``): the scheduler deals
+        # the tests out one by one in this order, so the longest go first and the many short
+        # ones fill in behind them (both workers end together; a 60 s test dealt last would run
+        # alone at the end). A stable sort: every worker collects the same order.
+        items.sort(key=_longest_first)
     if _fast_tier(config):
         full = [any(i.get_closest_marker(m) for m in FULL_TIER_ONLY) for i in items]
         if any(full):

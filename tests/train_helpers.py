@@ -120,12 +120,12 @@ def saved_weights(ckpt) -> dict:
     return load_file(ckpt / names[0])
 
 
-def torchrun(tmp: Path, out: Path, cfg: dict, nproc: int = 2, *extra: str) -> None:
-    """``elflow train`` on ``cfg`` under torchrun with ``nproc`` gloo processes."""
+def torchrun(tmp: Path, out: Path, cfg: dict, nproc: int = 2, *extra: str) -> str:
+    """``elflow train`` on ``cfg`` under torchrun with ``nproc`` gloo processes; its stdout."""
     path = tmp / f"cfg-{out.name}.json"
     path.write_text(json.dumps(cfg))
     argv = ["train", "--preset", "bible-tiny", "--out", str(out), "--config", str(path), *extra]
-    torchrun_elflow(argv, nproc)
+    return torchrun_elflow(argv, nproc).stdout
 
 
 def distill_cli(

@@ -3,26 +3,24 @@
 Run as ``python -m tests.dist.fsdp_muon OUT.pt`` from the repository root; it spawns 2 gloo
 processes on a CPU device mesh, trains 3 steps on the same global batches as
 :func:`train_reference`, and rank 0 writes the gathered full weights and EMA of each variant to OUT.
-The shared helpers (model, batches, loss, step loop) are imported by tests/train/test_optim.py, so the
-1-process reference runs exactly the same code.
+The shared helpers (model, batches, loss, step loop) are imported by tests/train/test_optim.py,
+so the 1-process reference runs exactly the same code (tests/dist/gloo_work.py launches it with
+muon_work's work).
 """
 
 from __future__ import annotations
 
-import os
 import sys
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tests.dist.launch import spawn_gloo
-
 from elflow.config import elf_tiny
-from elflow.train.ema import EMA
 from elflow.model import ELF, build_model
+from elflow.train.ema import EMA
 from elflow.train.optim import OptimConfig, build_optimizer, learning_rate, set_lr
+from tests.dist.launch import spawn_gloo
 
 WORLD_SIZE = 2
 STEPS = 3

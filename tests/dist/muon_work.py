@@ -8,17 +8,15 @@ test compares them with one process doing all the work.
 
 from __future__ import annotations
 
-import os
 import sys
 
 import torch
 import torch.distributed as dist
 from torch.utils.flop_counter import FlopCounterMode
 
+from elflow.train.muon import ShardedMuon
 from tests.dist.fsdp_muon import make_model
 from tests.dist.launch import spawn_gloo
-
-from elflow.train.muon import ShardedMuon
 
 WORLD_SIZE = 2
 STEPS = 2

@@ -74,3 +74,24 @@ def tiny_run(tmp_path_factory) -> TinyRun:
     finally:
         torch.set_num_threads(threads)
     return TinyRun(assets=assets, config=config, cfg=cfg, out=root / "run", last=last)
+
+
+@pytest.fixture(scope="session")
+def gloo_work(tmp_path_factory) -> dict:
+    """What ``tests.dist.gloo_work`` writes: muon_work's and fsdp_muon's results from one launch
+    of 2 gloo processes, shared by the tests that check them (marked ``dist``)."""
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path_factory.mktemp("gloo-work") / "results.pt"
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.dist.gloo_work", str(out)],
+        cwd=Path(__file__).resolve().parents[2],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return torch.load(out, weights_only=True)

@@ -1,6 +1,7 @@
 """Sharded checkpoints (torch.distributed.checkpoint) resume on another number of processes,
-DDP and FSDP2, continuing within 1e-5 of the uninterrupted run; checkpoints of elflow < 0.3
-(one file of state per process) still resume; async saves complete."""
+FSDP2 here (DDP's, with async saves on two processes: test_train.py's two-process test),
+continuing within 1e-5 of the uninterrupted run; checkpoints of elflow < 0.3 (one file of state
+per process) still resume; async saves complete."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 
 from tests.train_helpers import (
     assert_same_checkpoint,
+    heldout_lines,
     run_config,
     torchrun,
     train_cli,
@@ -23,48 +25,45 @@ pytestmark = pytest.mark.e2e  # whole training runs through the command line
 TRAIN = {"max_steps": 6, "save_every": 3, "global_batch": 4}
 
 
-def _resume(tmp: Path, source: Path, name: str, cfg: dict, nproc: int | None) -> Path:
-    """``source`` (a checkpoint folder) resumed to the end in a new run folder ``name``, on
-    ``nproc`` processes under torchrun (None: one process without it)."""
+def _resume(tmp: Path, source: Path, name: str, cfg: dict, nproc: int, steps: int) -> Path:
+    """``source`` (a checkpoint folder) resumed to step ``steps`` in a new run folder ``name``,
+    on ``nproc`` processes under torchrun; its last checkpoint."""
     run = tmp / name
     run.mkdir()
     shutil.copytree(source, run / source.name)
-    if nproc is None:
-        assert train_cli(tmp, run, cfg) == 0
-    else:
-        torchrun(tmp, run, cfg, nproc)
-    return run / "checkpoint-6"
+    torchrun(tmp, run, {**cfg, "train": {**cfg["train"], "max_steps": steps}}, nproc)
+    return run / f"checkpoint-{steps}"
 
 
 @pytest.mark.dist
 def test_fsdp2_resumes_on_one_two_and_four_processes(tmp_path, assets):
+    """One chain of resumes (a constant learning rate: a run's length changes nothing before its
+    end): 2 processes to step 3, then 2 -> 1 to step 6, 1 -> 2 to step 9 (with activation
+    checkpointing: the recomputed blocks re-gather their shards), and 2 -> 4 from step 3 to 6,
+    each within 1e-5 of the one-process run, and so are the held-out losses (steps 2, 4 and 8:
+    no save there; the sharded EMA gathered; 1 row leaves the other processes none)."""
+    held = {"eval_every": 2, "eval_rows": 1}
     straight = tmp_path / "single"
-    assert train_cli(tmp_path, straight, run_config(assets, train=TRAIN)) == 0
-    fsdp = run_config(assets, train={**TRAIN, "parallel": "fsdp2"})
+    single = run_config(assets, train={**TRAIN, **held, "max_steps": 9})
+    assert train_cli(tmp_path, straight, single) == 0
+    fsdp = run_config(assets, train={**TRAIN, **held, "parallel": "fsdp2", "max_steps": 3})
     torchrun(tmp_path, tmp_path / "two", fsdp, 2)
-    assert_same_checkpoint(straight / "checkpoint-6", tmp_path / "two" / "checkpoint-6", 1e-5)
     middle = tmp_path / "two" / "checkpoint-3"
-    for name, nproc in (("two-to-one", 1), ("two-to-four", 4)):
-        end = _resume(tmp_path, middle, name, fsdp, nproc)
-        assert_same_checkpoint(straight / "checkpoint-6", end, atol=1e-5)
-    # One process (FSDP2 over a mesh of one) to two.
-    torchrun(tmp_path, tmp_path / "one", {**fsdp, "train": {**fsdp["train"], "max_steps": 3}}, 1)
-    end = _resume(tmp_path, tmp_path / "one" / "checkpoint-3", "one-to-two", fsdp, 2)
+    assert_same_checkpoint(straight / "checkpoint-3", middle, 1e-5)
+    # Two processes to one (FSDP2 over a mesh of one), and that one process's checkpoint to two.
+    one = _resume(tmp_path, middle, "two-to-one", fsdp, 1, 6)
+    assert_same_checkpoint(straight / "checkpoint-6", one, atol=1e-5)
+    recompute = {**fsdp, "train": {**fsdp["train"], "activation_checkpointing": True}}
+    end = _resume(tmp_path, one, "one-to-two", recompute, 2, 9)
+    assert_same_checkpoint(straight / "checkpoint-9", end, atol=1e-5)
+    end = _resume(tmp_path, middle, "two-to-four", fsdp, 4, 6)
     assert_same_checkpoint(straight / "checkpoint-6", end, atol=1e-5)
-
-
-@pytest.mark.dist
-def test_ddp_resumes_on_four_processes(tmp_path, assets):
-    cfg = run_config(assets, train=TRAIN)
-    assert train_cli(tmp_path, tmp_path / "single", cfg) == 0
-    # Two processes saving in the background (train.async_save): complete, and the same run.
-    torchrun(tmp_path, tmp_path / "two", run_config(assets, train={**TRAIN, "async_save": True}), 2)
-    assert not list((tmp_path / "two").glob(".tmp-*"))
-    assert_same_checkpoint(
-        tmp_path / "single" / "checkpoint-6", tmp_path / "two" / "checkpoint-6", 1e-5
-    )
-    end = _resume(tmp_path, tmp_path / "two" / "checkpoint-3", "two-to-four", cfg, 4)
-    assert_same_checkpoint(tmp_path / "single" / "checkpoint-6", end, atol=1e-5)
+    losses = {x["step"]: x["train_rows_loss"] for x in heldout_lines(straight)}
+    runs = {"two": [2], "two-to-one": [4, 6], "one-to-two": [8, 9], "two-to-four": [4, 6]}
+    for run, steps in runs.items():  # (and each run's last step, not always the straight run's)
+        got = {x["step"]: x["train_rows_loss"] for x in heldout_lines(tmp_path / run)}
+        assert set(steps) <= set(got), (run, got)
+        assert [got[k] for k in steps] == pytest.approx([losses[k] for k in steps], rel=1e-4)
 
 
 def test_a_checkpoint_of_the_older_layout_still_resumes_bitwise(tmp_path, assets):

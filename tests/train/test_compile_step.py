@@ -191,6 +191,7 @@ def _assert_near(a: torch.Tensor, b: torch.Tensor, tol: float, name: str = "") -
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("compiled-step-fp32")  # one worker compiles fp32_run once
 def test_the_compiled_step_equals_the_eager_step_in_fp32(fp32_run):
     for (la, sa, ga), (lb, sb, gb) in zip(fp32_run["eager"], fp32_run["compiled"], strict=True):
         _assert_near(lb, la, 1e-5, "loss")
@@ -200,6 +201,7 @@ def test_the_compiled_step_equals_the_eager_step_in_fp32(fp32_run):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("compiled-step-fp32")  # one worker compiles fp32_run once
 def test_the_compiled_step_has_no_graph_break_and_no_recompile(fp32_run):
     assert fp32_run["graph_breaks"] == {}
     assert fp32_run["graphs_after_first"] == 1

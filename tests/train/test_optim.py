@@ -1,8 +1,4 @@
 import io
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,8 +20,6 @@ from elflow.train.optim import (
 )
 from tests.dist import fsdp_muon
 from tests.dist.fsdp_muon import loss_sum, make_batch, make_model, run_direct
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def _names(model: nn.Module, params: list[nn.Parameter]) -> set[str]:
@@ -313,19 +307,8 @@ def test_wide_fp32_newton_schulz_runs_on_the_gram_matrix_as_exactly_as_directly(
 
 @pytest.mark.dist
 @pytest.mark.slow
-def test_fsdp2_two_processes_match_one_process(tmp_path):
-    out = tmp_path / "fsdp.pt"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.dist.fsdp_muon", str(out)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    res = torch.load(out, weights_only=True)
+def test_fsdp2_two_processes_match_one_process(gloo_work):
+    res = gloo_work["fsdp_muon"]  # (tests/dist/fsdp_muon.py's, launched with muon_work's)
 
     # 1. ShardedMuon on DTensors with exactly the 1-process gradients: bitwise equal.
     clone = torch.Tensor.clone
