@@ -69,8 +69,8 @@ class Metric:
     def line(self) -> str:
         """Its help with which way is better and what it needs."""
         better = f"{self.better} is better" if self.better else "compare with real text"
-        needs = {"": "", "judge": "; judge", "reference": "; judge, --reference"}
-        return f"{self.help} ({better}{needs.get(self.needs, '; --refs')})"
+        needs = {"": "", "judge": "; judge", "reference": "; judge, reference texts"}
+        return f"{self.help} ({better}{needs.get(self.needs, '; reference set')})"
 
 
 def _mean(values: np.ndarray) -> float:
@@ -178,7 +178,7 @@ METRICS: dict[str, Metric] = {
     for m in (
         Metric(
             "gen_ppl",
-            "generative perplexity of the samples under the judge (--protocol)",
+            "generative perplexity of the samples under the judge (its protocol)",
             "lower",
             _gen_ppl,
             "judge",
