@@ -754,7 +754,7 @@ def section(name: str, report: dict, fn, *a):
 
 
 def run(args: argparse.Namespace) -> dict:
-    from elflow.config.train_config import COMPILE_MODES
+    from elflow.config.train_loop_config import COMPILE_MODES
     from elflow.runtime.hardware import peak_tflops
 
     shapes = DRY if args.cpu_dry_run else FULL
