@@ -158,7 +158,7 @@ def _step(objective, forward, batch, positions):
     return out.numerator.detach(), out.stats, grads
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # the tiers reorder tests: a module scope could rebuild it
 def fp32_run():
     """Ten eager and ten compiled fp32 micro-batches, and dynamo's counters over the compiled."""
     from torch._dynamo.utils import counters
