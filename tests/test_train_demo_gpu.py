@@ -71,7 +71,15 @@ def test_cpu_dry_run_trains_under_its_budget_and_exports_shards(tmp_path):
     out = tmp_path / "out"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT / "src")}
     proc = subprocess.run(
-        [sys.executable, "train_demo_gpu.py", "--cpu-dry-run", "--out", str(out)],
+        [
+            sys.executable,
+            "train_demo_gpu.py",
+            "--cpu-dry-run",
+            "--budget-s",
+            "20",
+            "--out",
+            str(out),
+        ],
         cwd=ROOT / "benchmarks",
         env=env,
         capture_output=True,
