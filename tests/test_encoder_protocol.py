@@ -4,7 +4,6 @@ both: its encoder fields, and the config.json keys it leaves out for elflow 0.1.
 
 from __future__ import annotations
 
-import ast
 import json
 from dataclasses import fields
 from pathlib import Path
@@ -95,25 +94,3 @@ def test_keys_left_out_for_elflow_0_1_are_derived_from_the_dataclasses():
     assert changed["sampler"]["pc_snr"] == 0.2 and changed["packed"] is True
     old = {k: v for k, v in data.items()}  # a config.json of elflow 0.1 loads unchanged
     assert ArtifactConfig.from_json(old) == ArtifactConfig(model=CFG)
-
-
-def _imports(module: Path) -> set[str]:
-    found = set()
-    for node in ast.walk(ast.parse(module.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module:
-            found |= {node.module, *(f"{node.module}.{a.name}" for a in node.names)}
-        elif isinstance(node, ast.Import):
-            found |= {a.name for a in node.names}
-    return found
-
-
-def test_model_io_imports_no_network_and_configs_no_io():
-    """ELF inherits its folder I/O; the I/O takes the class, so no cycle through elflow.model
-    (an import inside a function or under TYPE_CHECKING counts)."""
-    for name in ("artifact_config", "model_folder", "pretrained_mixin", "safetensors_files"):
-        assert "elflow.model" not in _imports(SRC / "io" / f"{name}.py"), name
-    for path in (SRC / "config").glob("*.py"):
-        bad = {
-            m for m in _imports(path) if m.startswith(("elflow.io", "elflow.train", "elflow.data"))
-        }
-        assert not bad, (path.name, bad)

@@ -10,8 +10,6 @@ error says where the project keeps them (:func:`missing_data_hint`).
 
 from __future__ import annotations
 
-import gzip
-import json
 from pathlib import Path
 
 from elflow.errors import ELFError
@@ -34,8 +32,9 @@ def web_bible(split: str = "train") -> str:
 
 def web_bible_texts(split: str = "train") -> list[str]:
     """The verses of a packaged World English Bible split, in file order."""
-    with gzip.open(web_bible(split), "rt", encoding="utf-8") as f:
-        return [json.loads(line)["text"] for line in f if line.strip()]
+    from elflow.io.jsonl import read_jsonl
+
+    return [row["text"] for row in read_jsonl(web_bible(split))]
 
 
 def missing_data_hint(source_field: str, target_field: str) -> str:
