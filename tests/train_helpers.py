@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from elflow.__main__ import main
-from tests.dist.launch import torchrun_elflow
+from tests.dist.launch import run_elflow
 
 WORDS = (
     "in the beginning god created the heavens and the earth now the earth was formless and "
@@ -120,12 +120,15 @@ def saved_weights(ckpt) -> dict:
     return load_file(ckpt / names[0])
 
 
-def torchrun(tmp: Path, out: Path, cfg: dict, nproc: int = 2, *extra: str) -> str:
-    """``elflow train`` on ``cfg`` under torchrun with ``nproc`` gloo processes; its stdout."""
+def train_processes(
+    tmp: Path, out: Path, cfg: dict, nproc: int = 2, *extra: str, torchrun: bool = False
+) -> str:
+    """``elflow train`` on ``cfg`` with ``nproc`` gloo processes (forked, or under torchrun:
+    :func:`tests.dist.launch.run_elflow`); its stdout."""
     path = tmp / f"cfg-{out.name}.json"
     path.write_text(json.dumps(cfg))
     argv = ["train", "--preset", "bible-tiny", "--out", str(out), "--config", str(path), *extra]
-    return torchrun_elflow(argv, nproc).stdout
+    return run_elflow(argv, nproc, torchrun=torchrun).stdout
 
 
 def distill_cli(

@@ -14,7 +14,7 @@ from elflow.__main__ import main as elflow_main
 from elflow.config import elf_tiny
 from elflow.generation.records import token_agreement
 from tests.builders import MINILM, read
-from tests.dist.launch import torchrun_elflow
+from tests.dist.launch import run_elflow
 
 
 def main(argv: list[str]) -> int:
@@ -206,7 +206,7 @@ def test_two_processes_write_the_one_process_file(uncond_model, tmp_path):
     args += ["--batch-size", "2", "--device", "cpu", "--save-tokens"]
     one = sample(uncond_model, tmp_path / "one.jsonl", *args[2:])
     t0 = time.perf_counter()
-    torchrun_elflow(["sample", *args, "--out", str(tmp_path / "two.jsonl")])
+    run_elflow(["sample", *args, "--out", str(tmp_path / "two.jsonl")])
     assert time.perf_counter() - t0 < 60
     assert read(tmp_path / "two.jsonl") == one
 

@@ -1,10 +1,11 @@
 """``elflow train`` under torchrun with one process failing, for the failure-handling tests.
 
-Run as ``python -m torch.distributed.run ... tests/dist/failing_rank.py RANK STEP MODE ARGV...``:
-at optimizer step STEP, process RANK either dies (``die``: exits at once, as a crash would) or
-hangs (``hang``: sleeps, as a process stuck in I/O would) while the others go on; with ``hang``
-the other processes send themselves SIGTERM two seconds later (as torchrun's agent or a
-scheduler would). ``blind``: process RANK cannot see the run folder (as on a node without the
+Run as ``python -m torch.distributed.run ... tests/dist/failing_rank.py RANK STEP MODE ARGV...``: at
+optimizer step STEP, process RANK either dies (``die``: exits at once, as a crash would) or hangs
+(``hang``: sleeps, as a process stuck in I/O would) while the others go on; with ``hang`` the other
+processes send themselves SIGTERM two seconds later (as torchrun's agent or a scheduler would). A
+process that saw a collective fail waits 0.5 s, not 5, for the others to say they are alive (the one
+that failed never does). ``blind``: process RANK cannot see the run folder (as on a node without the
 shared file system).
 """
 
@@ -17,6 +18,7 @@ import threading
 import time
 
 from elflow.__main__ import main as elflow
+from elflow.runtime import distributed
 from elflow.train import loop
 
 
@@ -34,6 +36,7 @@ def main() -> int:
         return real(trainer, k)
 
     loop.Trainer.step = failing
+    distributed.ALIVE_WAIT_S = 0.5
     if mode == "blind" and int(os.environ["RANK"]) == rank:
         from elflow.train import setup
 

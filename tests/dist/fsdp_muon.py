@@ -20,7 +20,7 @@ from elflow.config import elf_tiny
 from elflow.model import ELF, build_model
 from elflow.train.ema import EMA
 from elflow.train.optim import OptimConfig, build_optimizer, learning_rate, set_lr
-from tests.dist.launch import spawn_gloo
+from tests.dist.fork_ranks import fork_gloo
 
 WORLD_SIZE = 2
 STEPS = 3
@@ -167,7 +167,7 @@ def _work(rank: int) -> dict:
 
 
 def main(out: str) -> None:
-    spawn_gloo(_work, WORLD_SIZE, out)
+    fork_gloo(_work, WORLD_SIZE, out)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,5 @@
 """The gloo checks of tests/dist in one launch: muon_work's and fsdp_muon's work, in turn, on the
-same 2 spawned processes (a launch imports torch and elflow in each process anew, most of its time
-on a small CPU machine).
+same 2 forked processes (:mod:`tests.dist.fork_ranks`).
 
 Run as ``python -m tests.dist.gloo_work OUT.pt`` from the repository root; rank 0 writes
 ``{"muon_work": ..., "fsdp_muon": ...}``, each what that module's own launch writes.
@@ -11,7 +10,7 @@ from __future__ import annotations
 import sys
 
 from tests.dist import fsdp_muon, muon_work
-from tests.dist.launch import spawn_gloo
+from tests.dist.fork_ranks import fork_gloo
 
 WORLD_SIZE = 2
 assert WORLD_SIZE == muon_work.WORLD_SIZE == fsdp_muon.WORLD_SIZE
@@ -22,7 +21,7 @@ def _work(rank: int) -> dict:
 
 
 def main(out: str) -> None:
-    spawn_gloo(_work, WORLD_SIZE, out)
+    fork_gloo(_work, WORLD_SIZE, out)
 
 
 if __name__ == "__main__":

@@ -15,8 +15,8 @@ import torch.distributed as dist
 from torch.utils.flop_counter import FlopCounterMode
 
 from elflow.train.muon import ShardedMuon
+from tests.dist.fork_ranks import fork_gloo
 from tests.dist.fsdp_muon import make_model
-from tests.dist.launch import spawn_gloo
 
 WORLD_SIZE = 2
 STEPS = 2
@@ -54,7 +54,7 @@ def _work(rank: int) -> dict:
 
 
 def main(out: str) -> None:
-    spawn_gloo(_work, WORLD_SIZE, out)
+    fork_gloo(_work, WORLD_SIZE, out)
 
 
 if __name__ == "__main__":

@@ -80,18 +80,8 @@ def tiny_run(tmp_path_factory) -> TinyRun:
 def gloo_work(tmp_path_factory) -> dict:
     """What ``tests.dist.gloo_work`` writes: muon_work's and fsdp_muon's results from one launch
     of 2 gloo processes, shared by the tests that check them (marked ``dist``)."""
-    import os
-    import subprocess
-    import sys
+    from tests.dist import gloo_work
 
     out = tmp_path_factory.mktemp("gloo-work") / "results.pt"
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.dist.gloo_work", str(out)],
-        cwd=Path(__file__).resolve().parents[2],
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    gloo_work.main(str(out))
     return torch.load(out, weights_only=True)

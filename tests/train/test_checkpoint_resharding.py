@@ -16,8 +16,8 @@ from tests.train_helpers import (
     assert_same_checkpoint,
     heldout_lines,
     run_config,
-    torchrun,
     train_cli,
+    train_processes,
 )
 
 pytestmark = pytest.mark.e2e  # whole training runs through the command line
@@ -27,11 +27,11 @@ TRAIN = {"max_steps": 6, "save_every": 3, "global_batch": 4}
 
 def _resume(tmp: Path, source: Path, name: str, cfg: dict, nproc: int, steps: int) -> Path:
     """``source`` (a checkpoint folder) resumed to step ``steps`` in a new run folder ``name``,
-    on ``nproc`` processes under torchrun; its last checkpoint."""
+    on ``nproc`` processes; its last checkpoint."""
     run = tmp / name
     run.mkdir()
     shutil.copytree(source, run / source.name)
-    torchrun(tmp, run, {**cfg, "train": {**cfg["train"], "max_steps": steps}}, nproc)
+    train_processes(tmp, run, {**cfg, "train": {**cfg["train"], "max_steps": steps}}, nproc)
     return run / f"checkpoint-{steps}"
 
 
@@ -47,7 +47,7 @@ def test_fsdp2_resumes_on_one_two_and_four_processes(tmp_path, assets):
     single = run_config(assets, train={**TRAIN, **held, "max_steps": 9})
     assert train_cli(tmp_path, straight, single) == 0
     fsdp = run_config(assets, train={**TRAIN, **held, "parallel": "fsdp2", "max_steps": 3})
-    torchrun(tmp_path, tmp_path / "two", fsdp, 2)
+    train_processes(tmp_path, tmp_path / "two", fsdp, 2)
     middle = tmp_path / "two" / "checkpoint-3"
     assert_same_checkpoint(straight / "checkpoint-3", middle, 1e-5)
     # Two processes to one (FSDP2 over a mesh of one), and that one process's checkpoint to two.

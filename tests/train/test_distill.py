@@ -12,7 +12,7 @@ import pytest
 from elflow import load_model
 from elflow.__main__ import main
 from elflow.errors import ELFError
-from tests.dist.launch import torchrun_elflow
+from tests.dist.launch import run_elflow
 from tests.train_helpers import (
     assert_same,
     distill_cli,
@@ -325,7 +325,7 @@ def test_two_processes_distil_as_one(tmp_path, assets, teacher):
     path = tmp_path / "two.json"
     path.write_text(json.dumps(cfg))
     argv = ["distill", "--teacher", str(teacher), "--out", str(tmp_path / "two")]
-    torchrun_elflow([*argv, "--config", str(path), "--rounds", "2/2", "--teacher-steps", "4"])
+    run_elflow([*argv, "--config", str(path), "--rounds", "2/2", "--teacher-steps", "4"])
     for name in ("model.safetensors", "ema.safetensors"):
         assert_same(
             weights(tmp_path / "one" / "round-1-2x2" / "checkpoint-2", name),

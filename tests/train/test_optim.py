@@ -307,6 +307,7 @@ def test_wide_fp32_newton_schulz_runs_on_the_gram_matrix_as_exactly_as_directly(
 
 @pytest.mark.dist
 @pytest.mark.slow
+@pytest.mark.xdist_group("gloo-work")  # one worker launches gloo_work once
 def test_fsdp2_two_processes_match_one_process(gloo_work):
     res = gloo_work["fsdp_muon"]  # (tests/dist/fsdp_muon.py's, launched with muon_work's)
 

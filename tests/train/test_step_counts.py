@@ -324,6 +324,7 @@ def test_muon_owners_share_the_newton_schulz_work(world):
 
 @pytest.mark.dist
 @pytest.mark.slow
+@pytest.mark.xdist_group("gloo-work")  # one worker launches gloo_work once
 def test_two_processes_share_muon_and_match_one_process(gloo_work):
     from tests.dist import muon_work
 
@@ -353,14 +354,14 @@ def _same_checkpoints(a, b, atol):
 @pytest.mark.dist
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp2"])
 def test_two_processes_with_accumulation_equal_one(tmp_path, assets, parallel):
-    from tests.train_helpers import torchrun
+    from tests.train_helpers import train_processes
 
     train = {"max_steps": 3, "global_batch": 8, "save_every": 3}
     assert train_cli(tmp_path, tmp_path / "single", run_config(assets, train=train)) == 0
     # 2 ranks x micro-batch 1 x 4 accumulation steps: gradients reduced on the fourth only.
     # (Two processes, not four: the claim is the same, on half the processes for 2 cores.)
     two = {**train, "micro_batch": 1, "parallel": parallel}
-    torchrun(tmp_path, tmp_path / "two", run_config(assets, train=two), 2)
+    train_processes(tmp_path, tmp_path / "two", run_config(assets, train=two), 2)
     _same_checkpoints(tmp_path / "single" / "checkpoint-3", tmp_path / "two" / "checkpoint-3", 1e-5)
 
 

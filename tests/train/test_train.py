@@ -24,8 +24,8 @@ from tests.train_helpers import (
     heldout_lines,
     run_config,
     saved_weights,
-    torchrun,
     train_cli,
+    train_processes,
     weights,
 )
 
@@ -168,8 +168,9 @@ def test_two_processes_ddp_equal_one_and_resume(tmp_path, assets):
     cfg = run_config(assets, train=train, data=cache)
     assert train_cli(tmp_path, tmp_path / "single", cfg) == 0
     # The two processes save in the background (train.async_save): complete, and the same run.
+    # (Under torchrun, end to end; the other multi-process runs of the suite are forked.)
     asynchronous = {**cfg, "train": {**cfg["train"], "async_save": True}}
-    out = torchrun(tmp_path, tmp_path / "ddp", asynchronous)
+    out = train_processes(tmp_path, tmp_path / "ddp", asynchronous, torchrun=True)
     assert out.count("latent cache of 40 rows built") == 1
     assert (tmp_path / "ddp" / "latent-cache.safetensors").is_file()
     assert not list((tmp_path / "ddp").glob(".tmp-*"))
@@ -202,7 +203,7 @@ def test_two_processes_ddp_equal_one_and_resume(tmp_path, assets):
     # 2-process resume from the middle equals the straight 2-process run, bitwise.
     (tmp_path / "resumed").mkdir()
     shutil.copytree(tmp_path / "ddp" / "checkpoint-3", tmp_path / "resumed" / "checkpoint-3")
-    torchrun(tmp_path, tmp_path / "resumed", cfg)
+    train_processes(tmp_path, tmp_path / "resumed", cfg)
     assert_same_checkpoint(tmp_path / "ddp" / "checkpoint-6", tmp_path / "resumed" / "checkpoint-6")
     # Another number of processes (DDP): 2 -> 1 and 1 -> 4 continue the same run (four: the
     # sharded train state read by more processes than ever wrote it).
@@ -210,7 +211,7 @@ def test_two_processes_ddp_equal_one_and_resume(tmp_path, assets):
         (tmp_path / run).mkdir()
         shutil.copytree(tmp_path / source / "checkpoint-3", tmp_path / run / "checkpoint-3")
     assert train_cli(tmp_path, tmp_path / "shrunk", cfg) == 0
-    torchrun(tmp_path, tmp_path / "grown", cfg, 4)
+    train_processes(tmp_path, tmp_path / "grown", cfg, 4)
     for run in ("shrunk", "grown"):
         assert_same_checkpoint(
             tmp_path / "single" / "checkpoint-6", tmp_path / run / "checkpoint-6", atol=1e-5
@@ -224,7 +225,8 @@ def test_two_processes_fsdp2_equal_one(tmp_path, assets, capsys):
     # still run (a sharded forward is collective; skipping it deadlocked).
     held = {"max_steps": 3, "eval_every": 2, "eval_rows": 1, "global_batch": 2}
     assert train_cli(tmp_path, tmp_path / "single", run_config(assets, train=held)) == 0
-    torchrun(tmp_path, tmp_path / "fsdp", run_config(assets, train={**held, "parallel": "fsdp2"}))
+    fsdp = run_config(assets, train={**held, "parallel": "fsdp2"})
+    train_processes(tmp_path, tmp_path / "fsdp", fsdp)
     # (With activation checkpointing: the 1 -> 2 resume of test_checkpoint_resharding.py's FSDP2
     # chain, checkpoint and held-out loss.)
     assert_same_checkpoint(

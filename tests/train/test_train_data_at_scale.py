@@ -6,9 +6,7 @@ command to run."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,18 +14,17 @@ import torch
 
 from elflow.errors import ELFError
 from elflow.runtime.distributed import DistInfo
-from tests.dist.launch import free_port
 from tests.train_helpers import run_config
 
 
-def _torchrun(tmp: Path, out: Path, cfg: dict) -> subprocess.CompletedProcess:
+def _two_processes(tmp: Path, out: Path, cfg: dict) -> subprocess.CompletedProcess:
+    """``elflow train`` on 2 forked processes (:mod:`tests.dist.fork_ranks`), failing or not."""
+    from tests.dist.fork_ranks import fork_elflow
+
     path = tmp / f"cfg-{out.name}.json"
     path.write_text(json.dumps(cfg))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2"]
-    cmd += [f"--master_port={free_port()}", "-m", "elflow", "train", "--preset", "bible-tiny"]
-    cmd += ["--out", str(out), "--config", str(path)]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    argv = ["train", "--preset", "bible-tiny", "--out", str(out), "--config", str(path)]
+    return fork_elflow(argv, 2)
 
 
 @pytest.mark.dist
@@ -39,7 +36,7 @@ def test_two_processes_refuse_a_latent_cache_nobody_saves(tmp_path, assets):
         assets,
         data={"latent_cache": True, "latent_cache_dtype": "float32", "latent_cache_save": False},
     )
-    proc = _torchrun(tmp_path, tmp_path / "unsaved", unsaved)
+    proc = _two_processes(tmp_path, tmp_path / "unsaved", unsaved)
     assert proc.returncode != 0
     text = (proc.stdout + proc.stderr).replace("\r", "\n")
     lines = [x for x in text.splitlines() if "elflow: error:" in x]

@@ -91,12 +91,13 @@ def is_collective_failure(error: BaseException) -> bool:
     )
 
 
-def unresponsive_ranks(wait_s: float = ALIVE_WAIT_S) -> list[int] | None:
-    """The ranks that do not say they are alive within ``wait_s`` (each process that calls this
-    says so first, through the rendezvous store); None when the store itself is gone (it lives
-    with torchrun's agent, or with rank 0's process)."""
+def unresponsive_ranks(wait_s: float | None = None) -> list[int] | None:
+    """The ranks that do not say they are alive within ``wait_s`` (default :data:`ALIVE_WAIT_S`;
+    each process that calls this says so first, through the rendezvous store); None when the store
+    itself is gone (it lives with torchrun's agent, or with rank 0's process)."""
     if not dist.is_initialized():
         return []
+    wait_s = ALIVE_WAIT_S if wait_s is None else wait_s
     world, me = dist.get_world_size(), dist.get_rank()
 
     def answered(rank: int, since: float) -> bool:
