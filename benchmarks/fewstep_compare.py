@@ -6,16 +6,18 @@ Usage:
     python benchmarks/fewstep_compare.py --quick --out /tmp/fewstep-quick   # minutes: a check
 
 Both methods distil the same teacher with ``elflow distill`` (Python API) under the same run
-settings (the preset's, with ``--set`` over them) and the same training budget in
-teacher-equivalent forward passes (:func:`row_cost`: a trained pass counts 3, forward and
-backward; every teacher or no-grad pass 1). pd's rounds are ``N/K`` for each student step
-count N with N x K = ``--teacher-steps``, each round as many steps (the budget over their
-summed cost); cd trains one student. Each student samples at its step count with its own
-saved sampler (pd's: the paper's few-step SDE; cd's: renoise), the teacher at the same counts
-and at 32 steps with its own; every cell is scored with the offline judge (paper protocol,
-fp32, bootstrap 95% intervals), one cell per sampling seed. The report pairs pd and cd at each
-step count: "cd beats pd" when cd's whole gen-PPL interval lies below pd's in every seed and
-their entropies are within ``--entropy-tol``.
+settings (the preset scaled to each run's length as ``elflow train --steps N`` scales it: warm-up
+over 5% of the steps, the lr decaying over the last 30%; then ``--set``) and the same budget in
+teacher-equivalent forward passes (:func:`row_cost`: a trained pass counts 3, forward and backward;
+every teacher or no-grad pass 1). pd's rounds are ``N/K`` for each student step count N with N x K =
+``--teacher-steps``, each round as many steps (the budget over their summed cost); cd trains one
+student. Both distil the teacher's 16-step Euler ODE by default (pd: N x K = 16 in every round; cd:
+K = 16 sub-steps over each span). Each student samples at its step count with its own saved sampler
+(pd's: the paper's few-step SDE; cd's: renoise), the teacher at the same counts and at 32 steps with
+its own; every cell is scored with the offline judge (paper protocol, fp32, bootstrap 95%
+intervals), one cell per sampling seed. The report pairs pd and cd at each step count: "cd beats pd"
+when cd's whole gen-PPL interval lies below pd's in every seed and their entropies are within
+``--entropy-tol``.
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ import argparse
 import json
 import statistics
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 from fewstep import ppl_entropy
@@ -38,7 +39,7 @@ QUICK = {
     "teacher_steps": 8,
     "cd_substeps": 8,
     "batch": 8,
-    "set": ["data.latent_cache=false", "train.eval_every=0", "train.precision=fp32"],
+    "set": ["data.latent_cache=false", "train.precision=fp32"],
 }
 """``--quick``: a few training steps a method and 16 samples a cell (the pipeline, not a result)."""
 
@@ -73,7 +74,7 @@ def main() -> None:
     p.add_argument("--budget", type=float, default=4e6, help="teacher-equivalent forward passes")
     p.add_argument("--batch", type=int, default=32, help="train.global_batch of every run")
     p.add_argument("--steps", default="1,2,4,8", help="student step counts")
-    p.add_argument("--teacher-steps", type=int, default=32, help="pd: N x K of every round")
+    p.add_argument("--teacher-steps", type=int, default=16, help="pd: N x K of every round")
     p.add_argument("--cd-substeps", type=int, default=16, help="cd: teacher_substeps")
     p.add_argument("--cd-spans", default="1", help="cd: spans")
     p.add_argument("--seeds", default="0,1,2", help="sampling seeds, one scored cell each")
@@ -93,13 +94,22 @@ def main() -> None:
     if any(args.teacher_steps % n for n in steps):
         p.error(f"--teacher-steps {args.teacher_steps} must be a multiple of every step count")
 
+    from elflow.config.run_presets import short_run
     from elflow.evaluation import load_judge
     from elflow.generation.pipeline import ELFPipeline
     from elflow.train import apply_overrides, distill, preset
 
     judge = load_judge(args.judge)  # before hours of training, not after
-    sets = ["train.ema_warmup=true", f"train.global_batch={args.batch}", "train.sample_every=0"]
-    cfg = apply_overrides(preset(args.preset), None, [*sets, *args.set])
+    sets = [f"train.global_batch={args.batch}", "train.sample_every=0", "train.eval_every=0"]
+    keep = {s.split("=", 1)[0] for s in args.set}
+
+    def run_of(steps: int):
+        """The preset scaled to ``steps`` (warm-up 5%, lr decay over the last 30%: as
+        ``elflow train --steps N``), then the script's and the user's settings."""
+        scaled = short_run(preset(args.preset), steps, keep)
+        return apply_overrides(scaled, None, [*sets, *args.set])
+
+    cfg = run_of(1)
     p_dec = cfg.objective.decoder_prob
     rounds = [(n, args.teacher_steps // n) for n in steps]
     # One train.max_steps for every pd round (as elflow distill runs them): the budget over
@@ -116,12 +126,12 @@ def main() -> None:
     print(json.dumps({"budget": args.budget, "plan": plan}), flush=True)
 
     students: dict[tuple[str, int], str] = {}
-    run = replace(cfg, train=replace(cfg.train, max_steps=pd_steps))
+    run = run_of(pd_steps)
     spec = ",".join(f"{n}/{k}" for n, k in rounds)
     distill(args.teacher, run, out / "pd", spec, args.teacher_steps)
     for r, (n, k) in enumerate(rounds, start=1):
         students[("pd", n)] = str(out / "pd" / f"round-{r}-{n}x{k}")
-    run = replace(cfg, train=replace(cfg.train, max_steps=cd_steps))
+    run = run_of(cd_steps)
     settings = {
         "teacher_substeps": args.cd_substeps,
         "spans": args.cd_spans,
