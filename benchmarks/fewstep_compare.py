@@ -83,6 +83,12 @@ def main() -> None:
     p.add_argument("--entropy-tol", type=float, default=0.05)
     p.add_argument("--batch-size", type=int, default=64, help="sampling batch size")
     p.add_argument("--quick", action="store_true", help="a few minutes: checks the pipeline")
+    p.add_argument(
+        "--report-only",
+        action="store_true",
+        help="no training or sampling: add the real-verse rows to --out's results.json if it "
+        "lacks them, and rewrite results.md from it",
+    )
     args = p.parse_args()
     if args.quick:
         for key, value in QUICK.items():
@@ -100,6 +106,19 @@ def main() -> None:
     from elflow.train import apply_overrides, distill, preset
 
     judge = load_judge(args.judge)  # before hours of training, not after
+    seeds = [int(s) for s in args.seeds.split(",")]
+    if args.report_only:
+        results = json.loads((out / "results.json").read_text())
+        rows = results["rows"]
+        if not any(r["model"] == "real" for r in rows):
+            teacher = ELFPipeline.from_pretrained(results["args"]["teacher"])
+            rows += real_rows(teacher, judge, seeds, results["args"]["num"])
+            (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+        given = sorted({int(s) for s in results["args"]["steps"].split(",")}, reverse=True)
+        report = verdicts(rows, given, args.entropy_tol)
+        (out / "results.md").write_text(report + "\n")
+        print(report)
+        return
     sets = [f"train.global_batch={args.batch}", "train.sample_every=0", "train.eval_every=0"]
     keep = {s.split("=", 1)[0] for s in args.set}
 
@@ -142,10 +161,10 @@ def main() -> None:
     for n in steps:
         students[("cd", n)] = str(out / "cd" / "round-1-cd")
 
-    rows = []
+    rows: list[dict] = []
 
     def cell(name: str, path: str, n: int, pipe) -> None:
-        for seed in (int(s) for s in args.seeds.split(",")):
+        for seed in seeds:
             texts, seconds = timed_generate(
                 pipe, args.num, seed=seed, steps=n, batch_size=args.batch_size
             )
@@ -160,6 +179,7 @@ def main() -> None:
         cell("teacher", args.teacher, n, teacher)
     for (name, n), path in students.items():
         cell(name, path, n, ELFPipeline.from_pretrained(path))
+    rows += real_rows(teacher, judge, seeds, args.num)
     report = verdicts(rows, steps, args.entropy_tol)
     (out / "results.json").write_text(
         json.dumps({"args": vars(args), "plan": plan, "rows": rows}, indent=2) + "\n"
@@ -167,6 +187,24 @@ def main() -> None:
     (out / "results.md").write_text(report + "\n")
     print(report)
     print(f"wrote {out / 'results.json'} and {out / 'results.md'}")
+
+
+def real_rows(pipe, judge, seeds: list[int], num: int) -> list[dict]:
+    """Per seed, ``num`` random validation verses prepared as the training rows are (tokenised,
+    truncated and decoded back: benchmarks/demo_quality.py), scored as the samples are."""
+    import numpy as np
+
+    from demo_quality import prepared_like_rows, read_texts
+    from elflow.examples import web_bible
+
+    valid = read_texts(web_bible("valid"))
+    rows = []
+    for seed in seeds:
+        pick = np.random.default_rng(seed).choice(len(valid), size=num, replace=False)
+        texts = prepared_like_rows(pipe, [valid[i] for i in pick])
+        rows.append({"model": "real", "steps": 0, "seed": seed, **score(texts, judge)})
+        print(f"real verses seed {seed}: {ppl_entropy(rows[-1])}", flush=True)
+    return rows
 
 
 def verdicts(rows: list[dict], steps: list[int], tol: float) -> str:
@@ -195,6 +233,9 @@ def verdicts(rows: list[dict], steps: list[int], tol: float) -> str:
             gap = statistics.mean(b["entropy"] - a["entropy"] for a, b in pairs)
             verdict += f" (entropy cd − pd {gap:+.2f})"
         lines.append(f"| {n} | " + " | ".join(cells) + f" | {verdict} |")
+    real = [r for r in rows if r["model"] == "real"]
+    if real:
+        lines.append("| real verses | " + "; ".join(ppl_entropy(r) for r in real) + " | | | |")
     return "\n".join(lines)
 
 

@@ -336,3 +336,29 @@ def test_sample_benchmark_refuses_unknown_sizes_and_dtypes(monkeypatch, capsys):
         with pytest.raises(SystemExit) as e:
             run(monkeypatch, "sample", *argv)
         assert e.value.code == 2 and "unknown" in capsys.readouterr().err
+
+
+def test_fewstep_compare_verdicts_need_every_seed_and_matched_entropy():
+    compare = load("fewstep_compare")
+
+    def row(model, steps, ppl, lo, hi, entropy, seed=0):
+        return {"model": model, "steps": steps, "seed": seed, "gen_ppl": ppl,
+                "gen_ppl_ci": [lo, hi], "entropy": entropy}  # fmt: skip
+
+    rows = [
+        row("pd", 1, 900, 850, 950, 2.5), row("cd", 1, 500, 450, 550, 2.52),
+        row("pd", 1, 900, 850, 950, 2.5, 1), row("cd", 1, 500, 450, 550, 2.6, 1),
+        row("pd", 2, 600, 550, 650, 2.7), row("cd", 2, 620, 580, 660, 2.7),
+        row("pd", 4, 300, 280, 320, 2.8), row("cd", 4, 500, 450, 550, 2.8),
+        row("real", 0, 128, 117, 139, 3.06),
+    ]  # fmt: skip
+    table = compare.verdicts(rows, [4, 2, 1], tol=0.05).splitlines()
+    by_steps = {line.split("|")[1].strip(): line for line in table[2:]}
+    # seed 1's entropies are 0.1 apart: a lower PPL at unmatched entropy is not a win
+    assert "cd lower PPL, entropy not matched" in by_steps["1"]
+    assert "overlap" in by_steps["2"] and "pd beats cd" in by_steps["4"]
+    assert "128.0 (117.0–139.0), 3.06" in by_steps["real verses"]
+    # A row: the trained pass (3), then on the 80% non-decoder rows the self-conditioning pass
+    # (probability 0.5) and K sub-steps; cd adds the share whose target is its own prediction.
+    assert compare.row_cost("pd", 16, 0.2) == compare.row_cost("cd", 16, 0.2) == 3 + 0.8 * 16.5
+    assert compare.row_cost("cd", 16, 0.2, bootstrap=0.5) == 3 + 0.8 * 17.0
