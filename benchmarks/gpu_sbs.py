@@ -122,14 +122,14 @@ DRY = Shapes(
     train_length=32,
     data_rows=2000,
     batch=4,
-    steps=20,
-    warmup=4,
+    steps=8,
+    warmup=2,
     sample_batches=(1, 8),
     sample_lengths=(16, 32),
     sample_steps=8,
     repeats=1,
     clients=(1, 4),
-    serve_seconds=2.0,
+    serve_seconds=1.0,
     serve_steps=4,
 )
 
