@@ -308,18 +308,6 @@ def request_from_record(row: dict, field: str = "text") -> InfillRequest:
     raise ELFError(f"give a template in '{field}' (text with [___] gaps) or 'ids' and 'keep'")
 
 
-def requests_from_records(rows: Sequence[dict], field: str = "text") -> list[InfillRequest]:
-    """Infill requests from JSONL records (:func:`request_from_record`); an error names the
-    record's line (its place in ``rows``, from 1)."""
-    out = []
-    for i, row in enumerate(rows):
-        try:
-            out.append(request_from_record(row, field))
-        except ELFError as e:
-            raise ELFError(f"infill line {i + 1}: {e}") from None
-    return out
-
-
 def as_requests(items: Sequence[str | InfillRequest | dict]) -> list[InfillRequest]:
     """Templates, :class:`InfillRequest` objects or JSONL-style dicts, as requests."""
     out = []

@@ -213,12 +213,6 @@ def finish_checkpoint(pending: PendingSave, info: DistInfo) -> Path:
     return pending.final
 
 
-def save_checkpoint(out_dir: Path, step: int, *, info: DistInfo, **parts: Any) -> Path:
-    """:func:`begin_checkpoint` then :func:`finish_checkpoint`: ``checkpoint-<step>``
-    written atomically."""
-    return finish_checkpoint(begin_checkpoint(out_dir, step, info=info, **parts), info)
-
-
 def _gather_errors(error: str | None) -> list[str]:
     import torch.distributed as dist
 

@@ -89,23 +89,6 @@ def train_row_flops(
     return trained + nograd + encoder_per_token * length
 
 
-def expected_row_flops(
-    cfg: ModelConfig,
-    objective: ObjectiveConfig,
-    length: int,
-    encoder_per_token: float = 0.0,
-    procedure: str = "efficient",
-) -> float:
-    """:func:`train_row_flops` of ``procedure`` at the objective's branch probabilities
-    (attention's backward 2x; :func:`model_row_flops` for MFU, :func:`executed_row_flops` for
-    what runs)."""
-    sc = objective.self_cond_prob * (1 - objective.decoder_prob)
-    deterministic = cfg.dropout == 0.0
-    return train_row_flops(
-        cfg, length, objective.decoder_prob, sc, encoder_per_token, procedure, deterministic
-    )
-
-
 def branch_probabilities(objective: ObjectiveConfig) -> tuple[float, float]:
     """(decoder rows, self-conditioned denoiser rows): each row's probability of the branch."""
     return objective.decoder_prob, objective.self_cond_prob * (1 - objective.decoder_prob)
@@ -202,10 +185,3 @@ def encoder_flops_per_token(config, length: int) -> float:
     gated = "gated" in str(getattr(config, "feed_forward_proj", ""))
     per_layer = 2 * (4 * d * inner) + 2 * (3 if gated else 2) * d * ff + 4 * length * inner
     return float(layers * per_layer)
-
-
-def muon_flops(rows: int, cols: int, steps: int = 5) -> float:
-    """FLOPs of Newton–Schulz on one (rows, cols) matrix in the direct form: per step the Gram
-    matrix (2 m m n), its polynomial (2 m^3) and the update (2 m m n), with m the short side."""
-    m, n = min(rows, cols), max(rows, cols)
-    return float(steps * (4 * m * m * n + 2 * m**3))
