@@ -84,6 +84,14 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=64, help="sampling batch size")
     p.add_argument("--quick", action="store_true", help="a few minutes: checks the pipeline")
     p.add_argument(
+        "--add-cell",
+        action="append",
+        default=[],
+        metavar="MODEL:STEPS:KEY=VALUE,...",
+        help="with --report-only: score a model at a step count with its sampler changed, "
+        "e.g. cd:4:w=4.5 (repeatable; entropy-matched pairs then cover more of the frontier)",
+    )
+    p.add_argument(
         "--report-only",
         action="store_true",
         help="no training or sampling: add the real-verse rows to --out's results.json if it "
@@ -110,10 +118,15 @@ def main() -> None:
     if args.report_only:
         results = json.loads((out / "results.json").read_text())
         rows = results["rows"]
+        num = results["args"]["num"]
         if not any(r["model"] == "real" for r in rows):
             teacher = ELFPipeline.from_pretrained(results["args"]["teacher"])
-            rows += real_rows(teacher, judge, seeds, results["args"]["num"])
-            (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+            rows += real_rows(teacher, judge, seeds, num)
+        for model, n, changes in map(parse_cell, args.add_cell):
+            path = next(r["path"] for r in rows if (r["model"], r["steps"]) == (model, n))
+            pipe = ELFPipeline.from_pretrained(path)
+            rows += score_cell(model, path, n, pipe, judge, seeds, num, args.batch_size, **changes)
+        (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
         given = sorted({int(s) for s in results["args"]["steps"].split(",")}, reverse=True)
         report = verdicts(rows, given, args.entropy_tol)
         (out / "results.md").write_text(report + "\n")
@@ -164,15 +177,7 @@ def main() -> None:
     rows: list[dict] = []
 
     def cell(name: str, path: str, n: int, pipe) -> None:
-        for seed in seeds:
-            texts, seconds = timed_generate(
-                pipe, args.num, seed=seed, steps=n, batch_size=args.batch_size
-            )
-            m = score(texts, judge)
-            rows.append({"model": name, "path": path, "steps": n, "seed": seed, **m,
-                         "sampler": pipe.sampler.sampler, "seconds": seconds,
-                         "examples": texts[:3]})  # fmt: skip
-            print(f"{name:<8} {n:>2} steps seed {seed}: {ppl_entropy(rows[-1])}", flush=True)
+        rows.extend(score_cell(name, path, n, pipe, judge, seeds, args.num, args.batch_size))
 
     teacher = ELFPipeline.from_pretrained(args.teacher)
     for n in [*steps, 32]:
@@ -187,6 +192,40 @@ def main() -> None:
     (out / "results.md").write_text(report + "\n")
     print(report)
     print(f"wrote {out / 'results.json'} and {out / 'results.md'}")
+
+
+def score_cell(
+    name: str,
+    path: str,
+    n: int,
+    pipe,
+    judge,
+    seeds: list[int],
+    num: int,
+    batch_size: int,
+    **changes: float,
+) -> list[dict]:
+    """``num`` samples of ``pipe`` at ``n`` steps (its sampler with ``changes``) per seed, scored:
+    one row each."""
+    rows = []
+    for seed in seeds:
+        texts, seconds = timed_generate(
+            pipe, num, seed=seed, steps=n, batch_size=batch_size, **changes
+        )
+        rows.append({"model": name, "path": path, "steps": n, "seed": seed, **score(texts, judge),
+                     "sampler": pipe.sampler.sampler, "changes": changes, "seconds": seconds,
+                     "examples": texts[:3]})  # fmt: skip
+        shown = "".join(f" {k} {v}" for k, v in changes.items())
+        print(f"{name:<8} {n:>2} steps{shown} seed {seed}: {ppl_entropy(rows[-1])}", flush=True)
+    return rows
+
+
+def parse_cell(spec: str) -> tuple[str, int, dict[str, float]]:
+    """``MODEL:STEPS[:KEY=VALUE,...]`` (``--add-cell``): a model of the comparison at a step
+    count with its sampler's settings changed, e.g. ``cd:4:w=4.5``."""
+    model, steps, *rest = spec.split(":")
+    changes = dict(kv.split("=", 1) for kv in rest[0].split(",")) if rest and rest[0] else {}
+    return model, int(steps), {k: float(v) for k, v in changes.items()}
 
 
 def real_rows(pipe, judge, seeds: list[int], num: int) -> list[dict]:
@@ -208,34 +247,69 @@ def real_rows(pipe, judge, seeds: list[int], num: int) -> list[dict]:
 
 
 def verdicts(rows: list[dict], steps: list[int], tol: float) -> str:
-    """A markdown table: per step count, each model's gen PPL (CI) and entropy per seed, and
-    whether cd beats pd (in every seed, at matched entropy)."""
-    lines = ["| steps | teacher | pd | cd | cd vs pd |", "|---|---|---|---|---|"]
-    by = {}
+    """Markdown: per step count, each model's gen PPL (CI) and entropy per seed with its own
+    sampler, and cd against pd by the evaluator's matched-entropy rule
+    (:func:`elflow.evaluation.comparison.compare`) over every pair of their cells (all seeds and
+    all ``--add-cell`` settings) whose entropies are within ``tol``: wins, ties and losses of
+    cd, where a win lies below the other's whole 95% interval. "cd beats pd" when cd wins some
+    pairs and loses none; then the cells ``--add-cell`` scored."""
+    from elflow.evaluation.comparison import Scored, compare
+
+    def scored(r: dict) -> Scored:
+        lo, hi = r["gen_ppl_ci"]
+        shown = ",".join(f"{k}={v}" for k, v in (r.get("changes") or {}).items())
+        cell = f"{r['model']} {r['steps']} seed {r['seed']} {shown}".strip()
+        return Scored(r["model"], cell, r["gen_ppl"], lo, hi, r["entropy"])
+
+    lines = ["| steps | teacher | pd | cd | cd vs pd: W–T–L of matched pairs |"]
+    lines.append("|---|---|---|---|---|")
+    own: dict[tuple[str, int], list[dict]] = {}
+    every: dict[tuple[str, int], list[dict]] = {}
     for r in rows:
-        by.setdefault((r["model"], r["steps"]), []).append(r)
+        every.setdefault((r["model"], r["steps"]), []).append(r)
+        if not r.get("changes"):
+            own.setdefault((r["model"], r["steps"]), []).append(r)
     for n in [*sorted(steps), 32]:
         cells = [
-            "; ".join(ppl_entropy(r) for r in by.get((m, n), [])) or "–"
+            "; ".join(ppl_entropy(r) for r in own.get((m, n), [])) or "–"
             for m in ("teacher", "pd", "cd")
         ]
-        pd, cd = by.get(("pd", n), []), by.get(("cd", n), [])
+        pd, cd = every.get(("pd", n), []), every.get(("cd", n), [])
         verdict = "–"
         if pd and cd:
-            pairs = list(zip(pd, cd, strict=True))
-            matched = all(abs(a["entropy"] - b["entropy"]) <= tol for a, b in pairs)
-            if all(b["gen_ppl_ci"][1] < a["gen_ppl_ci"][0] for a, b in pairs):
-                verdict = "cd beats pd" if matched else "cd lower PPL, entropy not matched"
-            elif all(b["gen_ppl_ci"][0] > a["gen_ppl_ci"][1] for a, b in pairs):
-                verdict = "pd beats cd" if matched else "pd lower PPL, entropy not matched"
+            (c,) = compare([[scored(r) for r in cd], [scored(r) for r in pd]], tol)
+            wins, ties, losses = c.counts
+            total = len(pd) * len(cd)
+            if not c.pairs:
+                word = "no pair within the entropy tolerance"
+            elif wins and not losses:
+                word = "cd beats pd"
+            elif losses and not wins:
+                word = "pd beats cd"
             else:
-                verdict = "overlap"
-            gap = statistics.mean(b["entropy"] - a["entropy"] for a, b in pairs)
-            verdict += f" (entropy cd − pd {gap:+.2f})"
+                word = "mixed" if wins else "ties"
+            gap = statistics.mean(b["entropy"] for b in cd) - statistics.mean(
+                a["entropy"] for a in pd
+            )
+            verdict = (
+                f"{word}: {wins}–{ties}–{losses} of {len(c.pairs)} of {total} pairs "
+                f"(mean entropy cd − pd {gap:+.2f})"
+            )
         lines.append(f"| {n} | " + " | ".join(cells) + f" | {verdict} |")
     real = [r for r in rows if r["model"] == "real"]
     if real:
         lines.append("| real verses | " + "; ".join(ppl_entropy(r) for r in real) + " | | | |")
+    extra = [r for r in rows if r.get("changes")]
+    if extra:
+        lines += ["", "| model | steps | sampler change | per seed |", "|---|---|---|---|"]
+        groups: dict[tuple, list[dict]] = {}
+        for r in extra:
+            key = (r["model"], r["steps"], tuple(sorted(r["changes"].items())))
+            groups.setdefault(key, []).append(r)
+        for (model, n, changes), group in groups.items():
+            shown = ", ".join(f"{k} {v:g}" for k, v in changes)
+            seeds = "; ".join(ppl_entropy(r) for r in group)
+            lines.append(f"| {model} | {n} | {shown} | {seeds} |")
     return "\n".join(lines)
 
 

@@ -338,26 +338,32 @@ def test_sample_benchmark_refuses_unknown_sizes_and_dtypes(monkeypatch, capsys):
         assert e.value.code == 2 and "unknown" in capsys.readouterr().err
 
 
-def test_fewstep_compare_verdicts_need_every_seed_and_matched_entropy():
+def test_fewstep_compare_pairs_cells_by_the_evaluators_matched_entropy_rule():
     compare = load("fewstep_compare")
 
-    def row(model, steps, ppl, lo, hi, entropy, seed=0):
+    def row(model, steps, ppl, lo, hi, entropy, seed=0, **changes):
         return {"model": model, "steps": steps, "seed": seed, "gen_ppl": ppl,
-                "gen_ppl_ci": [lo, hi], "entropy": entropy}  # fmt: skip
+                "gen_ppl_ci": [lo, hi], "entropy": entropy, "changes": changes}  # fmt: skip
 
     rows = [
         row("pd", 1, 900, 850, 950, 2.5), row("cd", 1, 500, 450, 550, 2.52),
         row("pd", 1, 900, 850, 950, 2.5, 1), row("cd", 1, 500, 450, 550, 2.6, 1),
         row("pd", 2, 600, 550, 650, 2.7), row("cd", 2, 620, 580, 660, 2.7),
-        row("pd", 4, 300, 280, 320, 2.8), row("cd", 4, 500, 450, 550, 2.8),
+        row("pd", 4, 300, 280, 320, 2.7), row("cd", 4, 500, 450, 550, 2.9),
+        row("cd", 4, 400, 370, 430, 2.72, w=4.5),
         row("real", 0, 128, 117, 139, 3.06),
     ]  # fmt: skip
     table = compare.verdicts(rows, [4, 2, 1], tol=0.05).splitlines()
-    by_steps = {line.split("|")[1].strip(): line for line in table[2:]}
-    # seed 1's entropies are 0.1 apart: a lower PPL at unmatched entropy is not a win
-    assert "cd lower PPL, entropy not matched" in by_steps["1"]
-    assert "overlap" in by_steps["2"] and "pd beats cd" in by_steps["4"]
+    by_steps = {line.split("|")[1].strip(): line for line in table if line.startswith("| ")}
+    # seed 1's cd cell is 0.1 above both pd cells in entropy: only 2 of the 4 pairs count
+    assert "cd beats pd: 2–0–0 of 2 of 4 pairs" in by_steps["1"]
+    assert "ties: 0–1–0 of 1 of 1 pairs" in by_steps["2"]
+    # at 4 steps cd's own sampler is 0.2 off; its w 4.5 cell is matched, and loses
+    assert "pd beats cd: 0–0–1 of 1 of 2 pairs" in by_steps["4"]
+    assert "| cd | 4 | w 4.5 | 400.0 (370.0–430.0), 2.72 |" in table
     assert "128.0 (117.0–139.0), 3.06" in by_steps["real verses"]
+    assert compare.parse_cell("cd:4:w=4.5,gamma=1") == ("cd", 4, {"w": 4.5, "gamma": 1.0})
+    assert compare.parse_cell("pd:2") == ("pd", 2, {})
     # A row: the trained pass (3), then on the 80% non-decoder rows the self-conditioning pass
     # (probability 0.5) and K sub-steps; cd adds the share whose target is its own prediction.
     assert compare.row_cost("pd", 16, 0.2) == compare.row_cost("cd", 16, 0.2) == 3 + 0.8 * 16.5
