@@ -86,6 +86,25 @@ def _longest_first(item) -> int:
     return 1 if item.get_closest_marker("e2e") or item.get_closest_marker("docs") else 2
 
 
+def pytest_configure(config):
+    """Refuse ``--dist loadgroup`` where it is known not to group: pytest 9.2 with pytest-xdist
+    up to 3.8 drops the ``xdist_group`` marks silently (pytest-dev/pytest-xdist#1386), and each
+    worker would then build the grouped session fixtures (compiled steps, the gloo launch)."""
+    if hasattr(config, "workerinput") or config.getoption("dist", "no") != "loadgroup":
+        return
+    from importlib.metadata import version
+
+    def parts(v: str) -> tuple[int, ...]:
+        return tuple(int(x) for x in v.split(".")[:2] if x.isdigit())
+
+    if parts(pytest.__version__) >= (9, 2) and parts(version("pytest-xdist")) <= (3, 8):
+        raise pytest.UsageError(
+            f"--dist loadgroup does not group tests with pytest {pytest.__version__} and "
+            f"pytest-xdist {version('pytest-xdist')} (pytest-dev/pytest-xdist#1386): install "
+            "the dev extra's pytest (pip install 'pytest<9.2')"
+        )
+
+
 def pytest_collection_modifyitems(config, items):
     if hasattr(config, "workerinput"):
         # A pytest-xdist worker (the full tier's ``-n 2 --dist loadgroup``): the scheduler deals
