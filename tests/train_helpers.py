@@ -77,12 +77,16 @@ def run_config(assets: Path, **sections) -> dict:
     return cfg
 
 
-def train_cli(tmp: Path, out: Path, cfg: dict, *extra: str) -> int:
+def train_argv(tmp: Path, out: Path, cfg: dict, *extra: str) -> list[str]:
+    """``elflow train``'s arguments for ``cfg`` (written to ``tmp/cfg-<out's name>.json``) over
+    the ``bible-tiny`` preset, into ``out``."""
     path = tmp / f"cfg-{out.name}.json"
     path.write_text(json.dumps(cfg))
-    return main(
-        ["train", "--preset", "bible-tiny", "--out", str(out), "--config", str(path), *extra]
-    )
+    return ["train", "--preset", "bible-tiny", "--out", str(out), "--config", str(path), *extra]
+
+
+def train_cli(tmp: Path, out: Path, cfg: dict, *extra: str) -> int:
+    return main(train_argv(tmp, out, cfg, *extra))
 
 
 def error_lines(err: str) -> list[str]:
@@ -125,10 +129,7 @@ def train_processes(
 ) -> str:
     """``elflow train`` on ``cfg`` with ``nproc`` gloo processes (forked, or under torchrun:
     :func:`tests.dist.launch.run_elflow`); its stdout."""
-    path = tmp / f"cfg-{out.name}.json"
-    path.write_text(json.dumps(cfg))
-    argv = ["train", "--preset", "bible-tiny", "--out", str(out), "--config", str(path), *extra]
-    return run_elflow(argv, nproc, torchrun=torchrun).stdout
+    return run_elflow(train_argv(tmp, out, cfg, *extra), nproc, torchrun=torchrun).stdout
 
 
 def distill_cli(

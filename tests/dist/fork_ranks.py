@@ -15,6 +15,7 @@ The forkserver preloads this module, so the imports below are paid there once.
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import multiprocessing.forkserver
 import os
@@ -35,24 +36,20 @@ import elflow.cli.train_cmd
 import elflow.train.loop  # noqa: F401
 from elflow.__main__ import main as elflow_main
 
-_STARTED: list[multiprocessing.context.BaseContext] = []
-
-
+@functools.cache
 def _context() -> multiprocessing.context.BaseContext:
     """The forkserver context, its server started once with this module preloaded, one OpenMP
     thread (a thread pool must not exist before a fork) and offline Hub libraries."""
-    if not _STARTED:
-        ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload([__name__])
-        saved = dict(os.environ)
-        os.environ.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-        try:
-            multiprocessing.forkserver.ensure_running()
-        finally:
-            os.environ.clear()
-            os.environ.update(saved)
-        _STARTED.append(ctx)
-    return _STARTED[0]
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])
+    saved = dict(os.environ)
+    os.environ.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    return ctx
 
 
 def _worker_env(rank: int, nproc: int, port: int, run_id: str) -> dict[str, str]:

@@ -14,17 +14,14 @@ import torch
 
 from elflow.errors import ELFError
 from elflow.runtime.distributed import DistInfo
-from tests.train_helpers import run_config
+from tests.train_helpers import run_config, train_argv
 
 
 def _two_processes(tmp: Path, out: Path, cfg: dict) -> subprocess.CompletedProcess:
     """``elflow train`` on 2 forked processes (:mod:`tests.dist.fork_ranks`), failing or not."""
     from tests.dist.fork_ranks import fork_elflow
 
-    path = tmp / f"cfg-{out.name}.json"
-    path.write_text(json.dumps(cfg))
-    argv = ["train", "--preset", "bible-tiny", "--out", str(out), "--config", str(path)]
-    return fork_elflow(argv, 2)
+    return fork_elflow(train_argv(tmp, out, cfg), 2)
 
 
 @pytest.mark.dist

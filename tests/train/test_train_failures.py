@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.dist.launch import free_port
-from tests.train_helpers import run_config
+from tests.train_helpers import run_config, train_argv
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -22,9 +22,7 @@ pytestmark = pytest.mark.e2e  # whole training runs through the command line
 
 def torchrun_failing(tmp: Path, out: Path, cfg: dict, rank: int, step: int, mode: str):
     """``elflow train`` on 2 gloo processes where ``rank`` fails at ``step`` (tests/dist)."""
-    path = tmp / "cfg.json"
-    path.write_text(json.dumps(cfg))
-    argv = ["train", "--preset", "bible-tiny", "--out", str(out), "--config", str(path)]
+    argv = train_argv(tmp, out, cfg)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2"]
     cmd += [f"--master_port={free_port()}", str(ROOT / "tests" / "dist" / "failing_rank.py")]
     cmd += [str(rank), str(step), mode, *argv]
