@@ -104,7 +104,7 @@ def main() -> None:
     out = Path(args.out)
     if not out.parent.is_dir():
         p.error(f"--out {out}: its folder does not exist")
-    steps = sorted({int(s) for s in args.steps.split(",")}, reverse=True)
+    steps = step_counts(args.steps)
     if any(args.teacher_steps % n for n in steps):
         p.error(f"--teacher-steps {args.teacher_steps} must be a multiple of every step count")
 
@@ -126,11 +126,7 @@ def main() -> None:
             path = next(r["path"] for r in rows if (r["model"], r["steps"]) == (model, n))
             pipe = ELFPipeline.from_pretrained(path)
             rows += score_cell(model, path, n, pipe, judge, seeds, num, args.batch_size, **changes)
-        (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
-        given = sorted({int(s) for s in results["args"]["steps"].split(",")}, reverse=True)
-        report = verdicts(rows, given, args.entropy_tol)
-        (out / "results.md").write_text(report + "\n")
-        print(report)
+        write_results(out, results, args.entropy_tol)
         return
     sets = [f"train.global_batch={args.batch}", "train.sample_every=0", "train.eval_every=0"]
     keep = {s.split("=", 1)[0] for s in args.set}
@@ -185,10 +181,18 @@ def main() -> None:
     for (name, n), path in students.items():
         cell(name, path, n, ELFPipeline.from_pretrained(path))
     rows += real_rows(teacher, judge, seeds, args.num)
-    report = verdicts(rows, steps, args.entropy_tol)
-    (out / "results.json").write_text(
-        json.dumps({"args": vars(args), "plan": plan, "rows": rows}, indent=2) + "\n"
-    )
+    write_results(out, {"args": vars(args), "plan": plan, "rows": rows}, args.entropy_tol)
+
+
+def step_counts(text: str) -> list[int]:
+    """``--steps`` (e.g. ``1,2,4,8``) as distinct step counts, largest first."""
+    return sorted({int(s) for s in text.split(",")}, reverse=True)
+
+
+def write_results(out: Path, results: dict, tol: float) -> None:
+    """``results.json`` and the table made from it, ``results.md``; the table printed too."""
+    report = verdicts(results["rows"], step_counts(results["args"]["steps"]), tol)
+    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     (out / "results.md").write_text(report + "\n")
     print(report)
     print(f"wrote {out / 'results.json'} and {out / 'results.md'}")
